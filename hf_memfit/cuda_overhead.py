@@ -1,0 +1,525 @@
+"""What a real GPU adds beyond the tensors a CPU trace sees.
+
+A fake-tensor trace on the CPU counts the tensors the model makes. On a GPU,
+PyTorch's caching allocator rounds and packs those tensors into segments, the
+CUDA context and cuBLAS workspaces take their share, and the optimizer's step
+makes temporaries that depend on which code path torch picks on that device.
+Every constant below cites where it comes from; the facts are collected, with
+sources, in shared/CUDA_MEMORY_FACTS.md. None were measured here (no GPU).
+
+Pure functions and one simulator class; nothing imports torch.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, insort
+from dataclasses import dataclass
+
+from hf_memfit.errors import MemFitError
+from hf_memfit.hardware import GPU
+from hf_memfit.units import GiB, MiB
+
+# --- CUDA context -------------------------------------------------------------
+# Outside memory_allocated and memory_reserved, but counted by nvidia-smi and
+# taken out of the card's total. Lazy module loading is the default since torch
+# 1.13 (pytorch#86509) and CUDA 12.2, so the context starts small and grows as
+# kernels load:
+#   bare context 0.25-0.45 GiB: 287 MB (pytorch#86509), 426 MiB (RTX 6000 Ada,
+#     torch 2.10/cu130), 256 MiB (RTX 3090, torch 2.7/cu128);
+#   about +0.5 GiB once a training step has loaded its kernels;
+#   0.47-0.92 GiB on A100 (stas00 ml-engineering), and one single-GPU training
+#     run showed 0.95 GiB in use outside PyTorch's reserved memory.
+# We take the upper half of the bare range (newer CUDA sits there) plus the
+# kernel images: 0.4 + 0.5 = 0.9 GiB, which lands inside both training-time
+# observations. The spread in the reports tracks the CUDA version more than the
+# architecture, and no per-compute-capability numbers are trustworthy enough to
+# split on, so one value serves every GPU. Before lazy loading it was 0.7-1.7 GB
+# (pytorch#55277); we do not model torch < 1.13.
+CUDA_CONTEXT_BARE_BYTES = int(0.4 * GiB)
+CUDA_KERNEL_IMAGES_BYTES = int(0.5 * GiB)
+
+# --- cuBLAS workspace ---------------------------------------------------------
+# aten/src/ATen/cuda/CublasHandlePool.cpp, parseChosenWorkspaceSize():
+#   "/* :4096:2:16:8 default, 32MiB for Hopper and Blackwell */"
+#   use32mb = major == 9 || major == 10 || major == 12
+#   default_size = use32mb ? 4096 * 8 * 1024 : 4096 * 1024 * 2 + 16 * 1024 * 8
+# The workspace comes from the caching allocator (getNewWorkspace), so it counts
+# as allocated, and it lives as long as the process. There is one per (handle,
+# stream); the forward runs on the main thread and backward on the autograd
+# thread, each with its own handle, hence two. cuBLASLt shares the cuBLAS
+# workspace by default (TORCH_CUBLASLT_UNIFIED_WORKSPACE), so no third buffer.
+CUBLAS_WORKSPACE_BYTES_SM9X_PLUS = 4096 * 8 * 1024  # 32 MiB
+CUBLAS_WORKSPACE_BYTES_DEFAULT = 4096 * 1024 * 2 + 16 * 1024 * 8  # 8,519,680 B
+CUBLAS_HANDLES_PER_TRAINING_PROCESS = 2  # main thread (forward) + autograd thread (backward)
+
+# --- Caching allocator (c10/cuda/CUDACachingAllocator.cpp, default settings) --
+K_MIN_BLOCK_SIZE = 512  # kMinBlockSize: "all sizes are rounded to at least 512 bytes"
+K_SMALL_SIZE = 1 * MiB  # kSmallSize: "largest 'small' allocation is 1 MiB"
+K_SMALL_BUFFER = 2 * MiB  # kSmallBuffer: "'small' allocations are packed in 2 MiB blocks"
+K_LARGE_BUFFER = 20 * MiB  # kLargeBuffer: "'large' allocations may be packed in 20 MiB blocks"
+K_MIN_LARGE_ALLOC = 10 * MiB  # kMinLargeAlloc: "allocations between 1 and 10 MiB may use kLargeBuffer"
+K_ROUND_LARGE = 2 * MiB  # kRoundLarge: "round up large allocations to 2 MiB"
+
+# Reserved / allocated at the peak, for fast mode only, when no event trace is
+# available to replay through `CachingAllocatorSimulator` (which is preferred:
+# replaying the trace predicts reserved memory far better than any ratio).
+# Reports span 1.02x to 2.1x (cosmos-rl#388, torchtune#1185). A training step
+# with fixed shapes reuses its blocks almost exactly from step 2 on, and what is
+# left is the 20 MiB segments of 1-10 MiB tensors, 2 MiB rounding of large ones
+# and up to 1 MiB unsplit slack per block: we take 1.15, the low-middle of the
+# range. With shapes that change every step (dynamic padding, no packing)
+# segments sized for one batch strand slivers in the next; torchtune#1185
+# measured 16.39 GiB reserved without expandable_segments against 10.83 GiB
+# with it on a QLoRA 8B run (1.51x), so we take 1.5 there.
+RESERVED_HEADROOM_STATIC_SHAPES = 1.15
+RESERVED_HEADROOM_DYNAMIC_SHAPES = 1.5
+
+
+def cuda_context_bytes(gpu: GPU | None) -> int:
+    """CUDA context with a training step's kernels loaded (outside torch's counters).
+
+    About 0.9 GiB; see the constants above for the 0.25-0.95 GiB evidence. The
+    `gpu` argument is accepted so callers need not change if per-architecture
+    figures become trustworthy; today every GPU gets the same value.
+    """
+    del gpu  # no per-architecture evidence strong enough to split on
+    return CUDA_CONTEXT_BARE_BYTES + CUDA_KERNEL_IMAGES_BYTES
+
+
+def cublas_workspace_bytes(gpu: GPU | None, handles: int = CUBLAS_HANDLES_PER_TRAINING_PROCESS) -> int:
+    """cuBLAS workspaces of a training process: `handles` x (32 MiB on sm9x/10x/12x, else 8,519,680 B).
+
+    Counts as allocated (it comes from the caching allocator). An unknown GPU
+    gets the larger Hopper/Blackwell size, to err on the safe side.
+    """
+    if gpu is None or gpu.compute_capability[0] in (9, 10, 12):
+        each = CUBLAS_WORKSPACE_BYTES_SM9X_PLUS
+    else:
+        each = CUBLAS_WORKSPACE_BYTES_DEFAULT
+    return handles * each
+
+
+def round_allocation(nbytes: int) -> int:
+    """The caching allocator's block size for a request: a multiple of 512 bytes, at least 512.
+
+    Mirrors `round_size()` with the default `roundup_power2_divisions` (off).
+    """
+    if nbytes < 0:
+        raise ValueError(f"allocation size must be non-negative, got {nbytes}")
+    if nbytes < K_MIN_BLOCK_SIZE:
+        return K_MIN_BLOCK_SIZE
+    return K_MIN_BLOCK_SIZE * ((nbytes + K_MIN_BLOCK_SIZE - 1) // K_MIN_BLOCK_SIZE)
+
+
+def segment_bytes(nbytes: int) -> int:
+    """Size of the segment (cudaMalloc) a request gets when nothing cached fits.
+
+    Mirrors `get_allocation_size()`: 2 MiB for requests up to 1 MiB, 20 MiB for
+    1-10 MiB, and the rounded size rounded up to 2 MiB from 10 MiB on.
+    """
+    size = round_allocation(nbytes)
+    if size <= K_SMALL_SIZE:
+        return K_SMALL_BUFFER
+    if size < K_MIN_LARGE_ALLOC:
+        return K_LARGE_BUFFER
+    return K_ROUND_LARGE * ((size + K_ROUND_LARGE - 1) // K_ROUND_LARGE)
+
+
+def reserved_headroom_ratio(dynamic_shapes: bool = False) -> float:
+    """Fallback reserved/allocated ratio for fast mode, when no event trace exists.
+
+    1.15 for fixed shapes, 1.5 when shapes change between steps (see the
+    constants' comment). Replaying a trace through `CachingAllocatorSimulator`
+    is preferred whenever one is available.
+    """
+    return RESERVED_HEADROOM_DYNAMIC_SHAPES if dynamic_shapes else RESERVED_HEADROOM_STATIC_SHAPES
+
+
+# --- The allocator simulator ----------------------------------------------------
+
+
+class SimulatedOutOfMemoryError(RuntimeError):
+    """A `malloc` that would raise torch.OutOfMemoryError on a GPU of the given capacity."""
+
+    def __init__(self, requested: int, allocated: int, reserved: int, capacity: int):
+        self.requested, self.allocated, self.reserved, self.capacity = requested, allocated, reserved, capacity
+        super().__init__(f"simulated CUDA out of memory: tried to allocate {requested} bytes with "
+                         f"{allocated} allocated and {reserved} reserved of a {capacity}-byte capacity")
+
+
+@dataclass(eq=False, slots=True)
+class _Block:
+    """A contiguous piece of one segment; prev/next link the pieces of that segment."""
+
+    addr: int
+    size: int
+    small: bool
+    allocated: bool = False
+    requested: int = 0
+    prev: _Block | None = None
+    next: _Block | None = None
+
+
+class CachingAllocatorSimulator:
+    """Pure-Python replay of PyTorch's CUDACachingAllocator (default settings, one stream).
+
+    Follows c10/cuda/CUDACachingAllocator.cpp with expandable_segments off:
+    - requests are rounded to 512 B (`round_allocation`); those <= 1 MiB go to the
+      small pool, the rest to the large pool;
+    - `get_free_block`: best fit, the smallest cached free block of the pool that
+      is big enough, lowest address first among equals;
+    - otherwise a new segment (`segment_bytes`): 2 MiB, 20 MiB, or the size
+      rounded up to 2 MiB;
+    - `should_split`: a small block is split when >= 512 B would remain, a large
+      one only when > 1 MiB would remain (and the request is below
+      `max_split_size`), so an unsplit large block carries up to 1 MiB of slack
+      that counts as allocated, as in torch;
+    - freeing coalesces with free neighbours in the same segment;
+    - `max_split_size` (None = unlimited, the default): blocks at least that big
+      are never split, are not handed to smaller requests, and serve larger ones
+      only within 20 MiB of their size;
+    - with a `capacity`, a segment that would push reserved memory past it fails
+      like cudaMalloc; the allocator then frees oversize cached blocks (only with
+      `max_split_size`), then every whole cached segment (empty_cache), and
+      retries once before raising `SimulatedOutOfMemoryError`.
+
+    `allocated_bytes` and `reserved_bytes` match torch.cuda.memory_allocated()
+    and memory_reserved(). Free lists are sorted (size, address) lists per pool
+    searched with `bisect`, so each event costs O(log n) comparisons.
+    """
+
+    def __init__(self, capacity: int | None = None, max_split_size: int | None = None):
+        self.capacity = capacity
+        self.max_split_size = max_split_size
+        self._free: dict[bool, list[tuple[int, int]]] = {True: [], False: []}  # small? -> [(size, addr)]
+        self._free_blocks: dict[int, _Block] = {}  # addr -> free block
+        self._live: dict[object, _Block | None] = {}
+        self._next_addr = 0
+        self._allocated = self._reserved = 0
+        self._peak_allocated = self._peak_reserved = 0
+        self._requested = 0
+        self.num_segments = 0
+        self.num_alloc_retries = 0
+        self.num_ooms = 0
+
+    # -- public API --
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Bytes in live blocks, slack of unsplit blocks included (torch.cuda.memory_allocated)."""
+        return self._allocated
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Bytes in segments held from cudaMalloc (torch.cuda.memory_reserved)."""
+        return self._reserved
+
+    @property
+    def peak_allocated_bytes(self) -> int:
+        return self._peak_allocated
+
+    @property
+    def peak_reserved_bytes(self) -> int:
+        return self._peak_reserved
+
+    @property
+    def requested_bytes(self) -> int:
+        """Sum of the live requests as asked for, before any rounding."""
+        return self._requested
+
+    def block_size(self, key: object) -> int:
+        """Size of the block serving a live allocation (0 for an empty tensor)."""
+        block = self._live[key]
+        return 0 if block is None else block.size
+
+    def malloc(self, key: object, nbytes: int) -> int:
+        """Allocate `nbytes` under `key`; returns the block size it occupies."""
+        if key in self._live:
+            raise ValueError(f"allocation key {key!r} is already live; free it first")
+        if nbytes < 0:
+            raise ValueError(f"allocation size must be non-negative, got {nbytes}")
+        if nbytes == 0:  # torch never calls the allocator for an empty tensor
+            self._live[key] = None
+            return 0
+        size = round_allocation(nbytes)
+        small = size <= K_SMALL_SIZE
+        block = self._get_free_block(size, small)
+        if block is None:
+            block = self._alloc_segment_with_retries(size, small)
+        if self._should_split(block, size):
+            rest = _Block(block.addr + size, block.size - size, small, prev=block, next=block.next)
+            if block.next is not None:
+                block.next.prev = rest
+            block.next = rest
+            block.size = size
+            self._insert_free(rest)
+        block.allocated = True
+        block.requested = nbytes
+        self._live[key] = block
+        self._requested += nbytes
+        self._allocated += block.size
+        if self._allocated > self._peak_allocated:
+            self._peak_allocated = self._allocated
+        return block.size
+
+    def free(self, key: object) -> None:
+        """Free the allocation made under `key`, returning its block to the cache."""
+        try:
+            block = self._live.pop(key)
+        except KeyError:
+            raise KeyError(f"allocation key {key!r} is not live") from None
+        if block is None:
+            return
+        block.allocated = False
+        self._requested -= block.requested
+        self._allocated -= block.size
+        prev, nxt = block.prev, block.next
+        if prev is not None and not prev.allocated:  # [prev block] -> one block at prev's address
+            self._remove_free(prev)
+            block.addr = prev.addr
+            block.size += prev.size
+            block.prev = prev.prev
+            if block.prev is not None:
+                block.prev.next = block
+        if nxt is not None and not nxt.allocated:  # [block next]
+            self._remove_free(nxt)
+            block.size += nxt.size
+            block.next = nxt.next
+            if block.next is not None:
+                block.next.prev = block
+        self._insert_free(block)
+
+    def empty_cache(self) -> None:
+        """Release every cached segment that is entirely free (torch.cuda.empty_cache)."""
+        for small in (True, False):
+            for size, addr in list(self._free[small]):
+                block = self._free_blocks[addr]
+                if block.prev is None and block.next is None:
+                    self._release(block)
+
+    def reset_peak_stats(self) -> None:
+        """Set the peaks to the current values (torch.cuda.reset_peak_memory_stats)."""
+        self._peak_allocated = self._allocated
+        self._peak_reserved = self._reserved
+
+    # -- internals, named after their counterparts in CUDACachingAllocator.cpp --
+
+    def _get_free_block(self, size: int, small: bool) -> _Block | None:
+        pool = self._free[small]
+        i = bisect_left(pool, (size, -1))
+        if i == len(pool):
+            return None
+        block_size, addr = pool[i]
+        mss = self.max_split_size
+        if mss is not None:
+            if size < mss and block_size >= mss:  # no oversize block for a smaller request
+                return None
+            if size >= mss and block_size >= size + K_LARGE_BUFFER:  # oversize: round up at most 20 MiB
+                return None
+        del pool[i]
+        return self._free_blocks.pop(addr)
+
+    def _should_split(self, block: _Block, size: int) -> bool:
+        remaining = block.size - size
+        if block.small:
+            return remaining >= K_MIN_BLOCK_SIZE
+        below_max = self.max_split_size is None or size < self.max_split_size
+        return below_max and remaining > K_SMALL_SIZE
+
+    def _alloc_segment_with_retries(self, size: int, small: bool) -> _Block:
+        alloc_size = segment_bytes(size)
+        block = self._alloc_segment(alloc_size, small)
+        if block is None and self._release_available_cached_blocks(size, small):
+            block = self._alloc_segment(alloc_size, small)
+        if block is None:
+            self.empty_cache()
+            self.num_alloc_retries += 1
+            block = self._alloc_segment(alloc_size, small)
+        if block is None:
+            self.num_ooms += 1
+            raise SimulatedOutOfMemoryError(alloc_size, self._allocated, self._reserved, self.capacity or 0)
+        return block
+
+    def _alloc_segment(self, alloc_size: int, small: bool) -> _Block | None:
+        if self.capacity is not None and self._reserved + alloc_size > self.capacity:
+            return None  # cudaMalloc would fail
+        block = _Block(self._next_addr, alloc_size, small)
+        self._next_addr += alloc_size
+        self._reserved += alloc_size
+        self.num_segments += 1
+        if self._reserved > self._peak_reserved:
+            self._peak_reserved = self._reserved
+        return block
+
+    def _release_available_cached_blocks(self, size: int, small: bool) -> bool:
+        # Only acts when max_split_size is set: frees one oversize cached block
+        # big enough, else the largest oversize ones until enough is freed.
+        mss = self.max_split_size
+        if mss is None:
+            return False
+        pool = self._free[small]
+        target = max(size, mss)
+        i = bisect_left(pool, (target, -1))
+        if i < len(pool):
+            block = self._free_blocks[pool[i][1]]
+            if block.prev is None and block.next is None:
+                self._release(block)
+                return True
+            return False
+        released = 0
+        for block_size, addr in reversed(list(pool)):
+            if released >= target or block_size < mss:
+                break
+            block = self._free_blocks[addr]
+            if block.prev is None and block.next is None:
+                self._release(block)
+                released += block_size
+        return released >= target
+
+    def _release(self, block: _Block) -> None:
+        self._remove_free(block)
+        self._reserved -= block.size
+        self.num_segments -= 1
+
+    def _insert_free(self, block: _Block) -> None:
+        insort(self._free[block.small], (block.size, block.addr))
+        self._free_blocks[block.addr] = block
+
+    def _remove_free(self, block: _Block) -> None:
+        pool = self._free[block.small]
+        i = bisect_left(pool, (block.size, block.addr))
+        del pool[i]
+        del self._free_blocks[block.addr]
+
+    def _check_invariants(self) -> None:
+        """Walk every segment and check the bookkeeping (for tests; O(blocks))."""
+        blocks = list(self._free_blocks.values()) + [b for b in self._live.values() if b is not None]
+        heads = {id(b): b for b in blocks if b.prev is None}
+        total = seen = allocated = 0
+        for head in heads.values():
+            block, addr = head, head.addr
+            while block is not None:
+                assert block.addr == addr, "blocks of a segment must be contiguous"
+                assert block.allocated or block.next is None or block.next.allocated, "free neighbours not merged"
+                assert block.allocated != (self._free_blocks.get(block.addr) is block), "free list out of sync"
+                allocated += block.size if block.allocated else 0
+                total += block.size
+                addr += block.size
+                seen += 1
+                block = block.next
+        assert seen == len(blocks), "a block is unreachable from its segment's head"
+        assert total == self._reserved and allocated == self._allocated
+        assert len(heads) == self.num_segments
+        for small, pool in self._free.items():
+            assert pool == sorted(pool) and all(self._free_blocks[a].small == small for _, a in pool)
+        assert sum(len(p) for p in self._free.values()) == len(self._free_blocks)
+
+
+# --- Optimizer step temporaries ---------------------------------------------------
+# Read in the installed torch 2.13 and transformers 5.23, and checked by running
+# each step on CPU tensors under a dispatch mode that tracks live storages.
+#
+# Which torch code path runs (torch/optim/optimizer.py, _default_to_fused_or_foreach;
+# adam.py, adam()): with neither `foreach` nor `fused` given, foreach is chosen when
+# every param is on a device in _get_foreach_kernels_supported_devices() =
+# ["cuda", "xpu", "mtia", privateuse1]; fused is never the default ("we want to
+# give the fused impl bake-in time"). So CUDA runs foreach and CPU runs the
+# single-tensor loop. HF maps "adamw_torch" to AdamW() and "adamw_torch_fused" to
+# AdamW(fused=True) (trainer_optimizer.py _get_adamw_torch); the latter is the
+# TrainingArguments default from torch 2.8 on.
+#
+# torch optimizers keep their state in the parameter's dtype (zeros_like(p)), so
+# for them `state_dtype_bytes` is also the size of a gradient element.
+
+_TORCH_ADAM, _FUSED, _SGD, _ADAGRAD, _RMSPROP, _ADAFACTOR, _BNB = (
+    "torch_adam", "fused", "sgd", "adagrad", "rmsprop", "adafactor", "bnb")
+_OPTIMIZERS: dict[str, str] = {
+    "adamw_torch": _TORCH_ADAM, "adamw": _TORCH_ADAM, "adam": _TORCH_ADAM,
+    "adamw_torch_fused": _FUSED, "adamw_apex_fused": _FUSED,
+    "sgd": _SGD, "adagrad": _ADAGRAD, "rmsprop": _RMSPROP,
+    "adafactor": _ADAFACTOR,
+    **{name: _BNB for name in (
+        "adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit",
+        "lion_8bit", "lion_32bit", "paged_lion_8bit", "paged_lion_32bit",
+        "rmsprop_bnb", "rmsprop_bnb_8bit", "rmsprop_bnb_32bit",
+        "ademamix", "ademamix_8bit", "paged_ademamix_32bit", "paged_ademamix_8bit")},
+}
+
+
+def optimizer_step_temporary_bytes(optim: str, trainable_params: int, state_dtype_bytes: int = 4,
+                                   largest_param_numel: int = 0, device: str = "cuda", *,
+                                   param_dtype_bytes: int | None = None,
+                                   weight_decay: bool = False) -> int:
+    """Most bytes of temporaries alive at once inside `optimizer.step()`, beyond states and grads.
+
+    `optim` is an HF `TrainingArguments.optim` name. `largest_param_numel` is the
+    element count of the largest trainable tensor; paths that work one tensor at
+    a time need it, and use `trainable_params` as a safe bound when it is 0.
+    `param_dtype_bytes` (default: `state_dtype_bytes`) matters for Adafactor,
+    whose states are always fp32. `weight_decay` is for SGD, Adagrad and RMSprop,
+    which copy the gradients to add it (HF's default weight_decay is 0.0).
+    """
+    kind = _OPTIMIZERS.get(optim.strip().lower())
+    if kind is None:
+        known = ", ".join(_OPTIMIZERS)
+        raise MemFitError(f"`--optim` got {optim!r}, whose step temporaries are not modelled; "
+                          f"use one of {known}")
+    if device not in ("cuda", "cpu"):
+        raise MemFitError(f"`device` got {device!r}; use cuda or cpu")
+    s = state_dtype_bytes
+    group = trainable_params * s  # one state-sized copy of every trainable tensor
+    largest = (largest_param_numel or trainable_params) * s  # one copy of the largest tensor
+    foreach = device == "cuda"  # the default path on each device, see above
+
+    if kind in (_FUSED, _BNB):
+        # fused: one kernel updates params and states in place (torch._fused_adamw_;
+        # apex multi_tensor_adam). bitsandbytes: Optimizer2State/1State.update_step
+        # launches F.optimizer_update_8bit_blockwise / optimizer_update_32bit once
+        # per parameter, in place; paged states live in managed memory, not here.
+        return 0
+    if kind == _TORCH_ADAM:
+        if foreach:
+            # _multi_tensor_adam: lerp_/mul_/addcmul_ are in place; with a float lr
+            # and capturable=False the bias corrections are Python floats; then
+            # exp_avg_sq_sqrt = torch._foreach_sqrt(device_exp_avg_sqs) makes one
+            # state-sized tensor per param of the device/dtype group, updated in
+            # place (div_, add_) until addcdiv_. Each param group is a separate
+            # call, so the real peak is the largest group; HF's no-decay group
+            # (biases, norms) is tiny, so the whole trainable set is the bound.
+            return group
+        # _single_tensor_adam: denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+        # holds sqrt and quotient at once, while the previous param's denom is
+        # still bound: at most 3 x the largest tensor.
+        return 3 * largest
+    if kind == _SGD:
+        # _multi_tensor_sgd: momentum buffers update in place and nesterov adds into
+        # the grads in place; only weight decay makes device_grads = _foreach_add(
+        # grads, params): a grads-sized list (per tensor on the single-tensor path).
+        if not weight_decay:
+            return 0
+        return group if foreach else largest
+    if kind == _ADAGRAD:
+        # _multi_tensor_adagrad: std = _foreach_sqrt(state_sums) and numerator =
+        # _foreach_mul(grads, minus_clr) (or the weight-decayed grads copy) are
+        # alive together. Single tensor: std = state_sum.sqrt() plus the previous
+        # param's std, and a grad copy with weight decay.
+        if foreach:
+            return 2 * group
+        return (3 if weight_decay else 2) * largest
+    if kind == _RMSPROP:
+        # _multi_tensor_rmsprop: avg = _foreach_sqrt(square_avgs), plus the
+        # weight-decayed grads copy, which stays alive until addcdiv_. Single
+        # tensor: avg = square_avg.sqrt() plus the previous param's avg.
+        if foreach:
+            return (2 if weight_decay else 1) * group
+        return (3 if weight_decay else 2) * largest
+    # Adafactor (transformers/optimization.py, Adafactor.step) works one tensor at
+    # a time in fp32. At `update = (grad**2) + eps` these are alive: grad**2, the
+    # sum, and the previous tensor's final `update`; later the new update plus
+    # the old one, and `-update` beside `update` in p_data_fp32.add_(-update). For
+    # fp16/bf16 params, the fp32 copies grad.float() and p.float() live through
+    # the whole iteration. Measured on CPU: 3x (fp32 params) and 5x (half params)
+    # the largest tensor's fp32 size, for same-sized tensors in a row.
+    numel = largest_param_numel or trainable_params
+    half = (param_dtype_bytes if param_dtype_bytes is not None else s) < 4
+    return (5 if half else 3) * numel * 4

@@ -1,0 +1,21 @@
+"""The one exception type a user sees.
+
+Everything that is the user's mistake (a bad flag, an unknown model, a budget
+nothing fits in) raises `MemFitError`. The CLI prints its message on one line
+and exits with code 2; the Python API lets it propagate. The message names the
+argument in backticks and says what would work.
+"""
+
+
+class MemFitError(ValueError):
+    """A problem with the user's input or request, with a one-line fix."""
+
+
+def check_all(problems: list[str]) -> None:
+    """Raise one `MemFitError` listing every problem found, if there are any.
+
+    Validators collect all problems first and report them together, so a user
+    fixes a command line in one go rather than one flag per run.
+    """
+    if problems:
+        raise MemFitError("; ".join(problems))

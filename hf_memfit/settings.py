@@ -1,0 +1,166 @@
+"""What is being estimated: one training step, described as the HF Trainer would run it.
+
+`TrainSettings` is the input of both estimator modes and the unit the planner
+searches over. It holds only plain values (no torch), so the fast path never
+imports torch. `validate()` collects every problem and reports them at once.
+"""
+
+from dataclasses import asdict, dataclass, field, replace
+
+from hf_memfit.errors import check_all
+
+TASKS = ("causal-lm", "seq-cls", "seq2seq")
+PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16", "fp16")
+ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2")
+OFFLOAD_TARGETS = ("none", "cpu", "nvme")
+DEVICES = ("cuda", "cpu")
+MODES = ("fast", "exact")
+
+# TrainingArguments.optim names we model, and the family each belongs to. The
+# family decides the state layout; the name decides the implementation
+# (temporaries, paging).
+OPTIMIZERS = {
+    "adamw_torch": "adam",
+    "adamw_torch_fused": "adam",
+    "adamw_bnb_8bit": "adam8bit",
+    "adamw_8bit": "adam8bit",
+    "paged_adamw_8bit": "adam8bit",
+    "paged_adamw_32bit": "adam",
+    "adafactor": "adafactor",
+    "sgd": "sgd",
+}
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """One training step: the data shape, the precision and every memory knob.
+
+    Field names follow `TrainingArguments` / `from_pretrained` where one exists.
+    """
+
+    batch_size: int = 1  # per-device micro-batch
+    seq_len: int = 512
+    task: str | None = None  # None: the model's default task
+    num_labels: int = 2
+    precision: str = "fp32"
+    optim: str = "adamw_torch"
+    gradient_checkpointing: bool = False
+    attn_implementation: str | None = None  # None: transformers' default (sdpa)
+    gradient_accumulation_steps: int = 1
+    lora_r: int | None = None
+    lora_alpha: int | None = None  # None: peft's default (8)
+    lora_target_modules: tuple[str, ...] | None = None  # None: peft's default for the model type
+    load_in_4bit: bool = False
+    num_gpus: int = 1  # per node
+    num_nodes: int = 1
+    zero_stage: int = 0  # 0: plain DDP (or one GPU); 1/2/3: DeepSpeed ZeRO; FSDP full-shard ~ 3
+    offload_optimizer: str = "none"
+    offload_param: str = "none"
+    device: str = "cuda"
+    gpu: str | None = None  # a hardware.py name; decides flash support and CUDA overheads
+    mode: str = "fast"
+
+    @property
+    def world_size(self) -> int:
+        return self.num_gpus * self.num_nodes
+
+    @property
+    def uses_lora(self) -> bool:
+        return self.lora_r is not None or self.load_in_4bit
+
+    @property
+    def optimizer_family(self) -> str:
+        return OPTIMIZERS[self.optim]
+
+    @property
+    def weights_dtype(self) -> str:
+        """The dtype the weights are stored in ("float32", "bfloat16", "float16")."""
+        return {"bf16": "bfloat16", "fp16": "float16"}.get(self.precision, "float32")
+
+    @property
+    def autocast_dtype(self) -> str | None:
+        """The autocast dtype for the *-mixed precisions, else None."""
+        return {"bf16-mixed": "bfloat16", "fp16-mixed": "float16"}.get(self.precision)
+
+    @property
+    def compute_dtype(self) -> str:
+        return self.autocast_dtype or self.weights_dtype
+
+    def replace(self, **changes) -> "TrainSettings":
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        if d["lora_target_modules"] is not None:
+            d["lora_target_modules"] = list(d["lora_target_modules"])
+        return d
+
+    def validate(self, spec=None) -> "TrainSettings":
+        """Check every field (and, given a ModelSpec, the model-dependent ones); raise all problems at once.
+
+        Returns the settings with `task` resolved to the model's default when it was None.
+        """
+        problems = []
+        for name in ("batch_size", "seq_len", "num_labels", "gradient_accumulation_steps", "num_gpus", "num_nodes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                problems.append(f"`--{name.replace('_', '-')}` must be a positive integer, got {value!r}")
+        choices = {
+            "precision": PRECISIONS, "device": DEVICES, "mode": MODES,
+            "offload_optimizer": OFFLOAD_TARGETS, "offload_param": OFFLOAD_TARGETS,
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                problems.append(f"`--{name.replace('_', '-')}` must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")
+        if self.task is not None and self.task not in TASKS:
+            problems.append(f"`--task` must be one of {', '.join(TASKS)}; got {self.task!r}")
+        if self.attn_implementation is not None and self.attn_implementation not in ATTN_IMPLEMENTATIONS:
+            problems.append(f"`--attn-implementation` must be one of {', '.join(ATTN_IMPLEMENTATIONS)}; got {self.attn_implementation!r}")
+        if self.optim not in OPTIMIZERS:
+            problems.append(f"`--optim` {self.optim!r} is not modelled; use one of {', '.join(OPTIMIZERS)}")
+        if self.zero_stage not in (0, 1, 2, 3):
+            problems.append(f"`--zero-stage` must be 0, 1, 2 or 3; got {self.zero_stage!r}")
+        if self.lora_r is not None and (not isinstance(self.lora_r, int) or self.lora_r <= 0):
+            problems.append(f"`--lora-r` must be a positive integer, got {self.lora_r!r}")
+        if self.lora_alpha is not None and self.lora_r is None and not self.load_in_4bit:
+            problems.append("`--lora-alpha` needs `--lora-r` (LoRA is off without it)")
+        if self.lora_target_modules is not None and self.lora_r is None and not self.load_in_4bit:
+            problems.append("`--lora-target-modules` needs `--lora-r` (LoRA is off without it)")
+        if self.zero_stage == 0 and (self.offload_optimizer != "none" or self.offload_param != "none"):
+            problems.append("offloading needs DeepSpeed: add `--zero-stage 2` (optimizer) or `--zero-stage 3` (parameters)")
+        if self.offload_param != "none" and self.zero_stage != 3:
+            problems.append("`--offload-param` needs `--zero-stage 3`: only ZeRO-3 partitions parameters")
+        if self.offload_optimizer == "nvme" and self.zero_stage != 3:
+            problems.append("`--offload-optimizer nvme` needs `--zero-stage 3` (ZeRO-Infinity)")
+        if self.load_in_4bit and self.precision in ("fp32",):
+            problems.append("`--load-in-4bit` computes in half precision: add `--precision bf16-mixed` or `--precision fp16-mixed`")
+        if self.load_in_4bit and self.zero_stage == 3:
+            problems.append("`--load-in-4bit` cannot be combined with `--zero-stage 3` (4-bit weights are not partitioned)")
+        if self.device == "cpu" and (self.zero_stage or self.world_size > 1):
+            problems.append("`--device cpu` estimates one process: drop `--num-gpus/--num-nodes/--zero-stage`")
+        if self.device == "cpu" and self.attn_implementation == "flash_attention_2":
+            problems.append("`--attn-implementation flash_attention_2` needs `--device cuda`")
+        if self.device == "cpu" and self.load_in_4bit:
+            problems.append("`--load-in-4bit` is modelled for `--device cuda` only")
+        settings = self
+        if spec is not None and not problems:
+            settings, model_problems = _validate_against_model(self, spec)
+            problems += model_problems
+        check_all(problems)
+        return settings
+
+
+def _validate_against_model(settings: TrainSettings, spec) -> tuple[TrainSettings, list[str]]:
+    problems = []
+    task = settings.task or spec.default_task
+    if task not in spec.supported_tasks:
+        problems.append(f"`--task {task}` is not available for {spec.model_type} models; use one of {', '.join(spec.supported_tasks)}")
+    limit = spec.max_position_embeddings
+    if limit is not None and settings.seq_len > limit:
+        problems.append(f"`--seq-len {settings.seq_len}` is over {spec.name}'s maximum of {limit} positions; use `--seq-len {limit}` or less")
+    if settings.uses_lora and settings.lora_target_modules is not None:
+        known = sorted({m.name for m in spec.linear_modules()})
+        missing = [m for m in settings.lora_target_modules if m not in known]
+        if missing:
+            problems.append(f"`--lora-target-modules` {', '.join(missing)} not found in {spec.name}; its linear modules are {', '.join(known)}")
+    return settings.replace(task=task), problems

@@ -1,0 +1,194 @@
+"""One training step as the HF Trainer runs it, on real or fake tensors.
+
+The exact estimator (`trace.py`) runs these functions under `FakeTensorMode`,
+and the accuracy benchmark runs the very same functions on real CPU tensors
+under the profiler. Sharing them is what makes "exact" mean something: the
+trace and the ground truth execute one code path.
+
+What the HF Trainer (transformers 5.x, through accelerate) does per step:
+- forward under `torch.autocast` for bf16/fp16 mixed precision, and
+  accelerate's `convert_to_fp32` on the outputs (a transient fp32 logits copy);
+- the loss from the model's own `labels` path, divided by the accumulation steps;
+- backward; after the last micro-batch, `clip_grad_norm_(max_grad_norm=1.0)`,
+  `optimizer.step()` and `model.zero_grad()` (set_to_none).
+"""
+
+import contextlib
+import tempfile
+
+import torch
+
+from hf_memfit.settings import TrainSettings
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return _DTYPES[name]
+
+
+def auto_model_class(task: str):
+    import transformers
+
+    return {
+        "causal-lm": transformers.AutoModelForCausalLM,
+        "seq-cls": transformers.AutoModelForSequenceClassification,
+        "seq2seq": transformers.AutoModelForSeq2SeqLM,
+    }[task]
+
+
+@contextlib.contextmanager
+def _swap_tensors_falls_back_to_set_data():
+    """Let `Module.to()` work on fake tensors.
+
+    `Module._apply` swaps parameters when they are FakeTensors, and the swap
+    fails under a dispatch mode ("Couldn't swap Linear.weight"). peft moves its
+    adapters with `.to()`, so we fall back to `param.data = new`, which is what
+    `_apply` does for ordinary tensors.
+    """
+    original = torch.utils.swap_tensors
+
+    def swap(t1, t2):
+        try:
+            original(t1, t2)
+        except RuntimeError:
+            t1.data = t2
+
+    torch.utils.swap_tensors = swap
+    try:
+        yield
+    finally:
+        torch.utils.swap_tensors = original
+
+
+def build_model(config: dict, settings: TrainSettings):
+    """The transformers model (plus peft adapters) for `settings`, built from a config dict.
+
+    Weights are created in their storage dtype directly (no `.to()`), with
+    transformers' defaults for dropout and initialisation. For 4-bit QLoRA the
+    base stays in the compute dtype here; `trace.py` accounts for the packed
+    4-bit storage (bitsandbytes cannot run on fake tensors).
+    """
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    hf_config = transformers.AutoConfig.for_model(**config)
+    if settings.task == "seq-cls":
+        hf_config.num_labels = settings.num_labels
+        if getattr(hf_config, "pad_token_id", None) is None:
+            # Sequence classification on decoder models needs a pad id to find the last token.
+            hf_config.pad_token_id = getattr(hf_config, "eos_token_id", None) or 0
+            if isinstance(hf_config.pad_token_id, list):
+                hf_config.pad_token_id = hf_config.pad_token_id[0]
+    attn = settings.attn_implementation
+    if attn == "flash_attention_2":
+        attn = "sdpa"  # the flash kernel's memory is modelled on the sdpa path (trace.py)
+    weights_dtype = settings.weights_dtype
+    if settings.load_in_4bit and weights_dtype == "float32":
+        weights_dtype = settings.compute_dtype
+    model = auto_model_class(settings.task).from_config(
+        hf_config, dtype=torch_dtype(weights_dtype), attn_implementation=attn or "sdpa"
+    )
+    if settings.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if settings.uses_lora:
+        model = _add_lora(model, settings)
+    model.train()
+    return model
+
+
+def _add_lora(model, settings: TrainSettings):
+    from peft import LoraConfig, get_peft_model
+
+    task_type = {"causal-lm": "CAUSAL_LM", "seq-cls": "SEQ_CLS", "seq2seq": "SEQ_2_SEQ_LM"}[settings.task]
+    kwargs = {"r": settings.lora_r or 8, "task_type": task_type}  # peft's default r is 8
+    if settings.lora_alpha is not None:
+        kwargs["lora_alpha"] = settings.lora_alpha
+    if settings.lora_target_modules is not None:
+        kwargs["target_modules"] = list(settings.lora_target_modules)
+    if settings.load_in_4bit:
+        for param in model.parameters():
+            param.requires_grad_(False)
+    with _swap_tensors_falls_back_to_set_data():
+        return get_peft_model(model, LoraConfig(**kwargs))
+
+
+def make_batch(settings: TrainSettings, config: dict, device: str = "cpu") -> dict:
+    """A batch of the settings' shape: labels = input ids (LM tasks) or class ids (classification)."""
+    vocab = config.get("vocab_size", 1000)
+    shape = (settings.batch_size, settings.seq_len)
+    input_ids = torch.randint(0, vocab, shape, device=device)
+    if settings.task == "seq-cls":
+        labels = torch.randint(0, settings.num_labels, (settings.batch_size,), device=device)
+    else:
+        labels = input_ids.clone()
+    batch = {"input_ids": input_ids, "labels": labels}
+    return batch
+
+
+def trainer_optimizer_class(settings: TrainSettings):
+    """The optimizer class and kwargs the HF Trainer builds for `settings.optim`."""
+    from transformers import Trainer, TrainingArguments
+
+    with tempfile.TemporaryDirectory() as tmp:
+        args = TrainingArguments(output_dir=tmp, optim=settings.optim, report_to=[])
+        return Trainer.get_optimizer_cls_and_kwargs(args)
+
+
+def param_groups(model) -> list[dict]:
+    """The Trainer's two groups: weight decay on weights, none on biases and norms."""
+    from transformers.trainer_pt_utils import get_parameter_names
+
+    try:
+        from transformers.pytorch_utils import ALL_LAYERNORM_LAYERS as norm_layers
+    except ImportError:  # transformers moved it; norms are matched by name below too
+        norm_layers = [torch.nn.LayerNorm]
+    decay = set(get_parameter_names(model, norm_layers, ["bias", "layernorm", "rmsnorm", "norm"]))
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return [
+        {"params": [p for n, p in named if n in decay], "weight_decay": 0.0},
+        {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
+    ]
+
+
+def make_optimizer(model, settings: TrainSettings, *, cuda_semantics: bool = False):
+    """The real optimizer class the Trainer would use, over the Trainer's param groups.
+
+    With `cuda_semantics`, torch's AdamW takes the foreach path that torch picks
+    by default on CUDA (`_default_to_fused_or_foreach`); on CPU tensors torch
+    would otherwise pick the single-tensor loop, which keeps no temporaries.
+    """
+    optimizer_cls, kwargs = trainer_optimizer_class(settings)
+    groups = [g for g in param_groups(model) if g["params"]]
+    if cuda_semantics and optimizer_cls in (torch.optim.AdamW, torch.optim.Adam) and not kwargs.get("fused"):
+        kwargs = {**kwargs, "foreach": True}
+    return optimizer_cls(groups, **kwargs)
+
+
+def forward_backward(model, batch: dict, settings: TrainSettings, device_type: str = "cpu"):
+    """Forward (with autocast as the precision asks), loss, backward: one micro-batch."""
+    from accelerate.utils import convert_to_fp32
+
+    autocast_dtype = settings.autocast_dtype
+    if autocast_dtype:
+        with torch.autocast(device_type, dtype=torch_dtype(autocast_dtype)):
+            outputs = model(**batch)
+        outputs = convert_to_fp32(outputs)  # accelerate wraps forward with this under native AMP
+    else:
+        outputs = model(**batch)
+    loss = outputs["loss"]
+    del outputs
+    if settings.gradient_accumulation_steps > 1:
+        loss = loss / settings.gradient_accumulation_steps
+    if settings.precision == "fp16-mixed":
+        loss = loss * 65536.0  # GradScaler's initial scale; the unscale is in place
+    loss.backward()
+    return loss.detach()
+
+
+def optimizer_step(model, optimizer, *, cuda_semantics: bool = False) -> None:
+    """Clip (Trainer default max_grad_norm=1.0), step, and zero the grads to None."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True if cuda_semantics else None)
+    optimizer.step()
+    model.zero_grad(set_to_none=True)

@@ -1,0 +1,606 @@
+"""Exact mode: run the real training step on fake tensors and count live storage bytes.
+
+Under `FakeTensorMode` the real transformers model builds and trains with no
+memory and no GPU. `StorageTracker`, a TorchDispatchMode beneath it, sees the
+output of every aten op, counts each new storage once (views share one), and
+releases it through a weakref finalizer when the last tensor on it dies. The
+running sum is what the allocator holds; its maximum is the peak.
+
+Layers of a stack are identical, so the model is traced at depth p and 2p
+(p = the stack's layer period, 1 for most models) and every *region* of the
+step is extrapolated linearly to the real depth. A region is a stretch of the
+step (forward before the stack, the first and the last layer in forward, the
+head and loss, the same in backward, the optimizer step) over which the live
+bytes are a linear function of the depth; its maximum therefore extrapolates
+exactly, and the step's peak is the largest extrapolated region maximum.
+
+CUDA semantics on a CPU-only torch (autograd refuses fake CUDA tensors there):
+the trace runs on fake CPU tensors, and what differs on a GPU is applied
+explicitly, each item sourced in `shared/CUDA_MEMORY_FACTS.md`:
+- the SDPA backend a GPU picks (flash / memory-efficient) and what its kernels
+  keep for backward, by `_GpuAttentionMemory`;
+- CUDA autocast's fp32 op list (layer_norm, softmax, ...) by `_CudaAutocastPolicy`;
+- torch's default foreach optimizer path on CUDA (`step.make_optimizer`);
+- the caching allocator's 512-byte rounding, and its reserved memory, by replaying
+  the allocation sequence through `cuda_overhead.CachingAllocatorSimulator`.
+"""
+
+import contextlib
+import math
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from hf_memfit import step as training
+from hf_memfit.settings import TrainSettings
+
+CATEGORIES = ("weights", "gradients", "optimizer", "activations", "temporary", "overhead")
+# What an allocation is, by the phase that made it, until it is recognised as a
+# parameter, a gradient or optimizer state.
+_CATEGORY_BY_PHASE = {"build": "weights", "inputs": "activations", "forward": "activations",
+                      "backward": "temporary", "optimizer": "temporary"}
+
+
+@dataclass
+class Allocation:
+    nbytes: int
+    start: int  # clock of the allocation
+    end: int | None  # clock of the release; None while live
+    category: str
+    phase: str
+    module: str  # innermost module running when it was made
+
+
+class StorageTracker(TorchDispatchMode):
+    """Counts live storage bytes op by op, with a clock, regions and per-allocation records."""
+
+    def __init__(self, round_to: int = 1):
+        super().__init__()
+        self.round_to = round_to
+        self.allocations: list[Allocation] = []
+        self._live: dict[int, Allocation] = {}
+        self.clock = 0
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self.peak_clock = 0
+        self.phase = "build"
+        self.region = "build"
+        self.region_peaks: dict[str, tuple[int, int]] = {}  # region -> (live bytes, clock)
+        self.module_stack: list[str] = [""]
+        self.events: list[tuple[int, int]] = []  # (+alloc index+1 | -(alloc index+1), bytes) for replay
+        self.markers: list[tuple[int, str]] = []  # (clock, label) phase boundaries, for timelines
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for value in tree_flatten(out)[0]:
+            if isinstance(value, torch.Tensor):
+                self.track(value)
+        return out
+
+    def track(self, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        key = storage._cdata
+        if key in self._live:
+            return
+        nbytes = storage.nbytes()
+        if self.round_to > 1:
+            nbytes = max(self.round_to, -(-nbytes // self.round_to) * self.round_to)
+        self.clock += 1
+        record = Allocation(nbytes, self.clock, None, _CATEGORY_BY_PHASE[self.phase], self.phase, self.module_stack[-1])
+        self._live[key] = record
+        self.allocations.append(record)
+        self.events.append((len(self.allocations), nbytes))
+        self.live_bytes += nbytes
+        if self.live_bytes > self.peak_bytes:
+            self.peak_bytes, self.peak_clock = self.live_bytes, self.clock
+        best = self.region_peaks.get(self.region)
+        if best is None or self.live_bytes > best[0]:
+            self.region_peaks[self.region] = (self.live_bytes, self.clock)
+        weakref.finalize(storage, self._release, key, len(self.allocations))
+
+    def _release(self, key: int, index: int) -> None:
+        record = self._live.pop(key, None)
+        if record is None:
+            return
+        self.clock += 1
+        record.end = self.clock
+        self.live_bytes -= record.nbytes
+        self.events.append((-index, record.nbytes))
+
+    def set_region(self, region: str) -> None:
+        self.region = region
+        # A region starts with what is already live, so its maximum is at least that.
+        best = self.region_peaks.get(region)
+        if best is None or self.live_bytes > best[0]:
+            self.region_peaks[region] = (self.live_bytes, self.clock)
+
+    def mark(self, tensor: torch.Tensor | None, category: str) -> None:
+        """Recognise a live tensor as a parameter, gradient or optimizer state."""
+        if tensor is None:
+            return
+        record = self._live.get(tensor.untyped_storage()._cdata)
+        if record is not None:
+            record.category = category
+
+    def breakdown_at(self, clock: int) -> dict[str, int]:
+        totals = dict.fromkeys(CATEGORIES, 0)
+        for record in self.allocations:
+            if record.start <= clock and (record.end is None or record.end > clock):
+                totals[record.category] += record.nbytes
+        return totals
+
+
+# --- CUDA semantics on fake CPU tensors ------------------------------------
+
+def _round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+class _GpuAttentionMemory(torch.autograd.Function):
+    """What SDPA's flash / memory-efficient CUDA kernels allocate, on fake tensors.
+
+    Values do not matter under FakeTensorMode; the allocations do. Sources
+    (aten/src/ATen/native/transformers/cuda, summarised in CUDA_MEMORY_FACTS.md):
+    - forward: output [b,s,h,d] in the input dtype, logsumexp fp32 [b,h,s]
+      (memory-efficient pads s to a multiple of 32); q, k, v are saved as they are.
+    - backward: dq, dk, dv; flash adds `dq_accum` fp32 [b, round128(s), h, round32(d)]
+      and `softmax_d` fp32 [b, h, round128(s)]; memory-efficient adds `delta` fp32
+      [b,h,s] and a grad-q accumulation workspace of q's size in fp32.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, backend):
+        b, h, s, d = q.shape
+        out = torch.empty((b, s, h, v.shape[-1]), dtype=q.dtype, device=q.device).transpose(1, 2)
+        lse_len = s if backend == "flash" else _round_up(s, 32)
+        lse = torch.empty((b, h, lse_len), dtype=torch.float32, device=q.device)
+        ctx.backend = backend
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        b, h, s, d = q.shape
+        if ctx.backend == "flash":
+            scratch = [torch.empty((b, _round_up(s, 128), h, _round_up(d, 32)), dtype=torch.float32, device=q.device),
+                       torch.empty((b, h, _round_up(s, 128)), dtype=torch.float32, device=q.device)]
+        else:
+            scratch = [torch.empty((b, h, s), dtype=torch.float32, device=q.device),
+                       torch.empty(q.shape, dtype=torch.float32, device=q.device)]
+        grads = tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+        del scratch
+        return (*grads, None)
+
+
+def _gpu_sdpa(flash_supported: bool):
+    """A stand-in for F.scaled_dot_product_attention that follows CUDA's backend choice."""
+    original = torch.nn.functional.scaled_dot_product_attention
+
+    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, **kw):
+        half = query.dtype in (torch.float16, torch.bfloat16)
+        head_dim = query.shape[-1]
+        if key.shape[1] != query.shape[1]:  # GQA: the kernels see k/v expanded to all heads
+            repeat = query.shape[1] // key.shape[1]
+            key = key.repeat_interleave(repeat, dim=1)
+            value = value.repeat_interleave(repeat, dim=1)
+        # sdp_utils.cpp: flash needs no mask, fp16/bf16, sm80+, head_dim <= 256.
+        if flash_supported and attn_mask is None and half and head_dim <= 256:
+            return _GpuAttentionMemory.apply(query, key, value, "flash")
+        # memory-efficient takes masks and fp32; its own limits are far above our head dims.
+        if head_dim % 8 == 0:
+            out = _GpuAttentionMemory.apply(query, key, value, "efficient")
+            if attn_mask is not None and attn_mask.requires_grad:
+                out = out + 0 * attn_mask.sum()
+            return out
+        return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                        scale=scale, **kw)
+
+    return sdpa
+
+
+class _CudaAutocastPolicy(torch.overrides.TorchFunctionMode):
+    """CUDA autocast runs these in fp32; CPU autocast does not (autocast_mode.cpp fp32 lists).
+
+    Casting the inputs to fp32 above autograd reproduces what CUDA autocast
+    saves for backward (the fp32 copy of the input) and what it outputs.
+    """
+
+    _FP32_FUNCTIONS = {
+        torch.nn.functional.layer_norm, torch.layer_norm, torch.nn.functional.group_norm,
+        torch.nn.functional.softmax, torch.softmax, torch.Tensor.softmax,
+        torch.nn.functional.log_softmax, torch.log_softmax, torch.Tensor.log_softmax,
+    }
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self._FP32_FUNCTIONS and torch.is_autocast_enabled("cpu"):
+            args = tuple(a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
+            with torch.autocast("cpu", enabled=False):
+                return func(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+# --- optimizers that cannot run on fake tensors -----------------------------
+
+class _Bnb8bitStateLayout(torch.optim.Optimizer):
+    """bitsandbytes 8-bit AdamW's state layout, for fake tensors.
+
+    bnb's step makes data-dependent calls, so under FakeTensorMode we allocate
+    its state exactly as `Optimizer8bit.init_state` does (bitsandbytes 0.50):
+    tensors with at least `min_8bit_size` (4096) elements get uint8 `state1`,
+    `state2` and fp32 `absmax1`, `absmax2` per 256-element block; smaller ones
+    keep fp32 states. The step itself runs one fused kernel per tensor and keeps
+    no temporaries.
+    """
+
+    min_8bit_size = 4096
+    block_size = 256
+
+    def __init__(self, params, state_bits: int = 8, **_):
+        super().__init__(params, {})
+        self.state_bits = state_bits
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None or self.state[p]:
+                    continue
+                state = self.state[p]
+                if self.state_bits == 8 and p.numel() >= self.min_8bit_size:
+                    blocks = -(-p.numel() // self.block_size)
+                    state["state1"] = torch.zeros_like(p, dtype=torch.uint8)
+                    state["state2"] = torch.zeros_like(p, dtype=torch.uint8)
+                    state["absmax1"] = torch.zeros(blocks, dtype=torch.float32)
+                    state["absmax2"] = torch.zeros(blocks, dtype=torch.float32)
+                else:
+                    state["state1"] = torch.zeros_like(p, dtype=torch.float32)
+                    state["state2"] = torch.zeros_like(p, dtype=torch.float32)
+
+
+def _make_traced_optimizer(model, settings: TrainSettings, cuda_semantics: bool):
+    if settings.optimizer_family == "adam8bit":
+        return _Bnb8bitStateLayout([p for p in model.parameters() if p.requires_grad])
+    if settings.optim == "paged_adamw_32bit":
+        return _Bnb8bitStateLayout([p for p in model.parameters() if p.requires_grad], state_bits=32)
+    return training.make_optimizer(model, settings, cuda_semantics=cuda_semantics)
+
+
+# --- the traced step ----------------------------------------------------------
+
+def _flash_supported(settings: TrainSettings) -> bool:
+    """Flash attention needs sm80+ (sdp_utils.cpp); with no GPU named we assume a current one."""
+    if settings.gpu is None:
+        return True
+    from hf_memfit.hardware import find_gpu
+
+    return find_gpu(settings.gpu).compute_capability >= (8, 0)
+
+
+def _layer_stacks(model) -> list[torch.nn.ModuleList]:
+    """The outermost ModuleLists of repeated blocks (decoder layers; T5's encoder and decoder)."""
+    stacks, seen = [], set()
+    for name, module in model.named_modules():
+        if any(name.startswith(prefix + ".") for prefix in seen):
+            continue
+        if isinstance(module, torch.nn.ModuleList) and len(module) > 0:
+            stacks.append(module)
+            seen.add(name)
+    return stacks
+
+
+def _first_tensor(value):
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (tuple, list)):
+        for item in value:
+            found = _first_tensor(item)
+            if found is not None:
+                return found
+    return None
+
+
+@dataclass
+class TraceResult:
+    """One traced step at one depth: region maxima with their breakdowns, and the raw records."""
+
+    depths: tuple[int, ...]
+    region_peaks: dict[str, int]
+    region_breakdowns: dict[str, dict[str, int]]
+    peak_bytes: int
+    tracker: StorageTracker
+    largest_param_numel: int
+    trainable_params: int
+    total_params: int
+    param_bytes: int
+    quantizable_linear_params: int = 0
+
+
+def _install_region_hooks(tracker: StorageTracker, stacks, step_tag) -> list:
+    handles = []
+
+    def make_hooks(stack_index: int, layer_index: int, depth: int):
+        tag = f"s{stack_index}.L{layer_index}"
+
+        def pre_hook(module, args, kwargs):
+            if tracker.phase != "forward":
+                return
+            tracker.set_region(f"{step_tag()}|fwd|{tag}")
+            if layer_index == 0:
+                hidden = _first_tensor(args) if args else _first_tensor(kwargs)
+                if hidden is not None and hidden.requires_grad:
+                    hidden.register_hook(lambda g: tracker.set_region(f"{step_tag()}|bwd|s{stack_index}.post") or None)
+
+        def post_hook(module, args, kwargs, output):
+            if tracker.phase != "forward":
+                return
+            if layer_index == depth - 1:
+                tracker.set_region(f"{step_tag()}|fwd|s{stack_index}.post")
+            hidden = _first_tensor(output)
+            if hidden is not None and hidden.requires_grad:
+                hidden.register_hook(lambda g: tracker.set_region(f"{step_tag()}|bwd|{tag}") or None)
+
+        return pre_hook, post_hook
+
+    for s, stack in enumerate(stacks):
+        for i, layer in enumerate(stack):
+            pre, post = make_hooks(s, i, len(stack))
+            handles.append(layer.register_forward_pre_hook(pre, with_kwargs=True))
+            handles.append(layer.register_forward_hook(post, with_kwargs=True))
+    return handles
+
+
+@contextlib.contextmanager
+def _module_names(tracker: StorageTracker, model):
+    """Keep `tracker.module_stack` on the module running, for per-module attribution."""
+    names = {id(m): n for n, m in model.named_modules()}
+    handles = []
+
+    def pre(module, args):
+        tracker.module_stack.append(names.get(id(module), tracker.module_stack[-1]))
+
+    def post(module, args, output):
+        if len(tracker.module_stack) > 1:
+            tracker.module_stack.pop()
+
+    for module in model.modules():
+        handles.append(module.register_forward_pre_hook(pre))
+        handles.append(module.register_forward_hook(post))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], *, steps: int = 2) -> TraceResult:
+    """Trace `steps` optimizer steps of the model built from `config` with the given stack depths.
+
+    The steady-state peak is the one of the last step, when optimizer states exist.
+    `depths` is informational here; the config already carries them.
+    """
+    cuda = settings.device == "cuda"
+    tracker = StorageTracker(round_to=512 if cuda else 1)  # CUDACachingAllocator rounds to 512 B
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    patches = contextlib.ExitStack()
+    with fake_mode, tracker, patches:
+        if cuda:
+            original_sdpa = torch.nn.functional.scaled_dot_product_attention
+            torch.nn.functional.scaled_dot_product_attention = _gpu_sdpa(flash_supported=_flash_supported(settings))
+            patches.callback(setattr, torch.nn.functional, "scaled_dot_product_attention", original_sdpa)
+        model = training.build_model(config, settings)
+        for tensor in list(model.parameters()) + list(model.buffers()):
+            tracker.mark(tensor, "weights")
+        optimizer = _make_traced_optimizer(model, settings, cuda)
+        stacks = _layer_stacks(model)
+        position = {"step": 0, "micro": 0}
+        step_tag = lambda: f"{position['step']}.{min(position['micro'], 1)}"  # noqa: E731
+        handles = _install_region_hooks(tracker, stacks, step_tag)
+        if cuda and settings.autocast_dtype:
+            patches.enter_context(_CudaAutocastPolicy())
+        patches.enter_context(_module_names(tracker, model))
+        micro_batches = min(settings.gradient_accumulation_steps, 2)  # later micro-batches repeat the second
+        for step_index in range(steps):
+            position["step"] = step_index
+            for micro in range(micro_batches):
+                position["micro"] = micro
+                tracker.phase = "inputs"
+                tracker.set_region(f"{step_tag()}|fwd|pre")
+                tracker.markers.append((tracker.clock, f"step {step_index + 1} forward"))
+                batch = training.make_batch(settings, config)
+                tracker.phase = "forward"
+                _forward_backward(model, batch, settings, tracker, step_tag)
+                del batch
+                for p in model.parameters():
+                    tracker.mark(p.grad, "gradients")
+            tracker.phase = "optimizer"
+            tracker.set_region(f"{step_tag()}|opt")
+            tracker.markers.append((tracker.clock, f"step {step_index + 1} optimizer"))
+            training.optimizer_step(model, optimizer, cuda_semantics=cuda)
+            for state in optimizer.state.values():
+                for value in state.values():
+                    if isinstance(value, torch.Tensor):
+                        tracker.mark(value, "optimizer")
+        tracker.markers.append((tracker.clock, "end"))
+        for h in handles:
+            h.remove()
+        params = list(model.parameters())
+        result = TraceResult(
+            depths=depths,
+            region_peaks={},
+            region_breakdowns={},
+            peak_bytes=tracker.peak_bytes,
+            tracker=tracker,
+            largest_param_numel=max(p.numel() for p in params),
+            trainable_params=sum(p.numel() for p in params if p.requires_grad),
+            total_params=sum(p.numel() for p in params),
+            param_bytes=sum(p.numel() * p.element_size() for p in params),
+        )
+        result.quantizable_linear_params = _quantizable_linear_params(model) if settings.load_in_4bit else 0
+        del model, optimizer
+    last_step = f"{steps - 1}."
+    for region, (live, clock) in tracker.region_peaks.items():
+        if region.startswith(last_step) or region == "build":
+            result.region_peaks[region] = live
+            result.region_breakdowns[region] = tracker.breakdown_at(clock)
+    return result
+
+
+def _forward_backward(model, batch, settings, tracker, step_tag):
+    """`step.forward_backward`, with the phase switched to backward once the loss exists."""
+    original_backward = torch.Tensor.backward
+
+    def backward(loss, *args, **kwargs):
+        tracker.phase = "backward"
+        tracker.set_region(f"{step_tag()}|bwd|pre")
+        return original_backward(loss, *args, **kwargs)
+
+    torch.Tensor.backward = backward
+    try:
+        training.forward_backward(model, batch, settings, device_type="cpu")
+    finally:
+        torch.Tensor.backward = original_backward
+
+
+def _quantizable_linear_params(model) -> int:
+    """Parameters bitsandbytes would pack to 4 bits: every Linear except the output head."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    total = 0
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and module is not head and "lora_" not in name and "score" not in name \
+                and "classifier" not in name:
+            total += module.weight.numel()
+    return total
+
+
+# --- extrapolation to the real depth -----------------------------------------
+
+def _region_class(region: str, depth: int) -> list[str]:
+    """Map a depth-specific region to the depth-independent classes it stands for."""
+    step, phase, where = region.split("|") if region.count("|") == 2 else (region, "", "")
+    if ".L" not in where:
+        return [region]
+    stack, layer = where.split(".L")
+    layer = int(layer)
+    first, last = (0, depth - 1) if phase == "fwd" else (depth - 1, 0)
+    classes = []
+    if layer == first:
+        classes.append(f"{step}|{phase}|{stack}.first")
+    if layer == last:
+        classes.append(f"{step}|{phase}|{stack}.last")
+    return classes
+
+
+def _by_class(trace: TraceResult, depth_of_stack) -> dict[str, tuple[int, dict[str, int]]]:
+    out = {}
+    for region, live in trace.region_peaks.items():
+        stack = region.split("|")[-1].split(".")[0] if "|" in region else ""
+        depth = depth_of_stack(stack)
+        for cls in _region_class(region, depth):
+            if cls not in out or live > out[cls][0]:
+                out[cls] = (live, trace.region_breakdowns[region])
+    return out
+
+
+@dataclass
+class ExactResult:
+    """Exact-mode peak candidates at the real depth, one per region of the step."""
+
+    candidates: dict[str, dict[str, int]]  # region class -> breakdown at its maximum
+    traces: list[TraceResult]
+    real_depths: tuple[int, ...]
+    base_depth: int
+    reserved_gap_bytes: int  # reserved - allocated at the traced peak, CUDA allocator simulation
+    trainable_params: int
+    total_params: int
+    largest_param_numel: int
+    quantizable_linear_params: int
+
+
+def exact_candidates(spec, settings: TrainSettings, *, extrapolate: bool = True) -> ExactResult:
+    """Trace at small depths and extrapolate each region linearly to the model's real depth."""
+    real = _real_depths(spec)
+    period = getattr(spec, "layer_period", 1) or 1
+    # The first layer of a stack can differ from the rest (T5's relative position
+    # bias lives in layer 0), so extrapolate from 2p to 3p layers, where the first
+    # and the last layer are distinct and only ordinary layers are added.
+    base_depth, grown_depth = 2 * period, 3 * period
+    if not extrapolate or max(real) <= grown_depth:
+        trace = trace_step(_config_with_depths(spec, real), settings, real)
+        candidates = {r: b for r, (_, b) in _by_class(trace, lambda s: _depth_of(s, real)).items()}
+        return _exact_result(candidates, [trace], real, real[0], trace, settings)
+
+    base = tuple(min(base_depth, d) for d in real)
+    traces = [trace_step(_config_with_depths(spec, base), settings, base)]
+    for i in range(len(real)):
+        grown = tuple(grown_depth if j == i else base[j] for j in range(len(real)))
+        traces.append(trace_step(_config_with_depths(spec, grown), settings, grown))
+    base_classes = _by_class(traces[0], lambda s: _depth_of(s, base))
+    grown_classes = [_by_class(t, lambda s, t=t: _depth_of(s, t.depths)) for t in traces[1:]]
+    candidates = {}
+    for cls, (_, base_breakdown) in base_classes.items():
+        extrapolated = dict(base_breakdown)
+        for i, classes in enumerate(grown_classes):
+            if cls not in classes:
+                continue
+            grown_breakdown = classes[cls][1]
+            steps = (real[i] - base[i]) / period
+            for key in extrapolated:
+                extrapolated[key] += steps * (grown_breakdown[key] - base_breakdown[key])
+        candidates[cls] = {k: max(0, int(round(v))) for k, v in extrapolated.items()}
+    result = _exact_result(candidates, traces, real, base_depth, traces[0], settings)
+
+    def grow(attr):  # parameter counts grow linearly with depth too
+        base_value = getattr(traces[0], attr)
+        return base_value + sum((real[i] - base[i]) // period * (getattr(t, attr) - base_value)
+                                for i, t in enumerate(traces[1:]))
+    result.trainable_params = grow("trainable_params")
+    result.total_params = grow("total_params")
+    result.quantizable_linear_params = grow("quantizable_linear_params")
+    return result
+
+
+def _exact_result(candidates, traces, real, base, trace, settings) -> ExactResult:
+    gap = _reserved_gap(trace) if settings.device == "cuda" else 0
+    return ExactResult(candidates, traces, real, base, gap, trace.trainable_params, trace.total_params,
+                       trace.largest_param_numel, trace.quantizable_linear_params)
+
+
+def _depth_of(stack: str, depths: tuple[int, ...]) -> int:
+    index = int(stack[1:]) if stack.startswith("s") and stack[1:].isdigit() else 0
+    return depths[min(index, len(depths) - 1)]
+
+
+def _real_depths(spec) -> tuple[int, ...]:
+    depths = [spec.num_layers]
+    if spec.is_encoder_decoder and getattr(spec, "num_decoder_layers", 0):
+        depths.append(spec.num_decoder_layers)
+    return tuple(depths)
+
+
+def _config_with_depths(spec, depths: tuple[int, ...]) -> dict:
+    config = spec.with_layers(depths[0])
+    keys = spec.layer_count_keys
+    for key, depth in zip(keys, depths):
+        config[key] = depth
+    return config
+
+
+def _reserved_gap(trace: TraceResult) -> int:
+    """Reserved minus allocated at the traced peak, replaying the allocations through the simulator."""
+    from hf_memfit.cuda_overhead import CachingAllocatorSimulator
+
+    sim = CachingAllocatorSimulator()
+    for index, nbytes in trace.tracker.events:
+        if index > 0:
+            sim.malloc(index, nbytes)
+        else:
+            sim.free(-index)
+    return max(0, sim.peak_reserved_bytes - sim.peak_allocated_bytes)

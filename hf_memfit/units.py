@@ -1,0 +1,41 @@
+"""Byte sizes: parse what users type ("12GiB", "24GB", "1.5e9") and print them back."""
+
+import re
+
+from hf_memfit.errors import MemFitError
+
+KiB, MiB, GiB, TiB = 1024, 1024**2, 1024**3, 1024**4
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "kib": KiB,
+    "m": 1000**2, "mb": 1000**2, "mib": MiB,
+    "g": 1000**3, "gb": 1000**3, "gib": GiB,
+    "t": 1000**4, "tb": 1000**4, "tib": TiB,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
+
+
+def parse_bytes(text: str | int | float, what: str = "size") -> int:
+    """Parse "12GiB", "24 GB", "80g" or a plain number of bytes. `what` names the argument in errors."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        value, unit = float(text), ""
+    else:
+        match = _SIZE_RE.match(str(text))
+        if not match or match.group(2).lower() not in _UNITS:
+            raise MemFitError(f"`{what}` got {text!r}; give a size such as 12GiB, 24GB or 80e9")
+        value, unit = float(match.group(1)), match.group(2).lower()
+    size = int(value * _UNITS[unit])
+    if size <= 0:
+        raise MemFitError(f"`{what}` must be positive, got {text!r}")
+    return size
+
+
+def format_bytes(n: int | float) -> str:
+    """1234567890 -> '1.15 GiB'. Binary units, because that is what nvidia-smi's MiB and torch use."""
+    n = float(n)
+    sign = "-" if n < 0 else ""
+    n = abs(n)
+    for unit, scale in (("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if n >= scale:
+            return f"{sign}{n / scale:.2f} {unit}"
+    return f"{sign}{int(n)} B"
