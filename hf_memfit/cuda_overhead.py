@@ -142,7 +142,8 @@ class SimulatedOutOfMemoryError(RuntimeError):
     """A `malloc` that would raise torch.OutOfMemoryError on a GPU of the given capacity."""
 
     def __init__(self, requested: int, allocated: int, reserved: int, capacity: int):
-        self.requested, self.allocated, self.reserved, self.capacity = requested, allocated, reserved, capacity
+        self.requested, self.allocated = requested, allocated
+        self.reserved, self.capacity = reserved, capacity
         super().__init__(f"simulated CUDA out of memory: tried to allocate {requested} bytes with "
                          f"{allocated} allocated and {reserved} reserved of a {capacity}-byte capacity")
 
@@ -400,8 +401,10 @@ class CachingAllocatorSimulator:
             block, addr = head, head.addr
             while block is not None:
                 assert block.addr == addr, "blocks of a segment must be contiguous"
-                assert block.allocated or block.next is None or block.next.allocated, "free neighbours not merged"
-                assert block.allocated != (self._free_blocks.get(block.addr) is block), "free list out of sync"
+                next_free = block.next is not None and not block.next.allocated
+                assert block.allocated or not next_free, "free neighbours not merged"
+                in_free_list = self._free_blocks.get(block.addr) is block
+                assert block.allocated != in_free_list, "free list out of sync"
                 allocated += block.size if block.allocated else 0
                 total += block.size
                 addr += block.size

@@ -36,9 +36,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from hf_memfit import step as training
+from hf_memfit.breakdown import CATEGORIES, StepMemory
 from hf_memfit.settings import TrainSettings
 
-CATEGORIES = ("weights", "gradients", "optimizer", "activations", "temporary", "overhead")
 # What an allocation is, by the phase that made it, until it is recognised as a
 # parameter, a gradient or optimizer state.
 _CATEGORY_BY_PHASE = {"build": "weights", "inputs": "activations", "forward": "activations",
@@ -321,6 +321,7 @@ class TraceResult:
     total_params: int
     param_bytes: int
     quantizable_linear_params: int = 0
+    largest_linear_numel: int = 0
 
 
 def _install_region_hooks(tracker: StorageTracker, stacks, step_tag) -> list:
@@ -443,7 +444,8 @@ def trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], *
             total_params=sum(p.numel() for p in params),
             param_bytes=sum(p.numel() * p.element_size() for p in params),
         )
-        result.quantizable_linear_params = _quantizable_linear_params(model) if settings.load_in_4bit else 0
+        if settings.load_in_4bit:
+            result.quantizable_linear_params, result.largest_linear_numel = _quantizable_linear_params(model)
         del model, optimizer
     last_step = f"{steps - 1}."
     for region, (live, clock) in tracker.region_peaks.items():
@@ -469,15 +471,13 @@ def _forward_backward(model, batch, settings, tracker, step_tag):
         torch.Tensor.backward = original_backward
 
 
-def _quantizable_linear_params(model) -> int:
-    """Parameters bitsandbytes would pack to 4 bits: every Linear except the output head."""
+def _quantizable_linear_params(model) -> tuple[int, int]:
+    """Parameters bitsandbytes would pack to 4 bits (every Linear but the head and adapters), and the largest one."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    total = 0
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and module is not head and "lora_" not in name and "score" not in name \
-                and "classifier" not in name:
-            total += module.weight.numel()
-    return total
+    sizes = [module.weight.numel() for name, module in model.named_modules()
+             if isinstance(module, torch.nn.Linear) and module is not head
+             and not any(part in name for part in ("lora_", "score", "classifier"))]
+    return sum(sizes), max(sizes, default=0)
 
 
 # --- extrapolation to the real depth -----------------------------------------
@@ -509,22 +509,7 @@ def _by_class(trace: TraceResult, depth_of_stack) -> dict[str, tuple[int, dict[s
     return out
 
 
-@dataclass
-class ExactResult:
-    """Exact-mode peak candidates at the real depth, one per region of the step."""
-
-    candidates: dict[str, dict[str, int]]  # region class -> breakdown at its maximum
-    traces: list[TraceResult]
-    real_depths: tuple[int, ...]
-    base_depth: int
-    reserved_gap_bytes: int  # reserved - allocated at the traced peak, CUDA allocator simulation
-    trainable_params: int
-    total_params: int
-    largest_param_numel: int
-    quantizable_linear_params: int
-
-
-def exact_candidates(spec, settings: TrainSettings, *, extrapolate: bool = True) -> ExactResult:
+def exact_candidates(spec, settings: TrainSettings, *, extrapolate: bool = True) -> StepMemory:
     """Trace at small depths and extrapolate each region linearly to the model's real depth."""
     real = _real_depths(spec)
     period = getattr(spec, "layer_period", 1) or 1
@@ -567,10 +552,10 @@ def exact_candidates(spec, settings: TrainSettings, *, extrapolate: bool = True)
     return result
 
 
-def _exact_result(candidates, traces, real, base, trace, settings) -> ExactResult:
-    gap = _reserved_gap(trace) if settings.device == "cuda" else 0
-    return ExactResult(candidates, traces, real, base, gap, trace.trainable_params, trace.total_params,
-                       trace.largest_param_numel, trace.quantizable_linear_params)
+def _exact_result(candidates, traces, real, base, trace, settings) -> StepMemory:
+    gap = _reserved_gap(trace) if settings.device == "cuda" else None
+    return StepMemory(candidates, trace.trainable_params, trace.total_params, trace.largest_param_numel,
+                      trace.quantizable_linear_params, trace.largest_linear_numel, gap)
 
 
 def _depth_of(stack: str, depths: tuple[int, ...]) -> int:
@@ -594,7 +579,12 @@ def _config_with_depths(spec, depths: tuple[int, ...]) -> dict:
 
 
 def _reserved_gap(trace: TraceResult) -> int:
-    """Reserved minus allocated at the traced peak, replaying the allocations through the simulator."""
+    """What the caching allocator reserves beyond the traced live bytes, replaying the allocation sequence.
+
+    The simulator's reserved peak includes unsplit-block slack and cached free
+    segments. It is measured at the traced depth and added as is: most of it is
+    per-size-class segment caching, which does not grow with the depth.
+    """
     from hf_memfit.cuda_overhead import CachingAllocatorSimulator
 
     sim = CachingAllocatorSimulator()
@@ -603,4 +593,4 @@ def _reserved_gap(trace: TraceResult) -> int:
             sim.malloc(index, nbytes)
         else:
             sim.free(-index)
-    return max(0, sim.peak_reserved_bytes - sim.peak_allocated_bytes)
+    return max(0, sim.peak_reserved_bytes - trace.peak_bytes)

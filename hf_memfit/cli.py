@@ -1,0 +1,131 @@
+"""`hf-memfit estimate | plan | explain`: one function per subcommand, `main(argv) -> int`.
+
+User errors (`MemFitError`, bad flags) print one line on stderr and exit 2.
+The fast paths import no torch.
+"""
+
+import argparse
+import json
+import sys
+
+from hf_memfit.errors import MemFitError
+
+_ESTIMATE_EPILOG = """examples:
+  hf-memfit estimate gpt2-xl --batch-size 1 --seq-len 1024
+  hf-memfit estimate meta-llama/Llama-3.1-8B --batch-size 4 --seq-len 2048 --precision bf16-mixed \\
+      --gradient-checkpointing --optim adamw_bnb_8bit --json
+  hf-memfit estimate ./my-model/config.json --batch-size 8 --seq-len 512 --mode exact
+"""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports usage errors in one line with exit code 2, like every other user error."""
+
+    def error(self, message):
+        raise MemFitError(f"{message} (see `{self.prog} --help`)")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def add_step_arguments(parser: argparse.ArgumentParser, *, with_batch: bool = True) -> None:
+    """The flags that describe a training step; shared by estimate, plan and explain."""
+    from hf_memfit.settings import ATTN_IMPLEMENTATIONS, OFFLOAD_TARGETS, OPTIMIZERS, PRECISIONS, TASKS
+
+    parser.add_argument("model", help="catalogue name (gpt2-xl, meta-llama/Llama-3.1-8B, ...), local dir or config.json")
+    if with_batch:
+        parser.add_argument("--batch-size", type=_positive_int, required=True, help="per-device micro-batch size")
+        parser.add_argument("--gradient-accumulation-steps", type=_positive_int, default=1)
+    parser.add_argument("--seq-len", type=_positive_int, required=True, help="tokens per sample")
+    parser.add_argument("--task", choices=TASKS, help="default: the model's own (causal-lm, seq-cls for BERT, seq2seq for T5)")
+    parser.add_argument("--num-labels", type=_positive_int, default=2, help="classes for --task seq-cls")
+    parser.add_argument("--lora-r", type=_positive_int, help="train LoRA adapters of this rank (peft)")
+    parser.add_argument("--lora-alpha", type=_positive_int)
+    parser.add_argument("--lora-target-modules", help="comma-separated module names; default: peft's for the model")
+    parser.add_argument("--load-in-4bit", action="store_true", help="QLoRA: 4-bit NF4 base weights (bitsandbytes)")
+    parser.add_argument("--num-gpus", type=_positive_int, default=1, help="GPUs per node")
+    parser.add_argument("--num-nodes", type=_positive_int, default=1)
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="memory semantics to estimate for")
+    parser.add_argument("--gpu", help="GPU model (a100, h100, rtx3060, ...): flash support and CUDA overheads")
+    parser.add_argument("--mode", choices=("fast", "exact"), default="fast",
+                        help="fast: formulas (ms); exact: trace the real model on fake tensors (seconds)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    if with_batch:
+        parser.add_argument("--precision", choices=PRECISIONS, default="fp32",
+                            help="*-mixed: autocast over fp32 weights; bf16/fp16: weights stored in that dtype")
+        parser.add_argument("--optim", default="adamw_torch", help=f"TrainingArguments.optim: {', '.join(OPTIMIZERS)}")
+        parser.add_argument("--gradient-checkpointing", action="store_true")
+        parser.add_argument("--attn-implementation", choices=ATTN_IMPLEMENTATIONS)
+        parser.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=0)
+        parser.add_argument("--offload-optimizer", choices=OFFLOAD_TARGETS, default="none")
+        parser.add_argument("--offload-param", choices=OFFLOAD_TARGETS, default="none")
+
+
+def settings_from_args(args: argparse.Namespace):
+    """TrainSettings from parsed estimate/explain flags."""
+    from hf_memfit.settings import TrainSettings
+
+    targets = tuple(t.strip() for t in args.lora_target_modules.split(",") if t.strip()) \
+        if args.lora_target_modules else None
+    return TrainSettings(
+        batch_size=args.batch_size, seq_len=args.seq_len, task=args.task, num_labels=args.num_labels,
+        precision=args.precision, optim=args.optim, gradient_checkpointing=args.gradient_checkpointing,
+        attn_implementation=args.attn_implementation, gradient_accumulation_steps=args.gradient_accumulation_steps,
+        lora_r=args.lora_r, lora_alpha=args.lora_alpha, lora_target_modules=targets,
+        load_in_4bit=args.load_in_4bit, num_gpus=args.num_gpus, num_nodes=args.num_nodes,
+        zero_stage=args.zero_stage, offload_optimizer=args.offload_optimizer, offload_param=args.offload_param,
+        device=args.device, gpu=args.gpu, mode=args.mode,
+    )
+
+
+def cmd_estimate(args: argparse.Namespace) -> int:
+    from hf_memfit.estimate import estimate_settings
+    from hf_memfit.report import format_estimate
+    from hf_memfit.spec import resolve_model
+
+    spec = resolve_model(args.model)
+    if args.gpu:
+        from hf_memfit.hardware import find_gpu
+
+        args.gpu = find_gpu(args.gpu).name
+    est = estimate_settings(spec, settings_from_args(args))
+    print(json.dumps(est.to_dict(), indent=2) if args.json else format_estimate(est))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="hf-memfit", description="Predict and fit the memory of Hugging Face fine-tuning, offline.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    est = sub.add_parser("estimate", help="peak memory of one training step", epilog=_ESTIMATE_EPILOG,
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_step_arguments(est)
+    est.set_defaults(func=cmd_estimate)
+    for register in _EXTRA_COMMANDS:
+        register(sub)
+    return parser
+
+
+_EXTRA_COMMANDS: list = []
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        return args.func(args)
+    except MemFitError as error:
+        print(f"hf-memfit: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("hf-memfit: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

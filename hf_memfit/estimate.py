@@ -1,0 +1,167 @@
+"""`estimate()`: the peak memory of one training step, from a model name and settings.
+
+The layers, bottom up:
+- `formulas.fast_step_memory` (fast mode, closed form, no torch) or
+  `trace.exact_candidates` (exact mode, the real step on fake tensors) give
+  single-device peak candidates, one per region of the step;
+- `sharding.shard` applies 4-bit packing, paging and ZeRO/DDP to each;
+- this module adds what a GPU holds beyond live tensors (cuBLAS workspaces,
+  allocator slack, the CUDA context) and picks the peak.
+
+The result is plain data (`MemoryEstimate`); printing lives in `report.py`.
+"""
+
+from dataclasses import dataclass, field
+
+from hf_memfit.breakdown import CATEGORIES, StepMemory
+from hf_memfit.settings import TrainSettings
+from hf_memfit.spec import ModelSpec, resolve_model
+
+
+@dataclass
+class MemoryEstimate:
+    """Peak memory of one training step on one rank.
+
+    `peak_allocated_bytes` is live tensors, as `torch.cuda.max_memory_allocated`;
+    `peak_reserved_bytes` adds the caching allocator's cached segments;
+    `device_total_bytes` is what nvidia-smi shows: reserved plus the CUDA context
+    and NCCL buffers. `breakdown` sums to `device_total_bytes`. On the CPU the
+    three peaks are equal.
+    """
+
+    model: str
+    settings: TrainSettings
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int
+    device_total_bytes: int
+    cpu_bytes: int
+    nvme_bytes: int
+    breakdown: dict[str, int]
+    peak_region: str
+    total_params: int
+    trainable_params: int
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {
+            "model": self.model,
+            "mode": self.settings.mode,
+            "device": self.settings.device,
+            "peak_allocated_bytes": self.peak_allocated_bytes,
+            "peak_reserved_bytes": self.peak_reserved_bytes,
+            "device_total_bytes": self.device_total_bytes,
+            "cpu_bytes": self.cpu_bytes,
+            "nvme_bytes": self.nvme_bytes,
+            "breakdown": dict(self.breakdown),
+            "peak_phase": describe_region(self.peak_region),
+            "total_params": self.total_params,
+            "trainable_params": self.trainable_params,
+            "settings": self.settings.to_dict(),
+            "notes": list(self.notes),
+        }
+
+
+def estimate(model: str | ModelSpec, **settings) -> MemoryEstimate:
+    """Predict the peak memory of one training step.
+
+    `model` is a catalogue name (`"gpt2-xl"`, `"meta-llama/Llama-3.1-8B"`), a
+    local directory or config.json path, or a `ModelSpec`. Keyword arguments
+    are `TrainSettings` fields, e.g. `batch_size=8, seq_len=1024,
+    precision="bf16-mixed", optim="adamw_bnb_8bit", gradient_checkpointing=True,
+    mode="exact"`. Raises `MemFitError` on bad input.
+    """
+    spec = model if isinstance(model, ModelSpec) else resolve_model(model)
+    if isinstance(settings.get("lora_target_modules"), (list, str)):
+        targets = settings["lora_target_modules"]
+        settings["lora_target_modules"] = tuple(targets.split(",") if isinstance(targets, str) else targets)
+    return estimate_settings(spec, TrainSettings(**settings))
+
+
+def estimate_settings(spec: ModelSpec, settings: TrainSettings) -> MemoryEstimate:
+    """`estimate` for an already-built spec and settings (the planner's entry point)."""
+    settings = settings.validate(spec)
+    return assemble(spec, settings, step_memory(spec, settings))
+
+
+def step_memory(spec: ModelSpec, settings: TrainSettings) -> StepMemory:
+    """Single-device peak candidates from the mode the settings ask for."""
+    if settings.mode == "exact":
+        from hf_memfit.trace import exact_candidates  # imports torch; fast mode never does
+
+        return exact_candidates(spec, settings)
+    from hf_memfit.formulas import fast_step_memory
+
+    return fast_step_memory(spec, settings)
+
+
+def assemble(spec: ModelSpec, settings: TrainSettings, step: StepMemory) -> MemoryEstimate:
+    """Shard the candidates, add the GPU's own overheads, and pick the peak."""
+    from hf_memfit import cuda_overhead
+    from hf_memfit.sharding import shard
+
+    rank = shard(step, settings, spec.hidden_size)
+    peak_region = max(rank.candidates, key=lambda r: sum(rank.candidates[r].values()))
+    breakdown = {k: int(rank.candidates[peak_region].get(k, 0)) for k in CATEGORIES}
+    allocated = sum(breakdown.values())
+    notes = list(rank.notes)
+    if settings.device == "cpu":
+        reserved = total = allocated
+    else:
+        gpu = _gpu(settings)
+        workspace = cuda_overhead.cublas_workspace_bytes(gpu)
+        allocated += workspace
+        if step.reserved_gap_bytes is not None:
+            slack = step.reserved_gap_bytes  # replayed through the caching-allocator simulation
+        else:
+            slack = int(allocated * (cuda_overhead.reserved_headroom_ratio() - 1))
+        reserved = allocated + slack
+        context = cuda_overhead.cuda_context_bytes(gpu)
+        total = reserved + context + rank.outside_allocator_bytes
+        breakdown["overhead"] += workspace + slack + context + rank.outside_allocator_bytes
+        notes.append(f"CUDA overhead: cuBLAS workspaces {workspace / 2**20:.0f} MiB, allocator slack "
+                     f"{slack / 2**20:.0f} MiB, CUDA context {context / 2**20:.0f} MiB")
+    return MemoryEstimate(
+        model=spec.name,
+        settings=settings,
+        peak_allocated_bytes=int(allocated),
+        peak_reserved_bytes=int(reserved),
+        device_total_bytes=int(total),
+        cpu_bytes=int(rank.cpu_bytes),
+        nvme_bytes=int(rank.nvme_bytes),
+        breakdown=breakdown,
+        peak_region=peak_region,
+        total_params=step.total_params,
+        trainable_params=step.trainable_params,
+        notes=notes,
+    )
+
+
+def _gpu(settings: TrainSettings):
+    if settings.gpu is None:
+        return None
+    from hf_memfit.hardware import find_gpu
+
+    return find_gpu(settings.gpu)
+
+
+def describe_region(region: str) -> str:
+    """'1.0|bwd|s0.first' -> 'step 2, backward, first layer of stack 0' for reports."""
+    parts = region.split("|")
+    if len(parts) == 2:  # "<step>.<micro>|opt"
+        parts.append("")
+    if len(parts) != 3:
+        return {"build": "model creation"}.get(region, region)
+    step, phase, where = parts
+    step_index, micro = step.split(".")
+    label = {"fwd": "forward", "bwd": "backward", "opt": "optimizer step"}.get(phase, phase)
+    text = f"step {int(step_index) + 1}"
+    if micro == "1":
+        text += " (accumulating micro-batch)"
+    text += f", {label}"
+    if where and where != "opt":
+        stack, _, position = where.partition(".")
+        names = {"pre": "before the layers", "post": "after the layers", "first": "first layer", "last": "last layer"}
+        text += f", {names.get(position or stack, position or stack)}"
+        if stack.startswith("s") and stack != "s0":
+            text += f" (stack {stack[1:]})"
+    return text

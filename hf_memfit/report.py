@@ -1,0 +1,78 @@
+"""Readable text for estimates and plans. Pure formatting: no estimation happens here."""
+
+from hf_memfit.breakdown import CATEGORIES
+from hf_memfit.units import format_bytes
+
+_CATEGORY_NOTES = {
+    "weights": "parameters and buffers",
+    "gradients": "parameter gradients",
+    "optimizer": "optimizer states (and fp32 master weights under ZeRO)",
+    "activations": "tensors saved for backward",
+    "temporary": "transient buffers at the peak",
+    "overhead": "CUDA context, cuBLAS, allocator cache, buckets",
+}
+
+
+def _table(rows: list[tuple[str, ...]], header: tuple[str, ...] | None = None) -> str:
+    all_rows = ([header] if header else []) + rows
+    widths = [max(len(r[i]) for r in all_rows) for i in range(len(all_rows[0]))]
+    lines = []
+    for n, row in enumerate(all_rows):
+        cells = [row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:])]
+        lines.append("  ".join(cells).rstrip())
+        if header and n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def settings_line(settings) -> str:
+    """One line naming every knob that differs from a plain single-GPU fp32 AdamW run."""
+    parts = [f"batch {settings.batch_size} x seq {settings.seq_len}", settings.task or "", settings.precision, settings.optim]
+    if settings.gradient_accumulation_steps > 1:
+        parts.append(f"accumulation {settings.gradient_accumulation_steps}")
+    if settings.gradient_checkpointing:
+        parts.append("gradient checkpointing")
+    parts.append(f"attention {settings.attn_implementation or 'sdpa'}")
+    if settings.load_in_4bit:
+        parts.append(f"QLoRA r={settings.lora_r or 8}")
+    elif settings.lora_r:
+        parts.append(f"LoRA r={settings.lora_r}")
+    if settings.world_size > 1:
+        parts.append(f"{settings.num_gpus} GPU x {settings.num_nodes} node")
+    if settings.zero_stage:
+        parts.append(f"ZeRO-{settings.zero_stage}")
+    if settings.offload_optimizer != "none":
+        parts.append(f"optimizer offload {settings.offload_optimizer}")
+    if settings.offload_param != "none":
+        parts.append(f"param offload {settings.offload_param}")
+    return ", ".join(p for p in parts if p)
+
+
+def format_estimate(est) -> str:
+    """The `hf-memfit estimate` table."""
+    from hf_memfit.estimate import describe_region
+
+    s = est.settings
+    lines = [
+        f"{est.model}  ({est.total_params / 1e9:.3g}B params, {est.trainable_params / 1e6:,.1f}M trainable)",
+        f"  {settings_line(s)}",
+        f"  device {s.device}{' (' + s.gpu + ')' if s.gpu else ''}, {s.mode} mode; peak at {describe_region(est.peak_region)}",
+        "",
+    ]
+    total = sum(est.breakdown.values()) or 1
+    rows = [(name, format_bytes(est.breakdown[name]), f"{100 * est.breakdown[name] / total:.1f}%", _CATEGORY_NOTES[name])
+            for name in CATEGORIES]
+    lines.append(_table(rows, ("component", "bytes", "share", "what")))
+    lines.append("")
+    summary = [("peak allocated", format_bytes(est.peak_allocated_bytes), "torch.cuda.max_memory_allocated" if s.device == "cuda" else "CPU allocator peak")]
+    if s.device == "cuda":
+        summary += [("peak reserved", format_bytes(est.peak_reserved_bytes), "torch.cuda.max_memory_reserved"),
+                    ("device total", format_bytes(est.device_total_bytes), "what nvidia-smi shows")]
+    if est.cpu_bytes:
+        summary.append(("host (CPU) memory", format_bytes(est.cpu_bytes), "offloaded / paged state"))
+    if est.nvme_bytes:
+        summary.append(("NVMe", format_bytes(est.nvme_bytes), "ZeRO-Infinity swap"))
+    lines.append(_table(summary))
+    for note in est.notes:
+        lines.append(f"  note: {note}")
+    return "\n".join(lines)
