@@ -100,6 +100,53 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     return 0
 
 
+_PLAN_EPILOG = """examples:
+  hf-memfit plan gpt2-xl --gpu-memory 12GiB --seq-len 1024 --global-batch-size 64
+  hf-memfit plan meta-llama/Llama-3.1-8B --gpu a10g --seq-len 2048 --global-batch-size 32 --load-in-4bit --lora-r 16
+  hf-memfit plan meta-llama/Llama-2-70b-hf --gpu h100 --num-gpus 8 --seq-len 4096 --global-batch-size 64 \\
+      --deepspeed-config-out ds_config.json --json
+"""
+
+
+def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    add_step_arguments(parser, with_batch=False)
+    parser.add_argument("--global-batch-size", type=_positive_int, required=True,
+                        help="samples per optimizer step over all GPUs; kept exactly")
+    parser.add_argument("--gpu-memory", help="budget per GPU: a size (12GiB, 24GB) or `auto` for the local GPU")
+    parser.add_argument("--allow-offload", choices=("none", "cpu", "nvme"), default="cpu",
+                        help="how far DeepSpeed may offload when the GPU is too small (default: cpu)")
+    parser.add_argument("--cpu-memory", help="host memory available for offload (default: not checked)")
+    parser.add_argument("--nvme-path", help="NVMe directory for ZeRO-Infinity (with --allow-offload nvme)")
+    parser.add_argument("--headroom", type=float, default=0.05, help="fraction of the budget kept free (default 0.05)")
+    parser.add_argument("--keep-optimizer", action="store_true", help="do not switch AdamW to 8-bit variants")
+    parser.add_argument("--optim", default="adamw_torch_fused", help="the optimizer to start from")
+    parser.add_argument("--deepspeed-config-out", help="write the plan's DeepSpeed config (JSON) here")
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from hf_memfit.plan import plan
+    from hf_memfit.report import format_plan
+
+    targets = args.lora_target_modules
+    result = plan(
+        args.model, seq_len=args.seq_len, global_batch_size=args.global_batch_size, gpu_memory=args.gpu_memory,
+        gpu=args.gpu, task=args.task, num_labels=args.num_labels, num_gpus=args.num_gpus, num_nodes=args.num_nodes,
+        lora_r=args.lora_r, lora_alpha=args.lora_alpha, lora_target_modules=targets, load_in_4bit=args.load_in_4bit,
+        allow_offload=args.allow_offload, cpu_memory=args.cpu_memory, nvme_path=args.nvme_path,
+        headroom=args.headroom, keep_optimizer=args.keep_optimizer, optim=args.optim, device=args.device,
+        mode=args.mode,
+    )
+    if args.deepspeed_config_out:
+        if result.plan.deepspeed is None:
+            print("hf-memfit: note: the plan needs no DeepSpeed; no config written", file=sys.stderr)
+        else:
+            from hf_memfit.deepspeed import write_deepspeed_config
+
+            write_deepspeed_config(result.plan.deepspeed, args.deepspeed_config_out)
+    print(json.dumps(result.to_dict(), indent=2) if args.json else format_plan(result))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="hf-memfit", description="Predict and fit the memory of Hugging Face fine-tuning, offline.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -107,6 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
                          formatter_class=argparse.RawDescriptionHelpFormatter)
     add_step_arguments(est)
     est.set_defaults(func=cmd_estimate)
+    pln = sub.add_parser("plan", help="the fastest configuration that fits a memory budget", epilog=_PLAN_EPILOG,
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_plan_arguments(pln)
+    pln.set_defaults(func=cmd_plan)
     for register in _EXTRA_COMMANDS:
         register(sub)
     return parser

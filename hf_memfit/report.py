@@ -76,3 +76,41 @@ def format_estimate(est) -> str:
     for note in est.notes:
         lines.append(f"  note: {note}")
     return "\n".join(lines)
+
+
+def format_plan(result) -> str:
+    """The `hf-memfit plan` table: the plan, its memory breakdown, the runners-up and the reasons."""
+    from hf_memfit.plan import _layout_text  # the same wording as the reasons
+
+    p, est, s = result.plan, result.estimate, result.plan.settings
+    lines = [f"Plan for {est.model}: {s.seq_len} tokens x global batch "
+             f"{p.per_device_train_batch_size * p.gradient_accumulation_steps * s.world_size}, "
+             f"budget {format_bytes(p.budget_bytes)} per GPU ({result.candidates_tried} configurations estimated)", ""]
+    rows = [
+        ("per_device_train_batch_size", str(p.per_device_train_batch_size)),
+        ("gradient_accumulation_steps", str(p.gradient_accumulation_steps)),
+        ("GPUs", f"{p.num_gpus} x {p.num_nodes} node(s)"),
+        ("gradient_checkpointing", str(p.gradient_checkpointing)),
+        ("precision", "bf16 mixed" if p.bf16 else "fp16 mixed" if p.fp16 else "fp32"),
+        ("optim", p.optim),
+        ("attn_implementation", p.attn_implementation),
+        ("sharding", _layout_text(s)),
+        ("predicted peak (nvidia-smi)", format_bytes(est.device_total_bytes)),
+        ("predicted throughput", f"{100 * p.predicted_tokens_per_second_relative:.0f}% of the unconstrained step"),
+    ]
+    if est.cpu_bytes:
+        rows.append(("host memory", format_bytes(est.cpu_bytes)))
+    lines.append(_table(rows))
+    lines += ["", "Memory at the peak:"]
+    total = sum(est.breakdown.values()) or 1
+    lines.append(_table([(f"  {k}", format_bytes(v), f"{100 * v / total:.0f}%") for k, v in est.breakdown.items()]))
+    lines += ["", "Why:"] + [f"  - {r}" for r in p.reasons]
+    if result.alternatives:
+        lines += ["", "Runners-up:"]
+        for c in result.alternatives:
+            c_s = c.settings
+            label = (f"micro {c_s.batch_size} x acc {c_s.gradient_accumulation_steps}, "
+                     f"ckpt {'on' if c_s.gradient_checkpointing else 'off'}, {c_s.optim}, {_layout_text(c_s)}")
+            verdict = c.why_not if c.fits else f"does not fit: {c.why_not}"
+            lines.append(f"  - {label}: {verdict}")
+    return "\n".join(lines)

@@ -1,0 +1,541 @@
+"""`plan()`: the fastest training configuration that fits a memory budget, with its reasons.
+
+The search is exhaustive over a small grid, because fast-mode estimates cost
+about a millisecond each: micro-batch (a divisor of the per-rank batch, so the
+global batch is kept exactly) x gradient checkpointing x optimizer (within the
+AdamW family) x ZeRO stage and offload (only as allowed). Precision and
+attention are not searched: bf16 mixed where the GPU has bf16, else fp16 with
+loss scaling; flash-attention-2 where installed and supported, else SDPA. Each
+fitting candidate gets a predicted step time from a speed model (below), and
+the fastest wins. LoRA and the sequence length are never changed: they change
+the training; when nothing fits, the error says that they would help.
+"""
+
+import importlib.util
+import math
+from dataclasses import dataclass, field
+
+from hf_memfit.errors import MemFitError, check_all
+from hf_memfit.estimate import MemoryEstimate, assemble, estimate_settings
+from hf_memfit.settings import TrainSettings
+from hf_memfit.spec import ModelSpec, resolve_model
+from hf_memfit.units import GiB, format_bytes, parse_bytes
+
+# The optimizer family, fastest first. 8-bit AdamW stores 2 B/param of state
+# instead of 8 (bitsandbytes), paged 8-bit lets the driver move it to the host.
+ADAM_LADDER = ("adamw_torch_fused", "adamw_bnb_8bit", "paged_adamw_8bit")
+
+# --- speed model constants (relative ranking, not wall-clock promises) -------
+# Matmul efficiency grows with the tokens in a micro-batch (the M dimension of
+# every GEMM); we model utilisation as t / (t + T_HALF). 512 tokens for half
+# of peak is a planning figure in line with GEMM roofline curves on A100-class
+# GPUs (cuBLAS reaches most of peak once M is in the low thousands).
+TOKENS_FOR_HALF_UTILISATION = 512
+# bitsandbytes' 8-bit AdamW step is memory-bound like fused AdamW but does
+# block-wise (de)quantisation; we charge 25% more step time (a planning figure)
+# and paging another 25% for page migrations under pressure.
+EIGHT_BIT_STEP_FACTOR = 1.25
+PAGED_STEP_FACTOR = 1.25
+# Fused AdamW touches params, grads and two states, read and written: ~32 B/param (fp32).
+ADAM_BYTES_MOVED_PER_PARAM = 32
+# DeepSpeedCPUAdam updates roughly 1e9 parameters per second on a many-core
+# host (ZeRO-Offload paper, Ren et al. 2021, Fig. 7 order of magnitude).
+CPU_ADAM_PARAMS_PER_S = 1e9
+# NVMe swap (ZeRO-Infinity): a few GB/s per drive (Rajbhandari et al. 2021).
+NVME_BYTES_PER_S = 3e9
+# Inter-node bandwidth per GPU when nothing better is known: 200 Gb/s InfiniBand.
+INTER_NODE_BYTES_PER_S = 25e9
+# Share of data-parallel communication hidden behind compute (bucketed overlap).
+COMM_OVERLAP = 0.5
+
+
+@dataclass
+class Plan:
+    """A training configuration, with the TrainingArguments it maps to and why."""
+
+    per_device_train_batch_size: int
+    gradient_accumulation_steps: int
+    num_gpus: int
+    num_nodes: int
+    gradient_checkpointing: bool
+    bf16: bool
+    fp16: bool
+    torch_dtype: str
+    optim: str
+    attn_implementation: str
+    deepspeed: dict | None
+    per_device_eval_batch_size: int
+    reasons: list[str]
+    predicted_tokens_per_second_relative: float
+    predicted_step_seconds: float
+    settings: TrainSettings = field(repr=False)
+    budget_bytes: int = 0
+
+    def to_dict(self) -> dict:
+        return {
+            "per_device_train_batch_size": self.per_device_train_batch_size,
+            "gradient_accumulation_steps": self.gradient_accumulation_steps,
+            "num_gpus": self.num_gpus,
+            "num_nodes": self.num_nodes,
+            "gradient_checkpointing": self.gradient_checkpointing,
+            "bf16": self.bf16,
+            "fp16": self.fp16,
+            "torch_dtype": self.torch_dtype,
+            "optim": self.optim,
+            "attn_implementation": self.attn_implementation,
+            "deepspeed": self.deepspeed,
+            "per_device_eval_batch_size": self.per_device_eval_batch_size,
+            "zero_stage": self.settings.zero_stage,
+            "offload_optimizer": self.settings.offload_optimizer,
+            "offload_param": self.settings.offload_param,
+            "reasons": list(self.reasons),
+            "predicted_tokens_per_second_relative": round(self.predicted_tokens_per_second_relative, 4),
+            "budget_bytes": self.budget_bytes,
+        }
+
+    def training_arguments(self) -> dict:
+        """The TrainingArguments fields this plan sets."""
+        kwargs = {
+            "per_device_train_batch_size": self.per_device_train_batch_size,
+            "per_device_eval_batch_size": self.per_device_eval_batch_size,
+            "gradient_accumulation_steps": self.gradient_accumulation_steps,
+            "gradient_checkpointing": self.gradient_checkpointing,
+            "bf16": self.bf16,
+            "fp16": self.fp16,
+            "optim": self.optim,
+        }
+        if self.gradient_checkpointing:
+            kwargs["gradient_checkpointing_kwargs"] = {"use_reentrant": False}
+        return kwargs
+
+
+@dataclass
+class Candidate:
+    settings: TrainSettings
+    estimate: MemoryEstimate
+    step_seconds: float
+    fits: bool
+    why_not: str = ""
+
+
+@dataclass
+class PlanResult:
+    plan: Plan
+    estimate: MemoryEstimate
+    alternatives: list[Candidate]
+    candidates_tried: int
+
+    def to_dict(self) -> dict:
+        return {
+            "plan": self.plan.to_dict(),
+            "estimate": self.estimate.to_dict(),
+            "alternatives": [_alternative_dict(c, self.plan) for c in self.alternatives],
+        }
+
+
+def _alternative_dict(c: Candidate, plan: Plan) -> dict:
+    s = c.settings
+    return {
+        "per_device_train_batch_size": s.batch_size,
+        "gradient_accumulation_steps": s.gradient_accumulation_steps,
+        "gradient_checkpointing": s.gradient_checkpointing,
+        "optim": s.optim,
+        "zero_stage": s.zero_stage,
+        "offload_optimizer": s.offload_optimizer,
+        "offload_param": s.offload_param,
+        "fits": c.fits,
+        "device_total_bytes": c.estimate.device_total_bytes,
+        "predicted_step_seconds": round(c.step_seconds, 4),
+        "why_not": c.why_not,
+    }
+
+
+def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_memory: str | int | None = None,
+         gpu: str | None = None, task: str | None = None, num_labels: int = 2, num_gpus: int = 1, num_nodes: int = 1,
+         lora_r: int | None = None, lora_alpha: int | None = None, lora_target_modules=None,
+         load_in_4bit: bool = False, allow_offload: str = "cpu", cpu_memory: str | int | None = None,
+         nvme_path: str | None = None, headroom: float = 0.05, keep_optimizer: bool = False,
+         optim: str = "adamw_torch_fused", device: str = "cuda", mode: str = "fast") -> PlanResult:
+    """Pick the fastest configuration that trains `model` within the memory budget.
+
+    The budget is `gpu_memory` (a size such as "12GiB", or "auto" for the local
+    GPU's free memory) or the memory of the named `gpu`. The global batch
+    (micro-batch x accumulation x GPUs) is kept exactly. Raises `MemFitError`
+    when the request is invalid or nothing fits, saying what would.
+    """
+    spec = model if isinstance(model, ModelSpec) else resolve_model(model)
+    gpu_info = _gpu_info(gpu)
+    budget = _budget(gpu_memory, gpu_info)
+    usable = int(budget * (1 - headroom))
+    world = num_gpus * num_nodes
+    problems = []
+    if not 0 <= headroom < 1:
+        problems.append(f"`--headroom` must be in [0, 1), got {headroom}")
+    if allow_offload not in ("none", "cpu", "nvme"):
+        problems.append(f"`--allow-offload` must be none, cpu or nvme; got {allow_offload!r}")
+    if not isinstance(global_batch_size, int) or global_batch_size <= 0:
+        problems.append(f"`--global-batch-size` must be a positive integer, got {global_batch_size!r}")
+    elif global_batch_size % world:
+        lower = global_batch_size // world * world
+        problems.append(f"`--global-batch-size {global_batch_size}` cannot be split over {world} GPUs "
+                        f"({num_gpus} x {num_nodes} nodes); use a multiple of {world}"
+                        + (f", e.g. {lower} or {lower + world}" if lower else f", e.g. {world}"))
+    if allow_offload == "nvme" and not nvme_path and device == "cuda":
+        problems.append("`--allow-offload nvme` needs `--nvme-path DIR` (a fast local NVMe mount)")
+    check_all(problems)
+    cpu_limit = parse_bytes(cpu_memory, "--cpu-memory") if cpu_memory is not None else None
+
+    if isinstance(lora_target_modules, str):
+        lora_target_modules = tuple(t for t in lora_target_modules.split(",") if t)
+    precision, precision_reason = _precision(gpu_info, device, load_in_4bit)
+    attn, attn_reason = _attention(gpu_info, device)
+    base = TrainSettings(
+        batch_size=1, seq_len=seq_len, task=task, num_labels=num_labels, precision=precision, optim=optim,
+        attn_implementation=attn, lora_r=lora_r, lora_alpha=lora_alpha,
+        lora_target_modules=tuple(lora_target_modules) if lora_target_modules else None,
+        load_in_4bit=load_in_4bit, num_gpus=num_gpus, num_nodes=num_nodes, device=device,
+        gpu=gpu_info.name if gpu_info else None, mode="fast",
+    ).validate(spec)
+
+    per_rank = global_batch_size // world
+    candidates = [_evaluate(spec, s, usable, cpu_limit, gpu_info) for s in _grid(base, per_rank, allow_offload,
+                                                                                   keep_optimizer, world)]
+    fitting = sorted((c for c in candidates if c.fits), key=lambda c: c.step_seconds)
+    if mode == "exact":
+        fitting = _confirm_exact(spec, fitting, usable, cpu_limit)
+    if not fitting:
+        raise MemFitError(_nothing_fits(spec, base, candidates, usable, budget, allow_offload, world, per_rank))
+    best = fitting[0]
+    alternatives = _runners_up(best, fitting, candidates)
+    ideal = _ideal_seconds(spec, best.settings, best.estimate, gpu_info)
+    chosen = _make_plan(best, candidates, usable, budget, ideal, [precision_reason, attn_reason], nvme_path,
+                        keep_optimizer)
+    return PlanResult(chosen, best.estimate, alternatives, len(candidates))
+
+
+def _gpu_info(gpu: str | None):
+    if gpu is None:
+        return None
+    from hf_memfit.hardware import find_gpu
+
+    return find_gpu(gpu)
+
+
+def _budget(gpu_memory, gpu_info) -> int:
+    if gpu_memory is None and gpu_info is None:
+        raise MemFitError("give a memory budget: `--gpu-memory 12GiB`, `--gpu NAME` or `--gpu-memory auto`")
+    if isinstance(gpu_memory, str) and gpu_memory.strip().lower() == "auto":
+        from hf_memfit.hardware import gpu_memory_auto
+
+        return gpu_memory_auto()
+    if gpu_memory is not None:
+        return parse_bytes(gpu_memory, "--gpu-memory")
+    return gpu_info.memory_bytes
+
+
+def _precision(gpu_info, device: str, load_in_4bit: bool) -> tuple[str, str]:
+    if device == "cpu":
+        return "fp32", "fp32: planning for the CPU, where mixed precision is rarely faster"
+    if gpu_info is None:
+        return "bf16-mixed", "bf16 mixed precision: assuming an Ampere-or-newer GPU (pass `--gpu NAME` to be specific)"
+    if gpu_info.supports_bf16:
+        return "bf16-mixed", f"bf16 mixed precision: the {gpu_info.name} has bf16 tensor cores"
+    return "fp16-mixed", f"fp16 mixed precision with loss scaling: the {gpu_info.name} has no bf16"
+
+
+def _attention(gpu_info, device: str) -> tuple[str, str]:
+    if device == "cpu":
+        return "sdpa", "attention sdpa: the CPU's fused SDPA kernel"
+    flash_ok = gpu_info is None or gpu_info.supports_flash_attention
+    if flash_ok and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2", "attention flash_attention_2: installed and supported by the GPU"
+    if flash_ok:
+        return "sdpa", "attention sdpa (its flash kernel): flash-attn is not installed, SDPA keeps the same O(s) memory"
+    return "sdpa", "attention sdpa (memory-efficient kernel): this GPU predates flash attention (sm80+)"
+
+
+def _grid(base: TrainSettings, per_rank: int, allow_offload: str, keep_optimizer: bool, world: int):
+    micro_batches = [m for m in range(1, per_rank + 1) if per_rank % m == 0]
+    optims = (base.optim,) if keep_optimizer or base.optim not in ADAM_LADDER else ADAM_LADDER
+    layouts = [(0, "none", "none")]
+    if world > 1:
+        layouts += [(1, "none", "none"), (2, "none", "none"), (3, "none", "none")]
+    if allow_offload in ("cpu", "nvme") and not base.load_in_4bit:
+        layouts += [(2, "cpu", "none"), (3, "cpu", "none"), (3, "cpu", "cpu")]
+    if allow_offload == "nvme" and not base.load_in_4bit:
+        layouts += [(3, "nvme", "nvme")]
+    for micro in micro_batches:
+        for checkpointing in (False, True):
+            for zero_stage, off_opt, off_param in layouts:
+                for optim in optims:
+                    if zero_stage and optim != base.optim and optim not in ("adamw_torch_fused",):
+                        continue  # DeepSpeed brings its own optimizer; 8-bit states are a plain-torch knob
+                    if base.load_in_4bit and zero_stage == 3:
+                        continue
+                    yield base.replace(batch_size=micro, gradient_accumulation_steps=per_rank // micro,
+                                       gradient_checkpointing=checkpointing, optim=optim, zero_stage=zero_stage,
+                                       offload_optimizer=off_opt, offload_param=off_param)
+
+
+def _evaluate(spec, settings: TrainSettings, usable: int, cpu_limit: int | None, gpu_info) -> Candidate:
+    est = estimate_settings(spec, settings)
+    used = est.device_total_bytes
+    fits = used <= usable
+    why = "" if fits else f"needs {format_bytes(used)}, over the {format_bytes(usable)} usable"
+    if fits and cpu_limit is not None and est.cpu_bytes > cpu_limit:
+        fits, why = False, f"needs {format_bytes(est.cpu_bytes)} of host memory, over `--cpu-memory` {format_bytes(cpu_limit)}"
+    return Candidate(settings, est, step_seconds(spec, settings, est, gpu_info), fits, why)
+
+
+def _confirm_exact(spec, fitting: list[Candidate], usable: int, cpu_limit) -> list[Candidate]:
+    """Re-estimate the fastest fitting candidates in exact mode; keep the first that still fits."""
+    for candidate in fitting[:5]:
+        exact = estimate_settings(spec, candidate.settings.replace(mode="exact"))
+        if exact.device_total_bytes <= usable and (cpu_limit is None or exact.cpu_bytes <= cpu_limit):
+            candidate.estimate = exact
+            return [candidate] + [c for c in fitting if c is not candidate]
+    return []
+
+
+# --- speed model ----------------------------------------------------------------
+
+def step_seconds(spec: ModelSpec, settings: TrainSettings, est: MemoryEstimate, gpu_info) -> float:
+    """Predicted seconds per optimizer step: compute, optimizer, offload traffic and communication.
+
+    A ranking model with documented constants, not a benchmark. FLOPs follow
+    Kaplan et al. 2020: 2 per parameter per token forward, 4 backward (2 when
+    the weights are frozen, as with LoRA: only input gradients), plus attention.
+    """
+    tflops = (gpu_info.matmul_tflops("bf16" if settings.precision.startswith("bf16") else
+                                     "fp16" if settings.precision.startswith("fp16") else "tf32")
+              if gpu_info else 100.0) * 1e12  # 100 TFLOP/s: a generic Ampere-class figure when no GPU is named
+    if settings.device == "cpu":
+        tflops = 1e11  # a many-core CPU does ~0.1 TFLOP/s fp32; only relative costs matter here
+    hbm = gpu_info.hbm_bandwidth_bytes_per_s if gpu_info else 1.5e12
+    pcie = gpu_info.pcie_bandwidth_bytes_per_s if gpu_info else 25e9
+    nvlink = gpu_info.nvlink_bandwidth_bytes_per_s if gpu_info else 0.0
+    params, trainable = est.total_params, est.trainable_params
+    tokens_micro = settings.batch_size * settings.seq_len
+    micro_steps = settings.gradient_accumulation_steps
+    attention = 12 * spec.num_layers * spec.hidden_size * settings.seq_len  # per token, fwd+bwd (Kaplan)
+    backward = 4 if trainable >= 0.5 * params else 2
+    # Non-reentrant checkpointing re-runs each layer's forward inside the backward: +2 (6 -> 8, +33%).
+    recompute = 2 if settings.gradient_checkpointing else 0
+    flops = (2 + recompute + backward) * params * tokens_micro + attention * tokens_micro
+    utilisation = tokens_micro / (tokens_micro + TOKENS_FOR_HALF_UTILISATION)
+    compute = micro_steps * flops / (tflops * utilisation)
+
+    optimizer = ADAM_BYTES_MOVED_PER_PARAM * trainable / hbm
+    if "8bit" in settings.optim:
+        optimizer *= EIGHT_BIT_STEP_FACTOR * (PAGED_STEP_FACTOR if settings.optim.startswith("paged") else 1)
+    world = settings.world_size
+    w_bytes = 2 if settings.precision != "fp32" else 4
+    if settings.offload_optimizer != "none":
+        # Gradients down and updated weights up over PCIe; Adam on the host.
+        optimizer = 2 * w_bytes * trainable / world / pcie + trainable / world / CPU_ADAM_PARAMS_PER_S
+        if settings.offload_optimizer == "nvme":
+            optimizer += 16 * trainable / world / NVME_BYTES_PER_S  # fp32 master + states read and written
+    offload_param = 0.0
+    if settings.offload_param != "none":
+        # Each micro-batch fetches every parameter for forward and again for backward.
+        rate = pcie if settings.offload_param == "cpu" else min(pcie, NVME_BYTES_PER_S)
+        offload_param = micro_steps * 2 * w_bytes * params / rate
+
+    comm = 0.0
+    if world > 1:
+        link = nvlink or pcie
+        if settings.num_nodes > 1:
+            link = min(link, INTER_NODE_BYTES_PER_S)
+        ring = (world - 1) / world
+        grad_bytes = w_bytes * trainable
+        if settings.zero_stage == 3:
+            # All-gather parameters for forward and backward, reduce-scatter gradients, every micro-batch.
+            comm = micro_steps * (2 * w_bytes * params + grad_bytes) * ring / link
+        elif settings.zero_stage in (1, 2):
+            comm = (micro_steps * grad_bytes + w_bytes * trainable) * ring / link
+        else:
+            comm = 2 * grad_bytes * ring / link  # DDP all-reduce once per optimizer step (no_sync while accumulating)
+        comm *= 1 - COMM_OVERLAP
+    return compute + optimizer + offload_param + comm
+
+
+def _ideal_seconds(spec: ModelSpec, settings: TrainSettings, est: MemoryEstimate, gpu_info) -> float:
+    """The same step with one micro-batch, no checkpointing, no offload: the speed ceiling."""
+    ideal = settings.replace(batch_size=settings.batch_size * settings.gradient_accumulation_steps,
+                             gradient_accumulation_steps=1, gradient_checkpointing=False,
+                             optim="adamw_torch_fused" if settings.optimizer_family != "sgd" else settings.optim,
+                             zero_stage=0 if settings.world_size == 1 else settings.zero_stage,
+                             offload_optimizer="none", offload_param="none")
+    return step_seconds(spec, ideal, est, gpu_info)
+
+
+# --- explaining the choice ----------------------------------------------------------
+
+def _runners_up(best: Candidate, fitting: list[Candidate], candidates: list[Candidate]) -> list[Candidate]:
+    """Two fitting runners-up that differ in a knob, and the closest configuration that did not fit."""
+    picked: list[Candidate] = []
+    seen = {_knobs(best.settings)}
+    for c in fitting[1:]:
+        if _knobs(c.settings) not in seen:
+            c.why_not = f"{100 * (c.step_seconds / best.step_seconds - 1):.0f}% slower: {_difference(best.settings, c.settings)}"
+            picked.append(c)
+            seen.add(_knobs(c.settings))
+        if len(picked) == 2:
+            break
+    faster_misfits = [c for c in candidates if not c.fits and c.step_seconds < best.step_seconds]
+    if faster_misfits:
+        closest = min(faster_misfits, key=lambda c: c.estimate.device_total_bytes)
+        picked.append(closest)
+    return picked
+
+
+def _knobs(s: TrainSettings) -> tuple:
+    return (s.gradient_checkpointing, s.optim, s.zero_stage, s.offload_optimizer, s.offload_param)
+
+
+def _difference(chosen: TrainSettings, other: TrainSettings) -> str:
+    parts = []
+    if other.batch_size != chosen.batch_size:
+        parts.append(f"micro-batch {other.batch_size}")
+    if other.gradient_checkpointing != chosen.gradient_checkpointing:
+        parts.append("checkpointing " + ("on" if other.gradient_checkpointing else "off"))
+    if other.optim != chosen.optim:
+        parts.append(other.optim)
+    if (other.zero_stage, other.offload_optimizer, other.offload_param) != \
+            (chosen.zero_stage, chosen.offload_optimizer, chosen.offload_param):
+        parts.append(_layout_text(other))
+    return ", ".join(parts) or "same knobs"
+
+
+def _layout_text(s: TrainSettings) -> str:
+    if not s.zero_stage:
+        return "DDP" if s.world_size > 1 else "no ZeRO"
+    text = f"ZeRO-{s.zero_stage}"
+    if s.offload_optimizer != "none":
+        text += f" + optimizer offload to {s.offload_optimizer}"
+    if s.offload_param != "none":
+        text += f" + parameter offload to {s.offload_param}"
+    return text
+
+
+def _lookup(candidates: list[Candidate], settings: TrainSettings) -> Candidate | None:
+    for c in candidates:
+        if c.settings == settings:
+            return c
+    return None
+
+
+def _make_plan(best: Candidate, candidates, usable: int, budget: int, ideal_seconds: float, fixed_reasons: list[str],
+               nvme_path: str | None, keep_optimizer: bool) -> Plan:
+    s, est = best.settings, best.estimate
+    reasons = [f"budget: {format_bytes(usable)} usable of {format_bytes(budget)}; plan peaks at "
+               f"{format_bytes(est.device_total_bytes)} ({100 * est.device_total_bytes / usable:.0f}% of usable)"]
+    global_batch = s.batch_size * s.gradient_accumulation_steps * s.world_size
+    bigger = [c for c in candidates if c.settings.batch_size > s.batch_size and _knobs(c.settings) == _knobs(s)]
+    batch_reason = f"micro-batch {s.batch_size} x accumulation {s.gradient_accumulation_steps} x {s.world_size} GPU(s) = global batch {global_batch}"
+    if bigger:
+        nxt = min(bigger, key=lambda c: c.settings.batch_size)
+        batch_reason += (f"; micro-batch {nxt.settings.batch_size} would need {format_bytes(nxt.estimate.device_total_bytes)}"
+                         if not nxt.fits else f"; micro-batch {nxt.settings.batch_size} fits but is predicted slower")
+    reasons.append(batch_reason)
+    if s.gradient_checkpointing:
+        without = _lookup(candidates, s.replace(gradient_checkpointing=False))
+        if without is not None and not without.fits:
+            reasons.append(f"gradient checkpointing on: without it the peak would be "
+                           f"{format_bytes(without.estimate.device_total_bytes)}, "
+                           f"{format_bytes(without.estimate.device_total_bytes - usable)} over budget "
+                           f"(activations {format_bytes(without.estimate.breakdown['activations'])})")
+        else:
+            reasons.append("gradient checkpointing on: it allows a larger micro-batch, which the speed model ranks faster "
+                           "despite ~33% recompute")
+    else:
+        reasons.append(f"gradient checkpointing off: activations ({format_bytes(est.breakdown['activations'])}) fit; "
+                       "skipping ~33% recompute")
+    precision_reason, attn_reason = fixed_reasons
+    reasons.append(precision_reason)
+    if keep_optimizer:
+        reasons.append(f"optimizer {s.optim}: kept as asked (`--keep-optimizer`)")
+    elif s.optim == "adamw_torch_fused":
+        reasons.append("optimizer adamw_torch_fused: full-precision AdamW states fit; the fastest step")
+    else:
+        fused = _lookup(candidates, s.replace(optim="adamw_torch_fused"))
+        detail = (f"; fused AdamW would need {format_bytes(fused.estimate.device_total_bytes)}" if fused and not fused.fits else "")
+        reasons.append(f"optimizer {s.optim}: 8-bit states take ~2 B/param instead of 8{detail}")
+    reasons.append(attn_reason)
+    if s.zero_stage:
+        plain = _lookup(candidates, s.replace(zero_stage=0, offload_optimizer="none", offload_param="none"))
+        detail = (f"; without it the peak would be {format_bytes(plain.estimate.device_total_bytes)}"
+                  if plain is not None and not plain.fits else "")
+        reasons.append(f"DeepSpeed {_layout_text(s)}{detail}"
+                       + (f"; host memory needed {format_bytes(est.cpu_bytes)}" if est.cpu_bytes else ""))
+    elif s.world_size > 1:
+        reasons.append("DDP: model states fit on every GPU, so no sharding traffic")
+    deepspeed = None
+    if s.zero_stage:
+        from hf_memfit.deepspeed import deepspeed_config
+
+        deepspeed = deepspeed_config(s.zero_stage, s.offload_optimizer, s.offload_param,
+                                     nvme_path=nvme_path, precision=s.precision)
+    torch_dtype = "float32" if not s.load_in_4bit else ("bfloat16" if s.precision.startswith("bf16") else "float16")
+    return Plan(
+        per_device_train_batch_size=s.batch_size,
+        gradient_accumulation_steps=s.gradient_accumulation_steps,
+        num_gpus=s.num_gpus,
+        num_nodes=s.num_nodes,
+        gradient_checkpointing=s.gradient_checkpointing,
+        bf16=s.precision.startswith("bf16"),
+        fp16=s.precision.startswith("fp16"),
+        torch_dtype=torch_dtype,
+        optim=s.optim,
+        attn_implementation=s.attn_implementation or "sdpa",
+        deepspeed=deepspeed,
+        per_device_eval_batch_size=s.batch_size,
+        reasons=reasons,
+        predicted_tokens_per_second_relative=min(1.0, ideal_seconds / best.step_seconds),
+        predicted_step_seconds=best.step_seconds,
+        settings=s,
+        budget_bytes=budget,
+    )
+
+
+def _nothing_fits(spec, base: TrainSettings, candidates, usable: int, budget: int, allow_offload: str, world: int,
+                  per_rank: int) -> str:
+    smallest = min(candidates, key=lambda c: c.estimate.device_total_bytes)
+    need = smallest.estimate.device_total_bytes
+    helps = []
+    probe = smallest.settings
+    if allow_offload == "none" and not base.load_in_4bit:
+        off = estimate_settings(spec, probe.replace(zero_stage=3, offload_optimizer="cpu", offload_param="cpu"))
+        if off.device_total_bytes <= usable:
+            helps.append(f"`--allow-offload cpu` ({format_bytes(off.device_total_bytes)} on the GPU)")
+    for gpus in (2 * world, 4 * world, 8 * world):
+        if probe.num_nodes == 1 and gpus <= 8:
+            more = estimate_settings(spec, probe.replace(num_gpus=gpus, zero_stage=3, batch_size=1,
+                                                         gradient_accumulation_steps=1))
+            if more.device_total_bytes <= usable:
+                helps.append(f"`--num-gpus {gpus}` with ZeRO-3 ({format_bytes(more.device_total_bytes)} per GPU)")
+                break
+    if not base.uses_lora:
+        lora = estimate_settings(spec, probe.replace(lora_r=16, zero_stage=0, offload_optimizer="none",
+                                                     offload_param="none", optim="adamw_torch_fused"))
+        if lora.device_total_bytes <= usable:
+            helps.append(f"LoRA `--lora-r 16` ({format_bytes(lora.device_total_bytes)})")
+        elif base.device == "cuda":
+            qlora = estimate_settings(spec, probe.replace(lora_r=16, load_in_4bit=True, zero_stage=0, offload_optimizer="none",
+                                                          offload_param="none", optim="adamw_torch_fused",
+                                                          precision="bf16-mixed" if base.precision == "fp32" else base.precision))
+            if qlora.device_total_bytes <= usable:
+                helps.append(f"QLoRA `--load-in-4bit --lora-r 16` ({format_bytes(qlora.device_total_bytes)})")
+    shorter = base.seq_len // 2
+    if shorter >= 16:
+        short = estimate_settings(spec, probe.replace(seq_len=shorter))
+        if short.device_total_bytes <= usable:
+            helps.append(f"a shorter sequence `--seq-len {shorter}` ({format_bytes(short.device_total_bytes)})")
+    suggestion = "; ".join(helps) if helps else "a larger GPU"
+    return (f"nothing fits in {format_bytes(usable)} ({format_bytes(budget)} less headroom): the smallest footprint "
+            f"found is {need / GiB:.1f} GiB ({_difference_text(smallest.settings)}); what would fit: {suggestion}")
+
+
+def _difference_text(s: TrainSettings) -> str:
+    return (f"micro-batch {s.batch_size}, checkpointing {'on' if s.gradient_checkpointing else 'off'}, {s.optim}, "
+            f"{_layout_text(s)}")
