@@ -258,7 +258,7 @@ def run_row(row: Row, *, with_baselines: bool = True) -> dict:
 
 
 def _fmt_err(value):
-    return "n/a" if value is None else f"{value:+.2f}%"
+    return "n/a" if value is None else f"{value:+.3f}%"
 
 
 def _fmt_mib(value):

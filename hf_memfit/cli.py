@@ -147,6 +147,62 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+_EXPLAIN_EPILOG = """examples:
+  hf-memfit explain gpt2 --batch-size 4 --seq-len 512 --plot gpt2.png
+  hf-memfit explain gpt2-medium --batch-size 2 --seq-len 1024 --precision bf16-mixed --plot cmp.png \\
+      --compare gradient_checkpointing=true --compare optim=adamw_bnb_8bit
+"""
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    from hf_memfit.report import format_timeline
+    from hf_memfit.spec import resolve_model
+    from hf_memfit.timeline import trace_timeline
+
+    spec = resolve_model(args.model)
+    base = settings_from_args(args).replace(mode="exact")
+    configs = [("as given", base)] + [(text, _override(base, text)) for text in args.compare or []]
+    timelines = []
+    for label, settings in configs:
+        settings = settings.validate(spec)
+        print(f"hf-memfit: tracing {spec.name} ({label}, {spec.num_layers} layers) ...", file=sys.stderr, flush=True)
+        timelines.append(trace_timeline(spec, settings, label=f"{spec.name}: {label}"))
+    if args.json:
+        print(json.dumps([{"label": t.label, "peak_bytes": t.peak_bytes, "peak_breakdown": t.peak_breakdown,
+                           "phases": [vars(p) for p in t.phases], "top_modules": t.top_modules} for t in timelines],
+                         indent=2))
+    else:
+        print("\n\n".join(format_timeline(t) for t in timelines))
+    if args.plot:
+        from hf_memfit.plot import plot_timelines
+
+        plot_timelines(timelines, args.plot, title=f"{spec.name}: memory over one training step")
+        print(f"hf-memfit: wrote {args.plot}", file=sys.stderr)
+    return 0
+
+
+def _override(settings, text: str):
+    """'gradient_checkpointing=true,optim=adamw_bnb_8bit' -> settings with those fields changed."""
+    changes = {}
+    for item in text.split(","):
+        key, sep, value = item.partition("=")
+        key = key.strip().lstrip("-").replace("-", "_")
+        if not sep or key not in settings.__dataclass_fields__:
+            raise MemFitError(f"`--compare {text}`: give FIELD=VALUE pairs such as gradient_checkpointing=true or "
+                              f"optim=adamw_bnb_8bit")
+        current = getattr(settings, key)
+        if isinstance(current, bool):
+            changes[key] = value.strip().lower() in ("1", "true", "yes", "on")
+        elif isinstance(current, int) and not isinstance(current, bool):
+            try:
+                changes[key] = int(value)
+            except ValueError:
+                raise MemFitError(f"`--compare {text}`: {key} takes an integer") from None
+        else:
+            changes[key] = value.strip()
+    return settings.replace(**changes)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="hf-memfit", description="Predict and fit the memory of Hugging Face fine-tuning, offline.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -158,6 +214,13 @@ def build_parser() -> argparse.ArgumentParser:
                          formatter_class=argparse.RawDescriptionHelpFormatter)
     add_plan_arguments(pln)
     pln.set_defaults(func=cmd_plan)
+    exp = sub.add_parser("explain", help="where the memory goes: a traced step's timeline, by phase and module",
+                         epilog=_EXPLAIN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_step_arguments(exp)
+    exp.add_argument("--plot", help="write a stacked-area chart (PNG) of the step; needs matplotlib")
+    exp.add_argument("--compare", action="append", metavar="FIELD=VALUE[,...]",
+                     help="another configuration to draw beside the first (repeatable)")
+    exp.set_defaults(func=cmd_explain)
     for register in _EXTRA_COMMANDS:
         register(sub)
     return parser

@@ -155,13 +155,16 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
          lora_r: int | None = None, lora_alpha: int | None = None, lora_target_modules=None,
          load_in_4bit: bool = False, allow_offload: str = "cpu", cpu_memory: str | int | None = None,
          nvme_path: str | None = None, headroom: float = 0.05, keep_optimizer: bool = False,
-         optim: str = "adamw_torch_fused", device: str = "cuda", mode: str = "fast") -> PlanResult:
+         optim: str = "adamw_torch_fused", device: str = "cuda", mode: str = "fast",
+         precision: str | None = None) -> PlanResult:
     """Pick the fastest configuration that trains `model` within the memory budget.
 
     The budget is `gpu_memory` (a size such as "12GiB", or "auto" for the local
     GPU's free memory) or the memory of the named `gpu`. The global batch
-    (micro-batch x accumulation x GPUs) is kept exactly. Raises `MemFitError`
-    when the request is invalid or nothing fits, saying what would.
+    (micro-batch x accumulation x GPUs) is kept exactly. `precision` pins the
+    precision (the trainer passes the loaded model's); by default it is chosen
+    from the GPU. Raises `MemFitError` when the request is invalid or nothing
+    fits, saying what would.
     """
     spec = model if isinstance(model, ModelSpec) else resolve_model(model)
     gpu_info = _gpu_info(gpu)
@@ -187,7 +190,10 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
 
     if isinstance(lora_target_modules, str):
         lora_target_modules = tuple(t for t in lora_target_modules.split(",") if t)
-    precision, precision_reason = _precision(gpu_info, device, load_in_4bit)
+    if precision is None:
+        precision, precision_reason = _precision(gpu_info, device, load_in_4bit)
+    else:
+        precision_reason = f"precision {precision}: as the model was loaded"
     attn, attn_reason = _attention(gpu_info, device)
     base = TrainSettings(
         batch_size=1, seq_len=seq_len, task=task, num_labels=num_labels, precision=precision, optim=optim,

@@ -114,3 +114,20 @@ def format_plan(result) -> str:
             verdict = c.why_not if c.fits else f"does not fit: {c.why_not}"
             lines.append(f"  - {label}: {verdict}")
     return "\n".join(lines)
+
+
+def format_timeline(timeline) -> str:
+    """The `hf-memfit explain` text: phases, what is live at the peak, and the top modules."""
+    lines = [f"{timeline.label}: peak {format_bytes(timeline.peak_bytes)} at allocator event {timeline.peak_clock}", ""]
+    lines.append(_table([(p.name, format_bytes(p.peak_bytes), f"events {p.start}-{p.end}") for p in timeline.phases],
+                        ("phase", "peak", "span")))
+    lines += ["", "Live at the peak:"]
+    total = sum(timeline.peak_breakdown.values()) or 1
+    lines.append(_table([(f"  {k}", format_bytes(v), f"{100 * v / total:.1f}%") for k, v in timeline.peak_breakdown.items()]))
+    if timeline.top_module_groups:
+        lines += ["", "Activations at the peak by module (layers folded):"]
+        lines.append(_table([(f"  {m}", format_bytes(b)) for m, b in timeline.top_module_groups]))
+    if timeline.top_modules:
+        lines += ["", "Top modules by activation memory at the peak:"]
+        lines.append(_table([(f"  {m}", format_bytes(b)) for m, b in timeline.top_modules]))
+    return "\n".join(lines)

@@ -361,7 +361,7 @@ def _install_region_hooks(tracker: StorageTracker, stacks, step_tag) -> list:
 @contextlib.contextmanager
 def _module_names(tracker: StorageTracker, model):
     """Keep `tracker.module_stack` on the module running, for per-module attribution."""
-    names = {id(m): n for n, m in model.named_modules()}
+    names = {id(m): n or type(m).__name__ for n, m in model.named_modules()}  # the root: the model's class
     handles = []
 
     def pre(module, args):
@@ -462,6 +462,8 @@ def _forward_backward(model, batch, settings, tracker, step_tag):
     def backward(loss, *args, **kwargs):
         tracker.phase = "backward"
         tracker.set_region(f"{step_tag()}|bwd|pre")
+        step_number = int(step_tag().split(".")[0]) + 1
+        tracker.markers.append((tracker.clock, f"step {step_number} backward"))
         return original_backward(loss, *args, **kwargs)
 
     torch.Tensor.backward = backward

@@ -4,10 +4,11 @@
         python tests/scripts/train_deepspeed.py --config ds_configs/zero2.json --output-dir /tmp/ds
 
 (or `deepspeed --num_gpus 1 tests/scripts/train_deepspeed.py --config ...`). Prints one JSON
-line starting with RESULT: the logged losses and how far the parameters moved.
+line starting with RESULT: the logged losses and how many parameter tensors changed.
 """
 
 import argparse
+import contextlib
 import json
 import math
 
@@ -29,11 +30,25 @@ class RandomTokens(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
+def _snapshot(model) -> list[torch.Tensor]:
+    """Full fp32 copies of the parameters; ZeRO-3 partitions them, so gather first."""
+    params = list(model.parameters())
+    gather = contextlib.nullcontext()
+    if any(hasattr(p, "ds_id") for p in params):
+        import deepspeed
+
+        gather = deepspeed.zero.GatheredParameters(params)
+    with gather:
+        return [p.detach().float().clone() for p in params]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", required=True)
     parser.add_argument("--output-dir", required=True)
     parser.add_argument("--max-steps", type=int, default=3)
+    parser.add_argument("--local_rank", type=int, default=0)  # passed by the `deepspeed` launcher
+    parser.add_argument("--bf16", action="store_true", help="fills the configs' bf16.enabled \"auto\"")
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -49,29 +64,17 @@ def main() -> None:
         report_to=[],
         save_strategy="no",
         use_cpu=True,
+        bf16=args.bf16,
     )
-    # Under ZeRO-3 the Trainer's args set up zero.Init, so build the model after them.
-    model = GPT2LMHeadModel(config)
+    # After the args: with a ZeRO-3 config they make `_from_config` (and `from_pretrained`)
+    # build under deepspeed.zero.Init, so parameters are partitioned from the start.
+    model = GPT2LMHeadModel._from_config(config)
+    partitioned_at_init = any(hasattr(p, "ds_id") for p in model.parameters())
     trainer = Trainer(model=model, args=training_args, train_dataset=RandomTokens())
 
-    def snapshot():
-        # ZeRO-3 partitions parameters: gather them whole to compare.
-        engine = trainer.model_wrapped
-        params = list(engine.parameters()) if engine is not None else list(model.parameters())
-        if any(hasattr(p, "ds_id") for p in params):
-            import deepspeed
-            with deepspeed.zero.GatheredParameters(params):
-                return [p.detach().float().clone() for p in params]
-        return [p.detach().float().clone() for p in params]
-
-    before = [p.detach().float().clone() for p in model.parameters()] if not any(
-        hasattr(p, "ds_id") for p in model.parameters()) else None
-    if before is None:
-        import deepspeed
-        with deepspeed.zero.GatheredParameters(list(model.parameters())):
-            before = [p.detach().float().clone() for p in model.parameters()]
+    before = _snapshot(model)
     trainer.train()
-    after = snapshot()
+    after = _snapshot(model)
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     moved = sum(1 for b, a in zip(before, after) if not torch.equal(b, a))
     engine = trainer.model_wrapped
@@ -83,6 +86,10 @@ def main() -> None:
         "zero_stage": engine.zero_optimization_stage(),
         "optimizer": type(engine.optimizer).__name__,
         "basic_optimizer": type(getattr(engine, "basic_optimizer", None)).__name__,
+        "partitioned_at_init": partitioned_at_init,
+        "bf16": engine.bfloat16_enabled(),
+        "offload_optimizer": str(engine.zero_offload_optimizer().device) if engine.zero_offload_optimizer() else None,
+        "offload_param": str(engine.zero_offload_param().device) if engine.zero_offload_param() else None,
         "world_size": training_args.world_size,
     }
     print("RESULT " + json.dumps(result), flush=True)

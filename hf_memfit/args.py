@@ -1,0 +1,50 @@
+"""`MemFitArguments`: TrainingArguments plus the memory budget the trainer plans for."""
+
+from dataclasses import dataclass, field
+
+from transformers import TrainingArguments
+
+from hf_memfit.errors import check_all
+
+
+@dataclass
+class MemFitArguments(TrainingArguments):
+    """TrainingArguments with a memory budget; `MemFitTrainer` fills the memory knobs from a plan.
+
+    The batch the user gives (per-device batch x accumulation x world size) is
+    the global batch to keep, unless `global_batch_size` says otherwise.
+    """
+
+    memory_budget: str = field(
+        default="auto",
+        metadata={"help": "Memory per device to fit in: `auto` (the GPU's free memory) or a size such as 12GiB."},
+    )
+    global_batch_size: int | None = field(
+        default=None,
+        metadata={"help": "Samples per optimizer step over all devices. Default: per-device batch x accumulation x world size."},
+    )
+    memfit_mode: str = field(default="fast", metadata={"help": "Estimator mode for planning: fast or exact."})
+    allow_offload: str = field(default="cpu", metadata={"help": "DeepSpeed offload the plan may use: none, cpu or nvme."})
+    headroom: float = field(default=0.05, metadata={"help": "Fraction of the budget kept free."})
+    keep_optimizer: bool = field(default=False, metadata={"help": "Never switch AdamW to its 8-bit variants."})
+    memfit_max_recoveries: int = field(default=3, metadata={"help": "OOM recoveries before saving and stopping."})
+
+    def __post_init__(self):
+        super().__post_init__()
+        problems = []
+        if self.memfit_mode not in ("fast", "exact"):
+            problems.append(f"`memfit_mode` must be fast or exact, got {self.memfit_mode!r}")
+        if self.allow_offload not in ("none", "cpu", "nvme"):
+            problems.append(f"`allow_offload` must be none, cpu or nvme, got {self.allow_offload!r}")
+        if not 0 <= self.headroom < 1:
+            problems.append(f"`headroom` must be in [0, 1), got {self.headroom}")
+        if self.global_batch_size is not None and self.global_batch_size <= 0:
+            problems.append(f"`global_batch_size` must be positive, got {self.global_batch_size}")
+        if str(self.memory_budget).strip().lower() != "auto":
+            from hf_memfit.units import parse_bytes
+
+            try:
+                parse_bytes(self.memory_budget, "memory_budget")
+            except ValueError as error:
+                problems.append(str(error))
+        check_all(problems)

@@ -1,0 +1,91 @@
+"""The `hf-memfit` command: contract of --json, readable tables, and one-line errors with exit code 2."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from hf_memfit.cli import main
+
+
+def run_cli(capsys, *argv) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_estimate_json_contract(capsys):
+    code, out, _ = run_cli(capsys, "estimate", "gpt2", "--batch-size", "2", "--seq-len", "128", "--json")
+    assert code == 0
+    data = json.loads(out)
+    for key in ("peak_allocated_bytes", "peak_reserved_bytes", "device_total_bytes", "cpu_bytes", "nvme_bytes"):
+        assert isinstance(data[key], int) and data[key] >= 0
+    assert set(data["breakdown"]) == {"weights", "gradients", "optimizer", "activations", "temporary", "overhead"}
+    assert sum(data["breakdown"].values()) == data["device_total_bytes"]
+    assert data["peak_allocated_bytes"] <= data["peak_reserved_bytes"] <= data["device_total_bytes"]
+
+
+def test_cpu_peaks_are_equal(capsys):
+    code, out, _ = run_cli(capsys, "estimate", "gpt2", "--batch-size", "1", "--seq-len", "64", "--device", "cpu", "--json")
+    data = json.loads(out)
+    assert code == 0
+    assert data["peak_allocated_bytes"] == data["peak_reserved_bytes"] == data["device_total_bytes"]
+
+
+def test_estimate_table_is_readable(capsys):
+    code, out, _ = run_cli(capsys, "estimate", "meta-llama/Llama-3.1-8B", "--batch-size", "1", "--seq-len", "512",
+                           "--precision", "bf16-mixed", "--lora-r", "8")
+    assert code == 0
+    assert "activations" in out and "GiB" in out and "nvidia-smi" in out
+
+
+def test_offload_moves_bytes_to_the_host(capsys):
+    args = ["estimate", "gpt2-xl", "--batch-size", "1", "--seq-len", "512", "--precision", "bf16-mixed", "--json"]
+    _, out, _ = run_cli(capsys, *args, "--zero-stage", "2")
+    on_gpu = json.loads(out)
+    _, out, _ = run_cli(capsys, *args, "--zero-stage", "2", "--offload-optimizer", "cpu")
+    offloaded = json.loads(out)
+    assert offloaded["cpu_bytes"] > 0 and on_gpu["cpu_bytes"] == 0
+    assert offloaded["device_total_bytes"] < on_gpu["device_total_bytes"]
+
+
+BAD_INPUTS = [
+    (["estimate", "gpt-9000", "--batch-size", "1", "--seq-len", "8"], "gpt2"),  # unknown model: suggests close names
+    (["estimate", "gpt2", "--batch-size", "1", "--seq-len", "4096"], "--seq-len"),
+    (["estimate", "gpt2", "--batch-size", "1", "--seq-len", "8", "--optim", "adamw_magic"], "--optim"),
+    (["estimate", "gpt2", "--batch-size", "1", "--seq-len", "8", "--lora-r", "8", "--lora-target-modules", "q_proj"],
+     "--lora-target-modules"),
+    (["estimate", "gpt2", "--batch-size", "0", "--seq-len", "8"], "--batch-size"),
+    (["estimate", "gpt2", "--batch-size", "-2", "--seq-len", "8"], "--batch-size"),
+    (["estimate", "gpt2", "--batch-size", "1", "--seq-len", "8", "--offload-param", "cpu"], "zero-stage"),
+    (["estimate", "gpt2", "--batch-size", "1", "--seq-len", "8", "--lora-alpha", "16"], "--lora-r"),
+    (["estimate", "gpt2", "--batch-size", "1", "--seq-len", "8", "--gpu", "gtx-9999"], "--gpu"),
+    (["plan", "gpt2", "--seq-len", "128", "--global-batch-size", "6", "--num-gpus", "4", "--gpu-memory", "16GiB"],
+     "--global-batch-size"),
+    (["plan", "gpt2", "--seq-len", "128", "--global-batch-size", "8", "--gpu-memory", "12 parsecs"], "--gpu-memory"),
+]
+
+
+@pytest.mark.parametrize("argv,named", BAD_INPUTS, ids=[" ".join(a[1:3]) + f" [{n}]" for a, n in BAD_INPUTS])
+def test_bad_input_is_one_line_with_exit_code_2(capsys, argv, named):
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 2
+    assert err.count("\n") == 1 and err.startswith("hf-memfit: error:")
+    assert named in err
+    assert "Traceback" not in err
+
+
+def test_real_process_exit_code_and_no_traceback():
+    proc = subprocess.run([sys.executable, "-m", "hf_memfit.cli", "estimate", "llama-3-8b", "--batch-size", "1",
+                           "--seq-len", "8"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert "meta-llama/Llama-3" in proc.stderr  # close catalogue matches
+
+
+def test_fast_cli_path_does_not_import_torch():
+    code = ("import sys; from hf_memfit.cli import main; main(['estimate','gpt2','--batch-size','1','--seq-len','64',"
+            "'--json']); assert 'torch' not in sys.modules, 'torch imported'")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr

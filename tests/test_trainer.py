@@ -1,0 +1,122 @@
+"""MemFitTrainer on the CPU: planning, applying, verifying and recovering from an injected OOM."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, HfArgumentParser, TrainingArguments
+
+from hf_memfit.args import MemFitArguments
+from hf_memfit.errors import MemFitError
+from hf_memfit.trainer import MemFitTrainer
+
+SEQ = 32
+
+
+def tiny_gpt2():
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("gpt2", n_layer=2, n_embd=32, n_head=2, vocab_size=128, n_positions=64,
+                                  bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return AutoModelForCausalLM.from_config(config)
+
+
+class TokenDataset(torch.utils.data.Dataset):
+    def __init__(self, n=32):
+        generator = torch.Generator().manual_seed(1)
+        self.ids = torch.randint(0, 128, (n, SEQ), generator=generator)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def make_args(tmp_path, **overrides):
+    values = dict(output_dir=str(tmp_path / "out"), memory_budget="2GiB", per_device_train_batch_size=4,
+                  gradient_accumulation_steps=2, max_steps=3, learning_rate=1e-2, report_to=[], save_strategy="no",
+                  use_cpu=True, seed=0, data_seed=0, logging_steps=1, disable_tqdm=True)
+    values.update(overrides)
+    return MemFitArguments(**values)
+
+
+def test_plans_applies_and_writes_the_plan(tmp_path):
+    trainer = MemFitTrainer(model=tiny_gpt2(), args=make_args(tmp_path), train_dataset=TokenDataset())
+    plan = trainer.memfit_plan
+    assert plan.per_device_train_batch_size * plan.gradient_accumulation_steps == 8  # global batch kept
+    assert trainer.args.per_device_train_batch_size == plan.per_device_train_batch_size
+    assert trainer.args.gradient_accumulation_steps == plan.gradient_accumulation_steps
+    trainer.train()
+    saved = json.loads((tmp_path / "out" / "memfit_plan.json").read_text())
+    assert saved["plan"]["per_device_train_batch_size"] == plan.per_device_train_batch_size
+    checks = [h for h in trainer.state.log_history if "memfit/measured_peak_bytes" in h]
+    assert checks and checks[0]["memfit/measured_peak_bytes"] > 0
+    assert abs(checks[0]["memfit/relative_error"]) < 0.5
+
+
+def test_a_tight_budget_lowers_the_micro_batch(tmp_path):
+    roomy = MemFitTrainer(model=tiny_gpt2(), args=make_args(tmp_path), train_dataset=TokenDataset())
+    need = roomy.memfit_result.estimate.device_total_bytes
+    tight = MemFitTrainer(model=tiny_gpt2(), args=make_args(tmp_path, memory_budget=str(int(need * 0.97 / 0.95))),
+                          train_dataset=TokenDataset())
+    assert tight.memfit_plan.per_device_train_batch_size < roomy.memfit_plan.per_device_train_batch_size \
+        or tight.memfit_plan.gradient_checkpointing
+
+
+def _train_weights(tmp_path, fail_above: int | None):
+    model = tiny_gpt2()
+    calls = {"raised": 0}
+
+    def fake_oom(module, args):
+        if fail_above is not None and args[0].shape[0] > fail_above:
+            calls["raised"] += 1
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    model.transformer.h[1].register_forward_pre_hook(fake_oom)
+    trainer = MemFitTrainer(model=model, args=make_args(tmp_path), train_dataset=TokenDataset())
+    trainer.train()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, trainer, calls["raised"]
+
+
+def test_oom_recovery_keeps_the_training_identical(tmp_path):
+    clean, _, _ = _train_weights(tmp_path / "clean", fail_above=None)
+    recovered, trainer, raised = _train_weights(tmp_path / "faulty", fail_above=2)
+    assert raised >= 1
+    assert any("memfit/oom_recovery" in h for h in trainer.state.log_history)
+    assert trainer.state.global_step == 3
+    for name, value in clean.items():
+        torch.testing.assert_close(recovered[name], value, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_gives_up_after_the_ladder_with_a_checkpoint(tmp_path):
+    model = tiny_gpt2()
+
+    def always_oom(module, args):
+        raise torch.OutOfMemoryError("CUDA out of memory.")
+
+    model.transformer.h[0].register_forward_pre_hook(always_oom)
+    trainer = MemFitTrainer(model=model, args=make_args(tmp_path), train_dataset=TokenDataset())
+    with pytest.raises(MemFitError, match="checkpoint"):
+        trainer.train()
+    assert any(p.name.startswith("checkpoint-") for p in (tmp_path / "out").iterdir())
+
+
+def test_plain_training_arguments_are_upcast(tmp_path):
+    args = TrainingArguments(output_dir=str(tmp_path / "o"), per_device_train_batch_size=2, use_cpu=True,
+                             report_to=[], max_steps=1)
+    with pytest.raises(MemFitError, match="memory_budget"):  # the default budget is "auto", and there is no GPU
+        MemFitTrainer(model=tiny_gpt2(), args=args, train_dataset=TokenDataset())
+    assert not (tmp_path / "o").exists()  # nothing half-written
+
+
+def test_bad_global_batch_fails_before_training(tmp_path):
+    with pytest.raises(MemFitError, match="global"):
+        MemFitTrainer(model=tiny_gpt2(), args=make_args(tmp_path, global_batch_size=0), train_dataset=TokenDataset())
+    assert not (tmp_path / "out").exists()
+
+
+def test_hf_argument_parser_gives_flags():
+    (args,) = HfArgumentParser(MemFitArguments).parse_args_into_dataclasses(
+        ["--output_dir", "/tmp/x", "--memory_budget", "24GiB", "--global_batch_size", "64", "--memfit_mode", "exact",
+         "--use_cpu", "True"])
+    assert args.memory_budget == "24GiB" and args.global_batch_size == 64 and args.memfit_mode == "exact"
