@@ -4,30 +4,27 @@
     hf_memfit.estimate("gpt2-xl", batch_size=1, seq_len=1024)
     hf_memfit.plan("gpt2-xl", gpu_memory="12GiB", seq_len=1024, global_batch_size=64)
 
-Imports are lazy so that `hf-memfit estimate` (fast mode) never loads torch.
+The estimator and planner import no torch (fast mode stays fast); the
+trainer classes, which need transformers and torch, load on first use.
 """
+
+from hf_memfit.errors import MemFitError
+from hf_memfit.estimator import MemoryEstimate, estimate
+from hf_memfit.planner import Plan, PlanResult, plan
+from hf_memfit.settings import TrainSettings
+from hf_memfit.spec import ModelSpec, resolve_model
 
 __version__ = "0.1.0"
 
-_EXPORTS = {
-    "estimate": "hf_memfit.estimate",
-    "MemoryEstimate": "hf_memfit.estimate",
-    "TrainSettings": "hf_memfit.settings",
-    "resolve_model": "hf_memfit.spec",
-    "ModelSpec": "hf_memfit.spec",
-    "MemFitError": "hf_memfit.errors",
-    "plan": "hf_memfit.plan",
-    "Plan": "hf_memfit.plan",
-    "MemFitArguments": "hf_memfit.args",
-    "MemFitTrainer": "hf_memfit.trainer",
-}
+_LAZY = {"MemFitArguments": "hf_memfit.args", "MemFitTrainer": "hf_memfit.trainer"}
 
-__all__ = sorted(_EXPORTS)
+__all__ = ["MemFitArguments", "MemFitError", "MemFitTrainer", "MemoryEstimate", "ModelSpec", "Plan", "PlanResult",
+           "TrainSettings", "estimate", "plan", "resolve_model"]
 
 
 def __getattr__(name):
-    if name in _EXPORTS:
+    if name in _LAZY:
         import importlib
 
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'hf_memfit' has no attribute {name!r}")

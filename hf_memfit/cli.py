@@ -86,7 +86,7 @@ def settings_from_args(args: argparse.Namespace):
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
-    from hf_memfit.estimate import estimate_settings
+    from hf_memfit.estimator import estimate_settings
     from hf_memfit.report import format_estimate
     from hf_memfit.spec import resolve_model
 
@@ -124,7 +124,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from hf_memfit.plan import plan
+    from hf_memfit.planner import plan
     from hf_memfit.report import format_plan
 
     targets = args.lora_target_modules

@@ -59,12 +59,17 @@ def deepspeed_config(
     offload_param: str = "none",
     nvme_path: str | None = None,
     precision: str = "bf16-mixed",
+    largest_param_numel: int | None = None,
 ) -> dict:
     """A DeepSpeed config dict for `TrainingArguments(deepspeed=...)`, with "auto" where the Trainer fills it.
 
     `offload_optimizer` / `offload_param` are "none", "cpu" or "nvme" (ZeRO-Infinity,
-    needs `nvme_path`). `precision` is a `TrainSettings` precision: bf16* enables the
-    `bf16` section, fp16* the `fp16` section with dynamic loss scaling, fp32 neither.
+    needs `nvme_path`; a path is ignored when nothing goes to NVMe, so a planner may
+    pass the user's path whatever it picks). `precision` is a `TrainSettings`
+    precision: bf16* enables the `bf16` section, fp16* the `fp16` section with dynamic
+    loss scaling, fp32 neither. `largest_param_numel` (e.g. the embedding) sizes the
+    NVMe parameter buffers, which must hold the largest parameter whole; without it
+    DeepSpeed's default of 1e8 elements is kept.
     Raises `MemFitError` listing every invalid argument.
     """
     _validate(zero_stage, offload_optimizer, offload_param, nvme_path, precision)
@@ -105,9 +110,10 @@ def deepspeed_config(
     if offload_param != "none":
         zero["offload_param"] = _offload(offload_param, nvme_path)
         if offload_param == "nvme":
-            # The buffer must hold the largest parameter (DeepSpeed default 1e8 elements);
-            # raise buffer_size for embeddings larger than that.
-            zero["offload_param"] |= {"buffer_count": 5, "buffer_size": 100_000_000, "max_in_cpu": 1_000_000_000}
+            # Each swap buffer must hold the largest parameter whole (partitioned_param_swapper.py
+            # asserts numel <= buffer_size); DeepSpeed's default is 1e8 elements.
+            buffer_size = max(100_000_000, largest_param_numel or 0)
+            zero["offload_param"] |= {"buffer_count": 5, "buffer_size": buffer_size, "max_in_cpu": 1_000_000_000}
     config["zero_optimization"] = zero
     if "nvme" in (offload_optimizer, offload_param):
         config["aio"] = dict(AIO)
@@ -129,10 +135,12 @@ def deepspeed_config(
     return config
 
 
-def deepspeed_config_for(settings: TrainSettings, nvme_path: str | None = None) -> dict:
+def deepspeed_config_for(settings: TrainSettings, nvme_path: str | None = None,
+                         largest_param_numel: int | None = None) -> dict:
     """`deepspeed_config` for a `TrainSettings` with `zero_stage` 1-3."""
     return deepspeed_config(settings.zero_stage, settings.offload_optimizer, settings.offload_param,
-                            nvme_path=nvme_path, precision=settings.precision)
+                            nvme_path=nvme_path, precision=settings.precision,
+                            largest_param_numel=largest_param_numel)
 
 
 def _offload(device: str, nvme_path: str | None) -> dict:
@@ -155,11 +163,8 @@ def _validate(zero_stage, offload_optimizer, offload_param, nvme_path, precision
     if offload_optimizer == "nvme" and zero_stage != 3:
         # ZeRO-1/2 would quietly treat "nvme" as "cpu" (stage_1_and_2.py).
         problems.append("`--offload-optimizer nvme` needs `--zero-stage 3` (ZeRO-Infinity); use `--offload-optimizer cpu` with ZeRO-1/2")
-    uses_nvme = "nvme" in (offload_optimizer, offload_param)
-    if uses_nvme and not nvme_path:
+    if "nvme" in (offload_optimizer, offload_param) and not nvme_path:
         problems.append("NVMe offload needs `--nvme-path`, a directory on a local NVMe drive (e.g. `--nvme-path /local_nvme`)")
-    if nvme_path and not uses_nvme:
-        problems.append("`--nvme-path` is only used with `--offload-optimizer nvme` or `--offload-param nvme`; drop it or add one")
     check_all(problems)
 
 

@@ -4,7 +4,7 @@ from hf_memfit.breakdown import CATEGORIES
 from hf_memfit.units import format_bytes
 
 _CATEGORY_NOTES = {
-    "weights": "parameters and buffers",
+    "weights": "parameters, buffers, autocast weight copies",
     "gradients": "parameter gradients",
     "optimizer": "optimizer states (and fp32 master weights under ZeRO)",
     "activations": "tensors saved for backward",
@@ -50,7 +50,7 @@ def settings_line(settings) -> str:
 
 def format_estimate(est) -> str:
     """The `hf-memfit estimate` table."""
-    from hf_memfit.estimate import describe_region
+    from hf_memfit.estimator import describe_region
 
     s = est.settings
     lines = [
@@ -80,7 +80,7 @@ def format_estimate(est) -> str:
 
 def format_plan(result) -> str:
     """The `hf-memfit plan` table: the plan, its memory breakdown, the runners-up and the reasons."""
-    from hf_memfit.plan import _layout_text  # the same wording as the reasons
+    from hf_memfit.planner import _layout_text  # the same wording as the reasons
 
     p, est, s = result.plan, result.estimate, result.plan.settings
     lines = [f"Plan for {est.model}: {s.seq_len} tokens x global batch "

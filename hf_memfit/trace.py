@@ -76,12 +76,19 @@ class StorageTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        # Autocast's cached low-precision copy of a weight (autocast_mode.cpp
+        # cached_cast) lives as long as the autocast region: count it as weights.
+        category = "weights" if func is torch.ops.aten._to_copy.default and self._is_weight(args[0]) else None
         for value in tree_flatten(out)[0]:
             if isinstance(value, torch.Tensor):
-                self.track(value)
+                self.track(value, category)
         return out
 
-    def track(self, tensor: torch.Tensor) -> None:
+    def _is_weight(self, tensor) -> bool:
+        record = self._live.get(tensor.untyped_storage()._cdata) if isinstance(tensor, torch.Tensor) else None
+        return record is not None and record.category == "weights" and self.phase == "forward"
+
+    def track(self, tensor: torch.Tensor, category: str | None = None) -> None:
         storage = tensor.untyped_storage()
         key = storage._cdata
         if key in self._live:
@@ -90,7 +97,8 @@ class StorageTracker(TorchDispatchMode):
         if self.round_to > 1:
             nbytes = max(self.round_to, -(-nbytes // self.round_to) * self.round_to)
         self.clock += 1
-        record = Allocation(nbytes, self.clock, None, _CATEGORY_BY_PHASE[self.phase], self.phase, self.module_stack[-1])
+        record = Allocation(nbytes, self.clock, None, category or _CATEGORY_BY_PHASE[self.phase], self.phase,
+                            self.module_stack[-1])
         self._live[key] = record
         self.allocations.append(record)
         self.events.append((len(self.allocations), nbytes))

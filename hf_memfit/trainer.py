@@ -6,6 +6,7 @@ is the stock Trainer, so everything else (logging, checkpoints, resume,
 accelerate and DeepSpeed) behaves as users know it.
 """
 
+import dataclasses
 import json
 import logging
 import os
@@ -46,7 +47,7 @@ class MemFitTrainer(Trainer):
         self.memfit_result = _plan_for(model, args, kwargs.get("train_dataset"), kwargs.get("data_collator"),
                                        kwargs.get("processing_class"))
         self.memfit_plan = self.memfit_result.plan
-        _apply(self.memfit_plan, args)
+        args = _apply(self.memfit_plan, args)
         super().__init__(model, args, *positional, **kwargs)
         self.add_callback(MemoryCheckCallback(self))
         self._memfit_chunk: int | None = None  # micro-batch split after an OOM; None = whole micro-batch
@@ -168,7 +169,7 @@ def _free_cached_memory():
 # --- planning for the real model and data -------------------------------------------
 
 def _plan_for(model, args: MemFitArguments, train_dataset, data_collator, processing_class):
-    from hf_memfit.plan import plan
+    from hf_memfit.planner import plan
     from hf_memfit.spec import ModelSpec
 
     if model is None:
@@ -245,12 +246,18 @@ def _longest_sequence(spec, dataset, collator, tokenizer) -> int:
     raise MemFitError("cannot tell the sequence length: give the collator a `max_length` or a dataset with `input_ids`")
 
 
-def _apply(plan, args: MemFitArguments) -> None:
-    """Set the plan's knobs on the arguments, before the Trainer builds the optimizer and dataloaders."""
-    for key, value in plan.training_arguments().items():
-        setattr(args, key, value)
-    if plan.deepspeed is not None and args.world_size > 1:
-        args.deepspeed = plan.deepspeed
+def _apply(plan, args: MemFitArguments) -> MemFitArguments:
+    """The arguments with the plan's knobs, before the Trainer builds the optimizer and dataloaders.
+
+    Rebuilt with `dataclasses.replace` rather than set attribute by attribute, so
+    that `TrainingArguments.__post_init__` runs again: it sets up mixed
+    precision and, when the plan uses DeepSpeed, fills the config's "auto"
+    values from the new batch sizes and prepares accelerate for it.
+    """
+    changes = plan.training_arguments()
+    if plan.deepspeed is not None:
+        changes["deepspeed"] = plan.deepspeed
+    return dataclasses.replace(args, **changes)
 
 
 # --- checking the prediction ------------------------------------------------------------

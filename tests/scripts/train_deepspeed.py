@@ -52,7 +52,7 @@ def main() -> None:
     args = parser.parse_args()
 
     torch.manual_seed(0)
-    config = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=VOCAB, n_positions=SEQ)
+    config = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=VOCAB, n_positions=SEQ, bos_token_id=0, eos_token_id=0)
     training_args = TrainingArguments(
         output_dir=args.output_dir,
         max_steps=args.max_steps,

@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass, field
 
 from hf_memfit.errors import MemFitError, check_all
-from hf_memfit.estimate import MemoryEstimate, assemble, estimate_settings
+from hf_memfit.estimator import MemoryEstimate, assemble, estimate_settings
 from hf_memfit.settings import TrainSettings
 from hf_memfit.spec import ModelSpec, resolve_model
 from hf_memfit.units import GiB, format_bytes, parse_bytes

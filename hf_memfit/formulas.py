@@ -1,0 +1,1376 @@
+"""Fast mode: the peak memory of one training step in closed form, without torch.
+
+`fast_step_memory(spec, settings)` returns the same kind of `StepMemory` as
+exact mode (`trace.exact_candidates`): live bytes by category at each region
+of the step where the peak can fall. Nothing here imports torch,
+transformers or peft (the CLI's fast path must start in well under a second),
+so everything is derived from the `ModelSpec`:
+
+- Model states are exact arithmetic over the model's parameter tensors
+  (enumerated from `spec.linear_modules` plus the embedding tables and norm
+  vectors): weights in their storage dtype, gradients for trainable tensors,
+  optimizer states in the layout each optimizer allocates.
+- Activations come from a small symbolic forward: each family's layer is
+  written as the sequence of ops transformers 5 runs (`_Forward`), and every op
+  records which of its tensors autograd saves for backward, following torch's
+  derivative formulas (mm saves its input only if the weight needs a grad,
+  `mul` saves the other operand, `relu`/`tanh`/`softmax` save their output,
+  ...), autocast's casts (input and weight copies; leaf weights cached until
+  autocast exits) and dtype promotion. What a layer saves, times the depth, is
+  the activation memory; a layer's transients are bounded by its largest
+  tensors. The same tensor saved by two ops is counted once.
+- The head and loss (logits, the fp32 upcast, log_softmax's saved output,
+  accelerate's fp32 copy of the logits, the backward of all of that) and the
+  embedding backward are short event sequences whose maxima are taken exactly.
+- Optimizer temporaries follow the code path torch takes on the device
+  (foreach on CUDA, single-tensor on CPU, in-place fused / bitsandbytes kernels).
+
+The semantics follow exact mode, which runs the real step on fake tensors, so
+that both modes agree; where exact mode's CUDA emulation departs from a real
+GPU (see `_EXACT_CUDA_EMULATION`) the fast mode follows exact mode and says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hf_memfit.breakdown import CATEGORIES, StepMemory
+
+# Element sizes by our dtype tags.
+_SIZE = {"f32": 4, "bf16": 2, "f16": 2, "u8": 1, "bool": 1, "i64": 8}
+_TAG = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+
+# CUDACachingAllocator rounds every block to 512 bytes (kMinBlockSize).
+_CUDA_BLOCK = 512
+
+# bitsandbytes 8-bit optimizers keep 8-bit states only for tensors with at
+# least this many elements, with one fp32 absmax per block (Optimizer8bit).
+_BNB_MIN_8BIT_SIZE = 4096
+_BNB_BLOCK = 256
+
+# Exact mode emulates CUDA on fake CPU tensors. Two CPU behaviours survive in
+# it, and fast mode follows them so that both modes agree (they are real
+# differences from a GPU; flip these to model the GPU instead):
+# - dropout on a CPU tensor saves a mask of the input's dtype (`_dropout_impl`),
+#   where CUDA's fused `native_dropout` saves a bool mask;
+# - the SDPA stand-in is not autocast-wrapped, so under *-mixed it sees the
+#   fp32 q/k that rotary embeddings produce and keeps them fp32, where CUDA
+#   autocast would cast q, k and v to the compute dtype first.
+_EXACT_CUDA_EMULATION = {"cpu_dropout_mask": True, "sdpa_autocast": False}
+
+
+# ---------------------------------------------------------------------------
+# Symbolic tensors and the forward recorder
+# ---------------------------------------------------------------------------
+
+
+class _T:
+    """A symbolic tensor: element count, dtype, whether it needs grad, and where it was made.
+
+    `base` is set for views (q, k, v split out of a fused projection); saving a
+    view keeps its base's storage alive, so the base is what gets marked.
+    `layout` is "bshd" when a [b, heads, s, d] tensor is a transposed view of
+    a [b, s, heads*d] projection (its transpose back is contiguous), "bhsd"
+    when it is contiguous in head-major order.
+    """
+
+    __slots__ = ("numel", "dtype", "rg", "scope", "saved", "held", "base", "layout", "alloc", "idx", "first_save")
+
+    def __init__(self, numel, dtype, rg, scope, alloc=True, base=None, layout="bshd", idx=0):
+        self.numel, self.dtype, self.rg, self.scope = int(numel), dtype, rg, scope
+        self.saved = self.held = False
+        self.base, self.layout, self.alloc = base, layout, alloc
+        self.idx = idx  # position on the forward tape
+        self.first_save = None  # tape position of the first op that saved it (its last user in backward)
+
+
+def _promote(*dtypes: str) -> str:
+    return "f32" if "f32" in dtypes else dtypes[0]
+
+
+@dataclass
+class _Ctx:
+    """What the symbolic forward needs to know about the step."""
+
+    b: int
+    s: int
+    wdt: str  # storage dtype of the base weights
+    ac: str | None  # autocast dtype, or None
+    cuda: bool
+    attn: str  # "eager" | "sdpa"
+    full_ft: bool  # base weights trainable
+    lora_r: int | None
+    lora_targets: frozenset
+    use_cache: bool  # the model builds a DynamicCache in forward (copies of k and v)
+    flash_ok: bool  # the GPU can run SDPA's flash kernel
+
+    @property
+    def tokens(self) -> int:
+        return self.b * self.s
+
+
+class _Forward:
+    """Records the tensors a forward makes, and which ones autograd saves or Python holds.
+
+    Each op below mirrors what the aten op (or the transformers code) does to
+    memory: which new tensors it allocates, in what dtype, and which of its
+    inputs or outputs it saves for backward.
+    """
+
+    def __init__(self, ctx: _Ctx):
+        self.ctx = ctx
+        self.tensors: list[_T] = []
+        self.scope = "emb"
+        self.peak_transient: dict[str, int] = {}
+        # (tape position, scope, gradient numel, param dtype, compute-dtype copy or None) per trainable weight use
+        self.grad_events: list[tuple[int, str, int, str, str | None]] = []
+
+    # -- bookkeeping ---------------------------------------------------------
+
+    def new(self, numel, dtype, rg=True, layout="bshd") -> _T:
+        t = _T(numel, dtype, rg, self.scope, layout=layout, idx=len(self.tensors))
+        self.tensors.append(t)
+        return t
+
+    def weight_grad(self, numel: int, dtype: str, cast: str | None = None) -> None:
+        """A trainable weight is used here; its gradient appears when backward gets back to this point."""
+        self.grad_events.append((len(self.tensors), self.scope, numel, dtype, cast))
+
+    def param(self, numel, dtype, trainable) -> _T:
+        return _T(numel, dtype, trainable, "param", alloc=False)
+
+    def view(self, base: _T, numel, layout="bshd") -> _T:
+        return _T(numel, base.dtype, base.rg, base.scope, alloc=False, base=base, layout=layout)
+
+    def save(self, *ts: _T | None) -> None:
+        for t in ts:
+            if t is None:
+                continue
+            t = t.base or t
+            if t.alloc:
+                t.saved = True
+                if t.first_save is None:
+                    t.first_save = len(self.tensors)
+
+    def hold(self, *ts: _T | None) -> None:
+        for t in ts:
+            if t is None:
+                continue
+            t = t.base or t
+            if t.alloc:
+                t.held = True
+
+    def bytes_of(self, t: _T) -> int:
+        n = t.numel * _SIZE[t.dtype]
+        if self.ctx.cuda:
+            n = max(_CUDA_BLOCK, -(-n // _CUDA_BLOCK) * _CUDA_BLOCK)
+        return n
+
+    def scope_bytes(self, scope: str, *, held: bool) -> int:
+        """Bytes of tensors made in `scope` that are saved (and, with `held`, also those only held)."""
+        return sum(self.bytes_of(t) for t in self.tensors
+                   if t.scope == scope and (t.saved or (held and t.held)))
+
+    def transient(self, *ts: _T) -> None:
+        """Note tensors alive together inside one op, for the scope's transient bound."""
+        total = sum(self.bytes_of(t) for t in ts if t is not None and t.alloc)
+        if total > self.peak_transient.get(self.scope, 0):
+            self.peak_transient[self.scope] = total
+
+    # -- elementwise and casts -----------------------------------------------
+
+    def cast(self, x: _T, dtype: str) -> _T:
+        """`x.to(dtype)`: a copy when the dtype changes; its backward saves nothing."""
+        if x.dtype == dtype:
+            return x
+        return self.new(x.numel, dtype, x.rg, layout=x.layout)
+
+    def scale(self, x: _T) -> _T:
+        """Multiply by a Python number (or a constant tensor): a new tensor, nothing saved."""
+        return self.new(x.numel, x.dtype, x.rg, layout=x.layout)
+
+    def add(self, a: _T, b: _T) -> _T:
+        """`a + b`: a new tensor in the promoted dtype; add saves nothing."""
+        return self.new(max(a.numel, b.numel), _promote(a.dtype, b.dtype), a.rg or b.rg, layout=a.layout)
+
+    def mul(self, a: _T, b: _T) -> _T:
+        """`a * b`: saves each operand that the other's gradient needs."""
+        if b.rg:
+            self.save(a)
+        if a.rg:
+            self.save(b)
+        return self.new(max(a.numel, b.numel), _promote(a.dtype, b.dtype), a.rg or b.rg, layout=a.layout)
+
+    def dropout(self, x: _T, p: float) -> _T:
+        """Training-mode dropout with p > 0: the mask (saved) and the output.
+
+        A CPU tensor takes `_dropout_impl`: noise of the input's dtype, saved by
+        the multiply. CUDA's fused `native_dropout` saves a bool mask.
+        """
+        if not p:
+            return x
+        cpu_mask = not self.ctx.cuda or _EXACT_CUDA_EMULATION["cpu_dropout_mask"]
+        mask = self.new(x.numel, x.dtype if cpu_mask else "bool", False)
+        self.save(mask)
+        return self.new(x.numel, x.dtype, x.rg, layout=x.layout)
+
+    # -- activations ---------------------------------------------------------
+
+    def activation(self, x: _T, kind: str) -> _T:
+        if kind in ("gelu_new", "gelu_fast"):
+            # NewGELUActivation: 0.5 * x * (1 + tanh(c * (x + 0.044715 * x**3))).
+            # pow saves x; tanh saves its output; the final mul saves 0.5*x and (1 + tanh).
+            self.save(x)
+            half = self.scale(x)
+            cube = self.new(x.numel, x.dtype, x.rg)
+            inner = self.scale(cube)
+            th = self.new(x.numel, x.dtype, x.rg)
+            self.save(th)
+            one_plus = self.scale(th)
+            self.transient(x, half, cube, inner)
+            return self.mul(half, one_plus)
+        out = self.new(x.numel, x.dtype, x.rg, layout=x.layout)
+        if kind == "relu":
+            self.save(out)  # threshold_backward uses the result
+        else:
+            self.save(x)  # gelu, gelu_pytorch_tanh, silu: backward recomputes from the input
+        return out
+
+    # -- linear ------------------------------------------------------------------
+
+    def linear(self, x: _T, fin: int, fout: int, name: str, bias: bool, *, trainable: bool | None = None,
+               lora: bool = True) -> _T:
+        """nn.Linear / Conv1D, with autocast's casts and an optional LoRA branch.
+
+        Autocast casts the input and the fp32 weight (and bias) to the compute
+        dtype; casts of trainable leaf weights are cached until autocast exits.
+        mm saves its input when the weight needs a grad and the (cast) weight
+        when the input does.
+        """
+        ctx = self.ctx
+        trainable = ctx.full_ft if trainable is None else trainable
+        rows = x.numel // fin
+        if ctx.ac and ctx.wdt == "f32":
+            xin = self.cast(x, ctx.ac)
+            w = self.new(fin * fout, ctx.ac, False)  # the weight's compute-dtype copy
+            if trainable:
+                self.hold(w)  # autocast's weight cache
+                if bias:
+                    self.hold(self.new(fout, ctx.ac, False))  # the bias copy, cached likewise
+            out_dtype = ctx.ac
+        else:
+            xin, w, out_dtype = x, None, x.dtype
+        if trainable:
+            self.save(xin)
+            self.weight_grad(fin * fout + (fout if bias else 0), ctx.wdt, ctx.ac if w is not None else None)
+        if x.rg and w is not None:
+            self.save(w)
+        out = self.new(rows * fout, out_dtype, x.rg or trainable)
+        self.transient(xin, out)
+        if lora and ctx.lora_r and name in ctx.lora_targets:
+            out = self._lora(x, out, fin, fout)
+        return out
+
+    def _lora(self, x: _T, base_out: _T, fin: int, fout: int) -> _T:
+        """peft's LoRA Linear: result + lora_B(lora_A(x)) * scaling, adapters kept in fp32.
+
+        peft casts x to the adapter dtype (fp32) first; lora_dropout is 0 by default.
+        """
+        r, rows = self.ctx.lora_r, x.numel // fin
+        xa = self.cast(x, "f32")
+        ac = self.ctx.ac
+        self.weight_grad(fin * r, "f32", ac)
+        self.weight_grad(r * fout, "f32", ac)
+        if ac:
+            xa_c = self.cast(xa, ac)
+            wa = self.new(fin * r, ac, False)
+            wb = self.new(r * fout, ac, False)
+            self.hold(wa, wb)
+            self.save(xa_c)
+            if xa.rg:
+                self.save(wa)
+            a = self.new(rows * r, ac, True)
+            self.save(a, wb)
+            out_b = self.new(rows * fout, ac, True)
+        else:
+            self.save(xa)
+            a = self.new(rows * r, "f32", True)
+            self.save(a)
+            out_b = self.new(rows * fout, "f32", True)
+        scaled = self.scale(out_b)
+        result = self.add(base_out, scaled)
+        return self.cast(result, base_out.dtype)
+
+    # -- norms -------------------------------------------------------------------
+
+    def layer_norm(self, x: _T, h: int, trainable: bool | None = None) -> _T:
+        """native_layer_norm: saves its input, mean and rstd. CUDA autocast runs it in fp32."""
+        trainable = self.ctx.full_ft if trainable is None else trainable
+        if self.ctx.ac and self.ctx.cuda:
+            xin, out_dtype = self.cast(x, "f32"), "f32"
+        else:
+            xin, out_dtype = x, x.dtype
+        rows = x.numel // h
+        stat = "f32" if (self.ctx.cuda or xin.dtype == "f32") else xin.dtype
+        if x.rg or trainable:
+            self.save(xin, self.new(rows, stat, False), self.new(rows, stat, False))
+        if trainable:
+            self.weight_grad(2 * h, self.ctx.wdt)
+        return self.new(x.numel, out_dtype, x.rg or trainable)
+
+    def rms_norm(self, x: _T, h: int, style: str, trainable: bool | None = None) -> _T:
+        """The Python RMSNorms of transformers.
+
+        llama: w * (x32 * rsqrt(mean(x32**2))).to(x.dtype); t5: w * (x * rsqrt(...));
+        gemma2: (x32 * rsqrt(...)) * (1 + w), then .type_as(x). pow saves its
+        input, rsqrt its output, each mul the operand the other's grad needs.
+        """
+        trainable = self.ctx.full_ft if trainable is None else trainable
+        rows = x.numel // h
+        w = self.param(h, self.ctx.wdt, trainable)
+        if trainable:
+            self.weight_grad(h, self.ctx.wdt)
+        rstd = self.new(rows, "f32", x.rg)
+        if style == "t5":
+            x32 = self.cast(x, "f32")
+            if x.rg:
+                self.save(x32, x, rstd)
+            normed = self.new(x.numel, _promote(x.dtype, "f32"), x.rg)
+            if self.ctx.wdt != "f32":
+                normed = self.cast(normed, self.ctx.wdt)
+            return self.mul(w, normed)
+        x32 = self.cast(x, "f32")
+        if x.rg:
+            self.save(x32, rstd)
+        normed = self.new(x.numel, "f32", x.rg)
+        if style == "gemma":
+            w1 = self.new(h, "f32", trainable)  # 1 + weight.float()
+            out = self.mul(normed, w1)
+            return self.cast(out, x.dtype)
+        normed = self.cast(normed, x.dtype)
+        return self.mul(w, normed)
+
+    # -- attention -----------------------------------------------------------------
+
+    def kv_cache(self, k: _T, v: _T) -> tuple[_T, _T]:
+        """DynamicLayer.update in training: cat([], k) copies k and v (in k's dtype); the cache holds them."""
+        if not self.ctx.use_cache:
+            return k, v
+        kc = self.new(k.numel, k.dtype, k.rg, layout="bhsd")
+        vc = self.new(v.numel, k.dtype, v.rg, layout="bhsd")
+        self.hold(kc, vc)
+        return kc, vc
+
+    def attention(self, q: _T, k: _T, v: _T, heads: int, kv_heads: int, head_dim: int, *, dropout: float,
+                  mask: _T | None = None, causal: bool = True, eager_style: str = "llama",
+                  softcap: float | None = None) -> _T:
+        """Attention core; returns the [b, s, heads*head_dim] input of the output projection."""
+        ctx = self.ctx
+        b, s = ctx.b, ctx.s
+        rows = b * heads * s
+        out_numel = rows * head_dim
+        if ctx.attn == "eager":
+            return self._eager(q, k, v, heads, kv_heads, head_dim, dropout, mask, causal, eager_style, softcap)
+        if ctx.cuda:
+            if _EXACT_CUDA_EMULATION["sdpa_autocast"] and ctx.ac:
+                q, k, v = self.cast(q, ctx.ac), self.cast(k, ctx.ac), self.cast(v, ctx.ac)
+            if kv_heads != heads:  # the kernels see k and v expanded to every head
+                k = self.new(k.numel * heads // kv_heads, k.dtype, k.rg)
+                v = self.new(v.numel * heads // kv_heads, v.dtype, v.rg)
+            half = q.dtype in ("bf16", "f16")
+            flash = ctx.flash_ok and mask is None and half and head_dim <= 256
+            # flash / memory-efficient kernels save q, k, v, the output and the fp32 logsumexp
+            # (memory-efficient pads s to a multiple of 32); no s x s matrix.
+            lse_s = s if flash else -(-s // 32) * 32
+            out = self.new(out_numel, q.dtype, True, layout="bshd")
+            self.save(q, k, v, out, self.new(b * heads * lse_s, "f32", False))
+            if mask is not None and mask.rg:
+                out = self.new(out_numel, q.dtype, True, layout="bshd")  # out + 0 * mask.sum()
+            return self._merge_heads(out)
+        # CPU SDPA, under CPU autocast (scaled_dot_product_attention is a lower-precision op there).
+        if ctx.ac:
+            q, k, v = self.cast(q, ctx.ac), self.cast(k, ctx.ac), self.cast(v, ctx.ac)
+        if not dropout:
+            # _scaled_dot_product_flash_attention_for_cpu (GQA native): saves q, k, v, out, logsumexp.
+            out = self.new(out_numel, q.dtype, True, layout=q.layout)
+            self.save(q, k, v, out, self.new(rows, "f32", False), mask)
+            return self._merge_heads(out)
+        # Dropout rules the flash kernel out: the math path materialises the s x s probabilities.
+        if kv_heads != heads:
+            k = self.new(k.numel * heads // kv_heads, k.dtype, k.rg)
+            v = self.new(v.numel * heads // kv_heads, v.dtype, v.rg)
+        qs = self.scale(q)  # q * sqrt(scale)
+        kts = self.scale(k)  # k^T * sqrt(scale)
+        self.save(qs, kts, v)
+        scores = self.new(rows * s, q.dtype, True)
+        probs = self.new(rows * s, q.dtype, True)  # _safe_softmax output, saved
+        self.save(probs)
+        self.transient(scores, probs)
+        probs = self.dropout(probs, dropout)
+        self.save(probs)
+        out = self.new(out_numel, q.dtype, True, layout="bhsd")
+        return self._merge_heads(out)
+
+    def _eager(self, q, k, v, heads, kv_heads, head_dim, dropout, mask, causal, style, softcap):
+        """transformers' eager_attention_forward (per family `style`)."""
+        ctx = self.ctx
+        b, s = ctx.b, ctx.s
+        rows = b * heads * s
+        if kv_heads != heads and style in ("llama", "gemma"):  # repeat_kv copies
+            k = self.new(k.numel * heads // kv_heads, k.dtype, k.rg)
+            v = self.new(v.numel * heads // kv_heads, v.dtype, v.rg)
+        cdt = ctx.ac or _promote(q.dtype, k.dtype)
+        qm, km = (self.cast(q, ctx.ac), self.cast(k, ctx.ac)) if ctx.ac else (q, k)
+        self.save(qm, km)  # matmul(q, k^T) saves both
+        scores = self.new(rows * s, cdt, True)
+        scaled = scores if style == "t5" else self.scale(scores)
+        if softcap:  # gemma2: tanh(scores / cap) * cap; tanh saves its output
+            divided = self.scale(scaled)
+            th = self.new(rows * s, cdt, True)
+            self.save(th)
+            scaled = self.scale(th)
+            self.transient(scores, divided)
+        if mask is not None or causal:
+            scaled = self.new(rows * s, _promote(scaled.dtype, mask.dtype if mask is not None else ctx.wdt), True)
+        # softmax: llama/opt/neox/gemma ask for fp32 and cast back to q's dtype; t5 upcasts
+        # then .type_as(scores); gpt2/bert take CUDA autocast's fp32 softmax, then
+        # gpt2 casts to v's dtype.
+        if style in ("llama", "gemma", "t5") or (ctx.ac and ctx.cuda):
+            soft_in = self.cast(scaled, "f32")
+            probs = self.new(rows * s, "f32", True)
+        else:
+            soft_in = scaled
+            probs = self.new(rows * s, scaled.dtype, True)
+        self.save(probs)
+        self.transient(scores, scaled, soft_in, probs)
+        back = {"llama": q.dtype, "gemma": q.dtype, "t5": cdt, "gpt2": v.dtype}.get(style, probs.dtype)
+        probs = self.cast(probs, back)
+        probs = self.dropout(probs, dropout)
+        pm, vm = (self.cast(probs, ctx.ac), self.cast(v, ctx.ac)) if ctx.ac else (probs, v)
+        self.save(pm, vm)  # matmul(probs, v) saves both
+        out = self.new(rows * head_dim, ctx.ac or _promote(pm.dtype, vm.dtype), True, layout="bhsd")
+        return self._merge_heads(out)
+
+    def _merge_heads(self, out: _T) -> _T:
+        """attn_output.transpose(1, 2).reshape(b, s, -1).contiguous(): a copy unless already [b, s, h, d]."""
+        if out.layout == "bshd":
+            return out
+        return self.new(out.numel, out.dtype, out.rg)
+
+
+# ---------------------------------------------------------------------------
+# Per-family forward programs
+# ---------------------------------------------------------------------------
+
+
+def _rope(f: _Forward, x: _T, cos_dtype: str, rotary_frac: float, cat_style: bool) -> _T:
+    """q * cos + rotate_half(q) * sin. mul saves cos/sin (shared); nothing of q.
+
+    Partial rotary (NeoX) and Phi-3 concatenate the rotated part with the rest:
+    a new contiguous [b, heads, s, d] tensor.
+    """
+    rot = int(x.numel * rotary_frac)
+    dtype = _promote(x.dtype, cos_dtype)
+    a = f.new(rot, dtype, x.rg)
+    half = f.new(rot, x.dtype, x.rg)
+    bpart = f.new(rot, dtype, x.rg)
+    f.transient(a, half, bpart)
+    out = f.new(rot, dtype, x.rg, layout=x.layout)
+    if cat_style:
+        out = f.new(x.numel, _promote(dtype, x.dtype), x.rg, layout="bhsd")
+    return out
+
+
+class _Family:
+    """Builds one family's forward on a `_Forward`: embedding, layers, final norm and head input."""
+
+    def __init__(self, spec, settings, f: _Forward):
+        self.spec, self.settings, self.f = spec, settings, f
+        self.ctx = f.ctx
+        self.h = spec.hidden_size
+        self.T = f.ctx.tokens
+
+    # residual-stream dtype: the weights' storage dtype (autocast leaves adds alone)
+    @property
+    def rdt(self) -> str:
+        return self.ctx.wdt
+
+
+class _GPT2(_Family):
+    def embed(self):
+        f, T, h = self.f, self.T, self.h
+        tok = f.new(T * h, self.rdt, self.ctx.full_ft)
+        pos = f.new(T * h, self.rdt, self.ctx.full_ft)
+        x = f.add(tok, pos)
+        return f.dropout(x, self.spec.embedding_dropout)
+
+    def layer(self, x, index):
+        f, s, h, T = self.f, self.spec, self.h, self.T
+        hd, nh = s.head_dim, s.num_attention_heads
+        a = f.layer_norm(x, h)
+        qkv = f.linear(a, h, 3 * h, "c_attn", True)
+        q, k, v = (f.view(qkv, T * h) for _ in range(3))
+        k, v = f.kv_cache(k, v)
+        o = f.attention(q, k, v, nh, nh, hd, dropout=s.attention_dropout, eager_style="gpt2")
+        o = f.linear(o, h, h, "c_proj", True)
+        o = f.dropout(o, s.hidden_dropout)
+        x = f.add(o, x)
+        m = f.layer_norm(x, h)
+        m = f.linear(m, h, s.intermediate_size, "c_fc", True)
+        m = f.activation(m, s.hidden_act)
+        m = f.linear(m, s.intermediate_size, h, "c_proj", True)
+        m = f.dropout(m, s.hidden_dropout)
+        return f.add(x, m)
+
+    def final(self, x):
+        return self.f.layer_norm(x, self.h)
+
+
+class _Bert(_Family):
+    def embed(self):
+        f, T, h = self.f, self.T, self.h
+        word = f.new(T * h, self.rdt, self.ctx.full_ft)
+        tt = f.new(T * h, self.rdt, self.ctx.full_ft)
+        x = f.add(word, tt)
+        pos = f.new(T * h, self.rdt, self.ctx.full_ft)
+        x = f.add(x, pos)
+        x = f.layer_norm(x, h)
+        return f.dropout(x, self.spec.embedding_dropout)
+
+    def layer(self, x, index):
+        f, s, h, T = self.f, self.spec, self.h, self.T
+        q = f.linear(x, h, h, "query", True)
+        k = f.linear(x, h, h, "key", True)
+        v = f.linear(x, h, h, "value", True)
+        o = f.attention(q, k, v, s.num_attention_heads, s.num_attention_heads, s.head_dim,
+                        dropout=s.attention_dropout, causal=False, eager_style="bert")
+        o = f.linear(o, h, h, "dense", True)
+        o = f.dropout(o, s.hidden_dropout)
+        x = f.layer_norm(f.add(o, x), h)
+        m = f.linear(x, h, s.intermediate_size, "dense", True)
+        m = f.activation(m, s.hidden_act)
+        m = f.linear(m, s.intermediate_size, h, "dense", True)
+        m = f.dropout(m, s.hidden_dropout)
+        return f.layer_norm(f.add(m, x), h)
+
+    def final(self, x):
+        self.f.hold(x)  # last_hidden_state, returned by BertModel
+        return x
+
+
+class _OPT(_Family):
+    @property
+    def pre_ln(self) -> bool:
+        return bool(self.spec.config.get("do_layer_norm_before", True))
+
+    def embed(self):
+        f, T, h, p = self.f, self.T, self.h, self.spec.embedding_dim
+        x = f.new(T * p, self.rdt, self.ctx.full_ft)
+        if p != h:
+            x = f.linear(x, p, h, "project_in", False)
+        pos = f.new(T * h, self.rdt, self.ctx.full_ft)
+        return f.add(x, pos)
+
+    def layer(self, x, index):
+        f, s, h = self.f, self.spec, self.h
+        hd, nh = s.head_dim, s.num_attention_heads
+        a = f.layer_norm(x, h) if self.pre_ln else x
+        q = f.scale(f.linear(a, h, h, "q_proj", s.qkv_bias))  # q_proj(x) * scaling
+        k = f.linear(a, h, h, "k_proj", s.qkv_bias)
+        v = f.linear(a, h, h, "v_proj", s.qkv_bias)
+        k, v = f.kv_cache(k, v)
+        o = f.attention(q, k, v, nh, nh, hd, dropout=s.attention_dropout, eager_style="llama")
+        o = f.linear(o, h, h, "out_proj", s.attn_out_bias)
+        o = f.dropout(o, s.hidden_dropout)
+        x = f.add(x, o)
+        if not self.pre_ln:
+            x = f.layer_norm(x, h)
+        m = f.layer_norm(x, h) if self.pre_ln else x
+        m = f.linear(m, h, s.intermediate_size, "fc1", s.mlp_bias)
+        m = f.activation(m, s.hidden_act)
+        m = f.linear(m, s.intermediate_size, h, "fc2", s.mlp_bias)
+        m = f.dropout(m, s.hidden_dropout)
+        x = f.add(x, m)
+        if not self.pre_ln:
+            x = f.layer_norm(x, h)
+        return x
+
+    def final(self, x):
+        f, s = self.f, self.spec
+        if self.pre_ln and not s.config.get("_remove_final_layer_norm", False):
+            x = f.layer_norm(x, self.h)
+        if s.embedding_dim != self.h:
+            x = f.linear(x, self.h, s.embedding_dim, "project_out", False)
+        return x
+
+
+class _LlamaLike(_Family):
+    """llama, mistral, qwen2, gemma2, phi3 and gpt_neox: rotary position embeddings, pre-norm."""
+
+    def embed(self):
+        f, T, h, s = self.f, self.T, self.h, self.spec
+        x = f.new(T * h, self.rdt, self.ctx.full_ft)
+        if s.model_type == "gemma2":
+            x = f.scale(x)  # inputs_embeds * sqrt(hidden_size)
+        if s.model_type == "gpt_neox":
+            x = f.dropout(x, s.embedding_dropout)
+        # cos and sin, [b, s, rotary_dim] in the hidden states' dtype, used by every layer
+        self.rot_dim = self._rotary_dim()
+        cos = f.new(self.ctx.b * self.ctx.s * self.rot_dim, self.rdt, False)
+        sin = f.new(self.ctx.b * self.ctx.s * self.rot_dim, self.rdt, False)
+        f.save(cos, sin)
+        return x
+
+    def _rotary_dim(self) -> int:
+        s = self.spec
+        cfg = s.config
+        if s.model_type == "gpt_neox":
+            rp = cfg.get("rotary_pct", (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", 0.25))
+            return int(s.head_dim * rp)
+        if s.model_type == "phi3":
+            rp = cfg.get("partial_rotary_factor", (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0))
+            return int(s.head_dim * (rp or 1.0))
+        return s.head_dim
+
+    def _norm(self, x):
+        s, f = self.spec, self.f
+        if s.norm_type == "layernorm":
+            return f.layer_norm(x, self.h)
+        return f.rms_norm(x, self.h, "gemma" if s.model_type == "gemma2" else "llama")
+
+    def layer(self, x, index):
+        f, s, h, T = self.f, self.spec, self.h, self.T
+        nh, kvh, hd = s.num_attention_heads, s.num_key_value_heads, s.head_dim
+        q_dim, kv_dim = nh * hd, kvh * hd
+        a = self._norm(x)
+        cat = s.model_type in ("gpt_neox", "phi3")
+        if s.fused_qkv:
+            name = "query_key_value" if s.model_type == "gpt_neox" else "qkv_proj"
+            qkv = f.linear(a, h, q_dim + 2 * kv_dim, name, s.qkv_bias)
+            q, k, v = f.view(qkv, T * q_dim), f.view(qkv, T * kv_dim), f.view(qkv, T * kv_dim)
+        else:
+            q = f.linear(a, h, q_dim, "q_proj", s.qkv_bias)
+            k = f.linear(a, h, kv_dim, "k_proj", s.qkv_bias)
+            v = f.linear(a, h, kv_dim, "v_proj", s.qkv_bias)
+        frac = self.rot_dim / hd
+        q = _rope(f, q, self.rdt, frac, cat)
+        k = _rope(f, k, self.rdt, frac, cat)
+        k, v = f.kv_cache(k, v)
+        softcap = s.attn_logit_softcapping if s.model_type == "gemma2" else None
+        o = f.attention(q, k, v, nh, kvh, hd, dropout=s.attention_dropout,
+                        eager_style="gemma" if s.model_type == "gemma2" else "llama", softcap=softcap)
+        o = f.linear(o, q_dim, h, "dense" if s.model_type == "gpt_neox" else "o_proj", s.attn_out_bias)
+        if s.model_type == "gemma2":
+            o = f.rms_norm(o, h, "gemma")  # post_attention_layernorm
+        o = f.dropout(o, s.hidden_dropout)
+        if s.model_type == "gpt_neox" and s.config.get("use_parallel_residual", True):
+            m = self._mlp(self._norm(x))
+            m = f.dropout(m, s.hidden_dropout)
+            return f.add(f.add(m, o), x)
+        x = f.add(x, o)
+        m = self._mlp(self._norm(x))
+        if s.model_type == "gemma2":
+            m = f.rms_norm(m, h, "gemma")  # post_feedforward_layernorm
+        m = f.dropout(m, s.hidden_dropout)
+        return f.add(x, m)
+
+    def _mlp(self, x):
+        f, s, h, i = self.f, self.spec, self.h, self.spec.intermediate_size
+        if s.model_type == "gpt_neox":
+            m = f.linear(x, h, i, "dense_h_to_4h", True)
+            m = f.activation(m, s.hidden_act)
+            return f.linear(m, i, h, "dense_4h_to_h", True)
+        if s.model_type == "phi3":
+            gu = f.linear(x, h, 2 * i, "gate_up_proj", False)
+            gate, up = f.view(gu, gu.numel // 2), f.view(gu, gu.numel // 2)
+            act = f.activation(gate, s.hidden_act)
+            return f.linear(f.mul(up, act), i, h, "down_proj", False)
+        gate = f.linear(x, h, i, "gate_proj", s.mlp_bias)
+        up = f.linear(x, h, i, "up_proj", s.mlp_bias)
+        act = f.activation(gate, s.hidden_act)
+        return f.linear(f.mul(act, up), i, h, "down_proj", s.mlp_bias)
+
+    def final(self, x):
+        return self._norm(x)
+
+
+class _T5(_Family):
+    """T5: relative-position bias from layer 0 of each stack, RMS norms, dropout everywhere."""
+
+    def embed(self):
+        f = self.f
+        x = f.new(self.T * self.h, self.rdt, self.ctx.full_ft)
+        return f.dropout(x, self.spec.embedding_dropout)
+
+    def _bias(self, kv_len: int, relative: bool, causal: bool):
+        """The position bias of a stack's layer 0 (shared by the stack), [1, heads, s, kv]."""
+        f, nh, s = self.f, self.spec.num_attention_heads, self.ctx.s
+        if relative:
+            buckets = f.new(s * kv_len, "i64", False)
+            f.save(buckets)  # the embedding lookup's indices
+            bias = f.new(nh * s * kv_len, self.rdt, self.ctx.full_ft)
+        else:
+            # torch.zeros((1, heads, s, kv), dtype=query_states.dtype)
+            bias = f.new(nh * s * kv_len, self.ctx.ac or self.rdt, False)
+        f.hold(bias)
+        return bias
+
+    def _mask(self, bias, causal):
+        """create_position_bias_mask: the bias itself, or where(causal, bias, min) (saving the bool mask)."""
+        f = self.f
+        if self.ctx.attn == "eager":
+            return bias
+        if not causal:
+            return bias
+        cond = f.new(self.ctx.s * self.ctx.s, "bool", False)
+        f.save(cond)
+        return f.new(bias.numel, bias.dtype, bias.rg)
+
+    def _attn(self, x, kv_src, bias, causal, cache):
+        f, s, h, T = self.f, self.spec, self.h, self.T
+        nh, hd = s.num_attention_heads, s.head_dim
+        inner = nh * hd
+        q = f.linear(x, h, inner, "q", False)
+        k = f.linear(kv_src, h, inner, "k", False)
+        v = f.linear(kv_src, h, inner, "v", False)
+        if cache:
+            k, v = f.kv_cache(k, v)
+        mask = self._mask(bias, causal)
+        if self.ctx.attn == "eager":
+            o = f.attention(q, k, v, nh, nh, hd, dropout=s.attention_dropout, mask=mask, causal=False,
+                            eager_style="t5")
+        else:
+            o = f.attention(q, k, v, nh, nh, hd, dropout=s.attention_dropout, mask=mask, causal=False)
+        return f.linear(o, inner, h, "o", False)
+
+    def _ff(self, x):
+        f, s, h, i = self.f, self.spec, self.h, self.spec.intermediate_size
+        n = f.rms_norm(x, h, "t5")
+        if s.gated_mlp:
+            g = f.activation(f.linear(n, h, i, "wi_0", False), s.hidden_act)
+            m = f.mul(g, f.linear(n, h, i, "wi_1", False))
+        else:
+            m = f.activation(f.linear(n, h, i, "wi", False), s.hidden_act)
+        m = f.dropout(m, s.activation_dropout)
+        if m.dtype != self.ctx.wdt:
+            m = f.cast(m, self.ctx.wdt)  # hidden_states.to(self.wo.weight.dtype)
+        m = f.linear(m, i, h, "wo", False)
+        return f.add(x, f.dropout(m, s.hidden_dropout))
+
+    def encoder_layer(self, x, index):
+        f, s, h = self.f, self.spec, self.h
+        if index == 0:
+            self.enc_bias = self._bias(self.ctx.s, True, False)
+        n = f.rms_norm(x, h, "t5")
+        o = self._attn(n, n, self.enc_bias, False, cache=False)
+        x = f.add(x, f.dropout(o, s.hidden_dropout))
+        return self._ff(x)
+
+    def encoder_final(self, x):
+        f = self.f
+        x = f.rms_norm(x, self.h, "t5")
+        return f.dropout(x, self.spec.hidden_dropout)
+
+    def decoder_layer(self, x, index, enc):
+        f, s, h = self.f, self.spec, self.h
+        if index == 0:
+            self.dec_bias = self._bias(self.ctx.s, True, True)
+            self.cross_bias = None
+        n = f.rms_norm(x, h, "t5")
+        o = self._attn(n, n, self.dec_bias, True, cache=True)
+        x = f.add(x, f.dropout(o, s.hidden_dropout))
+        n = f.rms_norm(x, h, "t5")
+        if self.cross_bias is None:
+            self.cross_bias = self._bias(self.ctx.s, False, False)
+        o = self._attn(n, enc, self.cross_bias, False, cache=True)
+        x = f.add(x, f.dropout(o, s.hidden_dropout))
+        return self._ff(x)
+
+    def final(self, x):
+        f = self.f
+        x = f.rms_norm(x, self.h, "t5")
+        x = f.dropout(x, self.spec.hidden_dropout)
+        return f.scale(x)  # sequence_output * model_dim**-0.5 (tied lm_head)
+
+
+_FAMILIES = {
+    "gpt2": _GPT2, "bert": _Bert, "opt": _OPT, "t5": _T5,
+    "llama": _LlamaLike, "mistral": _LlamaLike, "qwen2": _LlamaLike, "gemma2": _LlamaLike,
+    "phi3": _LlamaLike, "gpt_neox": _LlamaLike,
+}
+
+
+# ---------------------------------------------------------------------------
+# Parameters: the tensors, their dtypes, and what is trainable
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Param:
+    """`count` parameter tensors of one shape. `shape` is (rows, cols) or (numel,)."""
+
+    shape: tuple[int, ...]
+    count: int
+    dtype: str
+    trainable: bool
+    decay: bool  # the Trainer's weight-decay group (not biases or norms)
+    kind: str  # embedding | layer | other | norm | head | lora | head_copy
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+def _embedding_tables(spec) -> list[tuple[int, int, bool]]:
+    """(rows, cols, decay) of every embedding-like table of the family."""
+    cfg, h, v = spec.config, spec.hidden_size, spec.vocab_size
+    t = spec.model_type
+    if t == "gpt2":
+        return [(v, h, True), (spec.max_position_embeddings, h, True)]
+    if t == "bert":
+        return [(v, h, True), (spec.max_position_embeddings, h, True), (cfg.get("type_vocab_size", 2), h, True)]
+    if t == "opt":
+        return [(v, spec.embedding_dim, True), (spec.max_position_embeddings + 2, h, True)]
+    if t == "t5":
+        buckets = cfg.get("relative_attention_num_buckets", 32)
+        # relative_attention_bias: in layer 0 of each stack; "bias" in its name keeps it out of weight decay
+        return [(v, h, True), (buckets, spec.num_attention_heads, False), (buckets, spec.num_attention_heads, False)]
+    return [(v, h, True)]
+
+
+def _lora_targets(spec, settings) -> frozenset:
+    if not settings.uses_lora:
+        return frozenset()
+    if settings.lora_target_modules is not None:
+        return frozenset(settings.lora_target_modules)
+    return frozenset(spec.default_lora_target_modules())
+
+
+def _parameters(spec, settings, wdt: str) -> list[_Param]:
+    """Every parameter tensor of the (peft-wrapped) model, in `model.parameters()` order."""
+    task, labels = settings.task, settings.num_labels
+    counts = spec.parameter_count(task, labels)
+    linears = spec.linear_modules(task, labels)
+    lora = settings.uses_lora
+    base_trainable = not lora
+    tied_head = task != "seq-cls" and spec.tie_word_embeddings
+    params: list[_Param] = []
+    accounted = 0
+    for rows, cols, decay in _embedding_tables(spec):
+        params.append(_Param((rows, cols), 1, wdt, base_trainable, decay, "embedding"))
+        accounted += rows * cols
+    body = [m for m in linears if m.scope != "head"]
+    head = [m for m in linears if m.scope == "head"]
+    for m in body:
+        kind = "layer" if m.scope == "layer" else "other"
+        params.append(_Param((m.out_features, m.in_features), m.count, wdt, base_trainable, True, kind))
+        accounted += m.weight_numel * m.count
+        if m.bias:
+            params.append(_Param((m.out_features,), m.count, wdt, base_trainable, False, kind))
+            accounted += m.out_features * m.count
+    head_params = []
+    if not tied_head:
+        for m in head:
+            head_params.append(_Param((m.out_features, m.in_features), 1, wdt, base_trainable, True, "head"))
+            accounted += m.weight_numel
+            if m.bias:
+                head_params.append(_Param((m.out_features,), 1, wdt, base_trainable, False, "head"))
+                accounted += m.out_features
+    # What is left is the norms' weight and bias vectors, hidden_size each.
+    rest = counts["total"] - accounted
+    h = spec.hidden_size
+    if rest > 0:
+        if rest % h == 0:
+            params.append(_Param((h,), rest // h, wdt, base_trainable, False, "norm"))
+        else:
+            params.append(_Param((rest,), 1, wdt, base_trainable, False, "norm"))
+    params += head_params
+    if lora:
+        r = settings.lora_r or 8  # peft's default rank
+        targets = _lora_targets(spec, settings)
+        for m in linears:
+            if m.name not in targets or (m.scope == "head" and task == "seq-cls"):
+                continue
+            params.append(_Param((r, m.in_features), m.count, "f32", True, True, "lora"))
+            params.append(_Param((m.out_features, r), m.count, "f32", True, True, "lora"))
+        if task == "seq-cls":
+            # peft's SEQ_CLS task wraps the classifier in ModulesToSaveWrapper: a trainable copy.
+            for p in head_params or [_Param((m.out_features, m.in_features), 1, wdt, False, True, "head")
+                                     for m in head]:
+                params.append(_Param(p.shape, p.count, p.dtype, True, p.decay, "head_copy"))
+            for m in head:
+                if m.bias and not head_params:
+                    params.append(_Param((m.out_features,), 1, wdt, True, False, "head_copy"))
+    return params
+
+
+def _nbytes(numel: int, dtype_bytes: float, cuda: bool) -> int:
+    n = int(round(numel * dtype_bytes))
+    if cuda:
+        n = max(_CUDA_BLOCK, -(-n // _CUDA_BLOCK) * _CUDA_BLOCK)
+    return n
+
+
+def _param_bytes(p: _Param, cuda: bool, dtype: str | None = None) -> int:
+    return p.count * _nbytes(p.numel, _SIZE[dtype or p.dtype], cuda)
+
+
+def _optimizer_state_bytes(p: _Param, optim: str, family: str, cuda: bool) -> int:
+    """The optimizer state one trainable tensor gets (x its count)."""
+    n = p.numel
+    if family == "sgd":
+        return 0  # the Trainer's SGD has no momentum: no state
+    if family == "adafactor":
+        # transformers Adafactor (beta1=None: no exp_avg). States are made from
+        # grad.float(): fp32. 2-D tensors are factored into a row and a column vector.
+        if len(p.shape) >= 2:
+            rows, cols = p.shape[0], p.shape[-1]
+            return p.count * (_nbytes(rows, 4, cuda) + _nbytes(cols, 4, cuda))
+        return p.count * _nbytes(n, 4, cuda)
+    if family == "adam8bit":
+        if n >= _BNB_MIN_8BIT_SIZE:
+            blocks = -(-n // _BNB_BLOCK)
+            return p.count * 2 * (_nbytes(n, 1, cuda) + _nbytes(blocks, 4, cuda))
+        return p.count * 2 * _nbytes(n, 4, cuda)
+    if optim == "paged_adamw_32bit":
+        return p.count * 2 * _nbytes(n, 4, cuda)  # bitsandbytes 32-bit states
+    # torch AdamW: exp_avg and exp_avg_sq are zeros_like(param) (the param's dtype),
+    # plus a scalar fp32 `step` tensor.
+    return p.count * (2 * _nbytes(n, _SIZE[p.dtype], cuda) + _nbytes(1, 4, cuda))
+
+
+def _optimizer_temporary_bytes(params: list[_Param], settings, cuda: bool) -> int:
+    """Most temporary bytes inside optimizer.step(), on the path torch takes for the device."""
+    from hf_memfit.cuda_overhead import optimizer_step_temporary_bytes
+
+    trainable = [p for p in params if p.trainable]
+    if not trainable:
+        return 0
+    optim = settings.optim
+    family = settings.optimizer_family
+    if family == "adam" and optim != "adamw_torch":
+        return 0  # fused AdamW and bitsandbytes 32-bit update params and states in place
+    if family in ("adam8bit", "sgd"):
+        return optimizer_step_temporary_bytes(optim, sum(p.numel * p.count for p in trainable), device=settings.device)
+    if family == "adafactor":
+        largest = max(trainable, key=lambda p: p.numel)
+        return optimizer_step_temporary_bytes(optim, sum(p.numel * p.count for p in trainable),
+                                              largest_param_numel=largest.numel, device=settings.device,
+                                              param_dtype_bytes=_SIZE[largest.dtype])
+    # torch AdamW. The Trainer makes two param groups (decay, no decay); each is one
+    # `_multi_tensor_adam` / `_single_tensor_adam` call, so only one group's temporaries live at once.
+    groups = [[p for p in trainable if p.decay], [p for p in trainable if not p.decay]]
+    if cuda:
+        # foreach: exp_avg_sq_sqrt = _foreach_sqrt(exp_avg_sqs) is one state-sized tensor per
+        # param of the group, updated in place until addcdiv_.
+        return max(sum(_param_bytes(p, cuda) for p in g) for g in groups)
+    # single tensor: denom = (exp_avg_sq.sqrt() / bc2).add_(eps) holds sqrt and the quotient,
+    # while the previous param's denom is still bound.
+    best = 0
+    for g in groups:
+        prev = 0
+        for p in g:
+            one = _nbytes(p.numel, _SIZE[p.dtype], False)
+            best = max(best, 2 * one + prev)
+            prev = one
+    return best
+
+
+# ---------------------------------------------------------------------------
+# Activations: run the symbolic forward once and summarise it
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class _Stack:
+    """One stack of identical layers, as the symbolic forward saw it."""
+
+    name: str  # "s0" (decoder-only models; T5's encoder) or "s1" (T5's decoder)
+    depth: int
+    saved: int  # bytes one layer keeps for its backward
+    held: int  # bytes one layer keeps only until the forward ends (KV-cache copies, autocast cache)
+    first_saved: int  # what layer 0 keeps on top (T5's position-bias buckets)
+    first_held: int
+    transient: int  # most bytes alive at once inside one op of the layer
+    largest: int  # the layer's largest single tensor
+    carry: int  # the hidden state passed from layer to layer (kept per layer by checkpointing)
+    gc_held: int  # per layer, under checkpointing: autocast's weight cache only
+
+    def total(self, held: bool) -> int:
+        per = self.saved + (self.held if held else 0)
+        first = self.first_saved + (self.first_held if held else 0)
+        return first + per * self.depth
+
+
+@dataclass
+class _Head:
+    """The final norm, the head and the loss, with their backward."""
+
+    saved: int  # kept for backward (lm_head input, log_softmax output, ...)
+    held: int  # logits returned in the outputs, the autocast cache of the head weight
+    fwd_extra: int  # most transient bytes during the loss / accelerate's fp32 copy
+    bwd_peak: int  # most bytes beyond what is saved, during the head's backward
+    grad_bytes: int  # the head weight's gradient (0 when frozen)
+    bwd_after: int  # what the head's backward leaves for the layers (the hidden-state grad)
+
+
+@dataclass
+class _Activations:
+    pre_saved: int  # embedding output, rotary tables, ...
+    pre_held: int
+    stacks: list[_Stack]
+    mid_saved: int  # T5: the encoder's final norm and the decoder's embedding
+    mid_held: int
+    final_saved: int  # the final norm
+    final_held: int
+    head: _Head
+    tape: _Forward  # the symbolic forward, for the layers' backward
+    gc_tape: _Forward | None  # the same without the KV cache, for checkpointing's recompute
+
+
+def _ctx(spec, settings) -> _Ctx:
+    wdt = _TAG[settings.weights_dtype]
+    ac = _TAG.get(settings.autocast_dtype) if settings.autocast_dtype else None
+    if settings.load_in_4bit and wdt == "f32":
+        wdt = _TAG[settings.compute_dtype]  # the base is built in the compute dtype (4-bit packing is applied later)
+    attn = "eager" if settings.attn_implementation == "eager" else "sdpa"
+    if spec.model_type == "gemma2":
+        attn = "eager"  # transformers has no SDPA path for Gemma-2 (its logit soft-capping)
+    flash_ok = True
+    if settings.gpu is not None:
+        from hf_memfit.hardware import find_gpu
+
+        flash_ok = find_gpu(settings.gpu).compute_capability >= (8, 0)
+    use_cache = spec.model_type != "bert" and not settings.gradient_checkpointing and \
+        bool(spec.config.get("use_cache", True))
+    return _Ctx(b=settings.batch_size, s=settings.seq_len, wdt=wdt, ac=ac, cuda=settings.device == "cuda",
+                attn=attn, full_ft=not settings.uses_lora, lora_r=(settings.lora_r or 8) if settings.uses_lora else None,
+                lora_targets=_lora_targets(spec, settings), use_cache=use_cache, flash_ok=flash_ok)
+
+
+def _stack_summary(f: _Forward, name: str, depth: int, carry: _T, gc_f: _Forward | None) -> _Stack:
+    l0, l1 = f"{name}.L0", f"{name}.L1"
+    saved1, all1 = f.scope_bytes(l1, held=False), f.scope_bytes(l1, held=True)
+    saved0, all0 = f.scope_bytes(l0, held=False), f.scope_bytes(l0, held=True)
+    largest = max((f.bytes_of(t) for t in f.tensors if t.scope == l1), default=0)
+    gc_held = 0
+    if gc_f is not None:
+        gc_held = sum(gc_f.bytes_of(t) for t in gc_f.tensors if t.scope == l1 and t.held)
+    return _Stack(name, depth, saved1, all1 - saved1, max(0, saved0 - saved1), max(0, (all0 - saved0) - (all1 - saved1)),
+                  f.peak_transient.get(l1, 0), largest, f.bytes_of(carry), gc_held)
+
+
+@dataclass
+class _LayerBackward:
+    """The maximum inside one layer's backward: what is still saved, new gradients, transients."""
+
+    acts: int
+    grads: int
+    temp: int
+    layer_grads: int  # all of the layer's new gradients (0 when they accumulate into existing ones)
+
+
+def _layer_backward(f: _Forward, scope: str, accumulate: bool, residual_grad: int) -> _LayerBackward:
+    """Replay one layer's backward over the forward tape, in reverse.
+
+    Going back through the tape, the op at each position makes the gradient of
+    its input from the gradient of its output (both alive), a linear also makes
+    its weight's gradient (in the compute dtype first under autocast, then the
+    fp32 copy), and once an op is done the tensors it saved are freed. The
+    gradient flowing along the residual stream stays alive throughout.
+    """
+    tensors = [t for t in f.tensors if t.scope == scope]
+    if not tensors:
+        return _LayerBackward(0, 0, residual_grad, 0)
+    start, end = tensors[0].idx, tensors[-1].idx
+    by_pos = {t.idx: t for t in tensors}
+    frees: dict[int, int] = {}
+    live = 0
+    for t in f.tensors:
+        if t.saved and t.scope == scope:
+            b = f.bytes_of(t)
+            live += b
+            pos = t.first_save if t.first_save is not None and t.first_save <= end else end + 1
+            frees[pos] = frees.get(pos, 0) + b
+    grads_at: dict[int, list] = {}
+    for pos, sc, numel, dtype, cast in f.grad_events:
+        if sc == scope:
+            grads_at.setdefault(pos, []).append((numel, dtype, cast))
+    live -= frees.pop(end + 1, 0)  # saved by the next layer: freed in its backward
+    cuda = f.ctx.cuda
+    new = 0
+    best = _LayerBackward(live, 0, residual_grad, 0)
+    for pos in range(end, start - 1, -1):
+        t = by_pos.get(pos)
+        tmp = residual_grad + (2 * f.bytes_of(t) if t is not None and t.rg and t.alloc else 0)
+        for numel, dtype, cast in grads_at.get(pos, ()):
+            g = _nbytes(numel, _SIZE[dtype], cuda)
+            if cast and cast != dtype:
+                tmp += _nbytes(numel, _SIZE[cast], cuda)
+            if accumulate:
+                tmp += g  # computed, added in place into .grad, freed
+            else:
+                new += g
+        if live + new + tmp > best.acts + best.grads + best.temp:
+            best = _LayerBackward(live, new, tmp, 0)
+        live -= frees.get(pos, 0)
+    best.layer_grads = new
+    return best
+
+
+def _run_forward(spec, settings, ctx: _Ctx) -> tuple[_Forward, dict]:
+    """The symbolic forward: embedding, three layers per stack, the final norm. Returns the head input too."""
+    f = _Forward(ctx)
+    fam = _FAMILIES[spec.model_type](spec, settings, f)
+    out = {}
+    f.scope = "emb"
+    x = fam.embed()
+    if spec.model_type == "t5":
+        for i in range(3):
+            f.scope = f"s0.L{i}"
+            x = fam.encoder_layer(x, i)
+            out.setdefault("carry0", x) if i == 1 else None
+        f.scope = "mid"
+        enc = fam.encoder_final(x)
+        x = fam.embed()
+        for i in range(3):
+            f.scope = f"s1.L{i}"
+            x = fam.decoder_layer(x, i, enc)
+            out.setdefault("carry1", x) if i == 1 else None
+    else:
+        for i in range(3):
+            f.scope = f"s0.L{i}"
+            x = fam.layer(x, i)
+            out.setdefault("carry0", x) if i == 1 else None
+    f.scope = "final"
+    out["head_in"] = fam.final(x)
+    return f, out
+
+
+def _head(spec, settings, ctx: _Ctx, f: _Forward, head_in: _T) -> _Head:
+    """The head and the loss, forward and backward, as short event sequences."""
+    f.scope = "head"
+    T, cuda = ctx.tokens, ctx.cuda
+    width = spec.embedding_dim if spec.model_type == "opt" else spec.hidden_size
+    nb = lambda numel, dt: _nbytes(numel, _SIZE[dt], cuda)  # noqa: E731
+    if settings.task == "seq-cls":
+        # score / classifier on every position (decoder models) or on the pooled [CLS]
+        # (BERT's pooler: dense + tanh + dropout): a few [b, labels] tensors.
+        head_trainable = True  # fully trained, or peft's trainable copy (modules_to_save)
+        if spec.model_type == "bert":
+            cls = f.view(head_in, ctx.b * width)
+            pooled = f.activation(f.linear(cls, width, width, "dense", True, lora=False), "tanh")
+            pooled = f.dropout(pooled, spec.hidden_dropout)
+            logits = f.linear(pooled, width, settings.num_labels, "classifier", True, trainable=head_trainable,
+                              lora=False)
+        else:
+            logits = f.linear(head_in, width, settings.num_labels, "score", False, trainable=head_trainable,
+                              lora=False)
+        f.hold(logits)
+        saved = f.scope_bytes("head", held=False)
+        held = f.scope_bytes("head", held=True) - saved
+        small = 4 * nb(ctx.b * settings.num_labels, "f32")
+        grad_in = nb(T * width, head_in.dtype)
+        return _Head(saved, held, small, grad_in + small, 0, grad_in)
+    head_trainable = ctx.full_ft
+    logits = f.linear(head_in, width, spec.vocab_size, "lm_head", False, trainable=head_trainable, lora=False)
+    L = logits.numel
+    cdt = logits.dtype
+    softcap = spec.final_logit_softcapping if spec.model_type == "gemma2" else None
+    extra_fwd = 0
+    if softcap:
+        # logits / cap -> tanh (saved) -> * cap
+        th = f.new(L, cdt, True)
+        f.save(th)
+        logits = f.new(L, cdt, True)
+        extra_fwd = nb(L, cdt)
+    f.hold(logits)
+    saved = f.scope_bytes("head", held=False)
+    held = f.scope_bytes("head", held=True) - saved
+    Lc, L4 = nb(L, cdt), nb(L, "f32")
+    labels = 2 * nb(T + ctx.b, "i64")  # padded and shifted labels
+    # The loss: logits.float() (a copy unless fp32), log_softmax's fp32 output (saved), nll.
+    upcast = L4 if cdt != "f32" else 0
+    during_loss = upcast + L4 + labels
+    # After the model returns, accelerate's convert_to_fp32 copies the logits under autocast.
+    after_loss = L4 + (L4 if ctx.ac else 0)
+    fwd_extra = max(extra_fwd + (Lc if softcap else 0), during_loss, after_loss)
+    # Backward (outputs deleted: logits, their copies and the autocast cache are gone), as
+    # bytes beyond what the layers saved:
+    # - nll_loss backward makes grad_logsm; log_softmax backward reads it and its saved
+    #   output (both fp32) and makes the fp32 grad of the logits;
+    # - the upcast's backward casts that grad back to the logits' dtype;
+    # - the head's mm backward makes the hidden-state grad and the weight grad (under
+    #   autocast in the compute dtype, then its fp32 copy).
+    steps = [3 * L4]
+    cur = L4
+    if cdt != "f32":
+        steps.append(L4 + Lc)
+        cur = Lc
+    if softcap:
+        steps.append(cur + 2 * Lc)  # tanh's backward reads its saved output
+    hidden_grad = nb(T * width, cdt)
+    grad_w = 0
+    if head_trainable:
+        wv = width * spec.vocab_size
+        grad_w = nb(wv, ctx.wdt)
+        if ctx.ac and ctx.wdt == "f32":
+            steps.append(cur + hidden_grad + nb(wv, cdt))
+            # the cast's backward, after mm released its saved input and weight copies
+            steps.append(hidden_grad + nb(wv, cdt) + grad_w - saved)
+        else:
+            steps.append(cur + hidden_grad + grad_w)
+    else:
+        steps.append(cur + hidden_grad)
+    bwd_peak = max(steps)
+    return _Head(saved, held, fwd_extra, bwd_peak, grad_w, hidden_grad)
+
+
+def _activations(spec, settings) -> _Activations:
+    ctx = _ctx(spec, settings)
+    f, out = _run_forward(spec, settings, ctx)
+    gc_f = None
+    if settings.gradient_checkpointing:
+        # the recompute inside backward runs the layer as an ordinary forward (no KV cache)
+        gc_f, _ = _run_forward(spec, settings, ctx)
+    head = _head(spec, settings, ctx, f, out["head_in"])
+    stacks = [_stack_summary(f, "s0", spec.num_layers, out["carry0"], gc_f)]
+    if spec.model_type == "t5":
+        stacks.append(_stack_summary(f, "s1", spec.num_decoder_layers, out["carry1"], gc_f))
+    return _Activations(
+        pre_saved=f.scope_bytes("emb", held=False), pre_held=f.scope_bytes("emb", held=True) - f.scope_bytes("emb", held=False),
+        stacks=stacks,
+        mid_saved=f.scope_bytes("mid", held=False), mid_held=f.scope_bytes("mid", held=True) - f.scope_bytes("mid", held=False),
+        final_saved=f.scope_bytes("final", held=False),
+        final_held=f.scope_bytes("final", held=True) - f.scope_bytes("final", held=False),
+        head=head, tape=f, gc_tape=gc_f,
+    )
+
+
+# ---------------------------------------------------------------------------
+# The step: model states plus activations, region by region
+# ---------------------------------------------------------------------------
+
+
+def _row(weights, gradients, optimizer, activations, temporary) -> dict[str, int]:
+    return {"weights": int(weights), "gradients": int(gradients), "optimizer": int(optimizer),
+            "activations": int(max(0, activations)), "temporary": int(max(0, temporary)), "overhead": 0}
+
+
+def _layer_grad_bytes(spec, params: list[_Param], cuda: bool) -> list[int]:
+    """Gradient bytes of one layer of each stack (T5: encoder, decoder)."""
+    per_layer_kinds = ("layer", "norm", "lora")
+    total = sum(_param_bytes(p, cuda) for p in params if p.trainable and p.kind in per_layer_kinds)
+    if spec.model_type != "t5":
+        return [total // max(1, spec.num_layers)]
+    counts = spec.parameter_count("seq2seq")
+    enc, dec = counts["per_encoder_layer"] * spec.num_layers, counts["per_decoder_layer"] * spec.num_decoder_layers
+    share = enc / (enc + dec)
+    return [int(total * share) // spec.num_layers, int(total * (1 - share)) // spec.num_decoder_layers]
+
+
+def fast_step_memory(spec, settings) -> StepMemory:
+    """Closed-form peak candidates for one training step (fast mode; no torch).
+
+    Regions follow exact mode's names: "<step>.<micro>|fwd|s<k>.post" (the end of
+    the forward, logits and loss alive), "|bwd|pre" (the head's backward),
+    "|bwd|s<k>.first" / ".last" (the first and last layer of stack k in
+    backward), "|bwd|s0.post" (the embedding's backward) and "|opt" (the
+    optimizer step). With gradient accumulation the "1.1|..." regions are the
+    later micro-batches, whose backward finds the gradients already allocated.
+    """
+    if settings.task is None:
+        settings = settings.validate(spec)
+    ctx = _ctx(spec, settings)
+    cuda = ctx.cuda
+    params = _parameters(spec, settings, ctx.wdt)
+    trainable = [p for p in params if p.trainable]
+    W = sum(_param_bytes(p, cuda) for p in params)
+    G = sum(_param_bytes(p, cuda) for p in trainable)
+    O = sum(_optimizer_state_bytes(p, settings.optim, settings.optimizer_family, cuda) for p in trainable)
+    opt_tmp = _optimizer_temporary_bytes(params, settings, cuda)
+    acts = _activations(spec, settings)
+    head = acts.head
+    layer_grads = _layer_grad_bytes(spec, params, cuda)
+    emb_grads = [_param_bytes(p, cuda) for p in params if p.trainable and p.kind == "embedding"]
+    largest_grad = max((_nbytes(p.numel, _SIZE[p.dtype], cuda) for p in trainable), default=0)
+    gc = settings.gradient_checkpointing
+
+    def stack_fwd(st: _Stack, held: bool) -> int:
+        if gc:
+            return st.first_held + st.depth * (st.carry + st.gc_held)
+        return st.total(held)
+
+    def stack_saved_one(st: _Stack) -> int:
+        return st.carry if gc else st.saved
+
+    candidates: dict[str, dict[str, int]] = {}
+    micros = [0] if settings.gradient_accumulation_steps == 1 else [0, 1]
+    last = acts.stacks[-1].name
+    for m in micros:
+        tag = f"1.{m}"
+        g_live = G if m else 0
+        # --- forward -----------------------------------------------------------------
+        fwd = acts.pre_saved + acts.pre_held
+        candidates[f"{tag}|fwd|pre"] = _row(W, g_live, O, fwd, 0)
+        for k, st in enumerate(acts.stacks):
+            if k:
+                fwd += acts.mid_saved + acts.mid_held
+            layer_peak = st.transient + (st.saved + st.held if gc else 0)
+            candidates[f"{tag}|fwd|{st.name}.last"] = _row(W, g_live, O, fwd + stack_fwd(st, True) + layer_peak, 0)
+            fwd += stack_fwd(st, True)
+        end = fwd + acts.final_saved + acts.final_held + head.saved + head.held + head.fwd_extra
+        candidates[f"{tag}|fwd|{last}.post"] = _row(W, g_live, O, end, 0)
+        # --- backward ---------------------------------------------------------------
+        saved_stacks = [st.first_saved + st.depth * stack_saved_one(st) for st in acts.stacks]
+        saved = acts.pre_saved + acts.mid_saved + sum(saved_stacks) + acts.final_saved + head.saved
+        head_grad = head.grad_bytes if not m else 0
+        candidates[f"{tag}|bwd|pre"] = _row(W, g_live, O, saved, head.bwd_peak)
+        # A tied head's gradient goes into the embedding's .grad, which the embedding
+        # backward replaces: exact mode counts it as temporary until then.
+        tied = settings.task != "seq-cls" and spec.tie_word_embeddings
+        grads, tied_tmp = (g_live, head_grad) if tied else (g_live + head_grad, 0)
+        below = acts.pre_saved + acts.mid_saved + sum(saved_stacks)
+        for k in reversed(range(len(acts.stacks))):
+            st = acts.stacks[k]
+            below -= saved_stacks[k]
+            tape = acts.gc_tape if gc else acts.tape
+            lb = _layer_backward(tape, f"{st.name}.L1", bool(m), st.carry + head.bwd_after)
+            one = stack_saved_one(st)
+            rest = st.first_saved + (st.depth - 1) * one
+            # Checkpointing: the layer's input is what was kept; the recompute rebuilds what it saves.
+            at_peak = lb.acts + (st.carry if gc else 0)
+            candidates[f"{tag}|bwd|{st.name}.first"] = _row(
+                W, grads + lb.grads, O, below + rest + at_peak, lb.temp + tied_tmp)
+            grads_bottom = grads + (st.depth - 1) * lb.layer_grads
+            candidates[f"{tag}|bwd|{st.name}.last"] = _row(
+                W, grads_bottom + lb.grads, O, below + st.first_saved + at_peak, lb.temp + tied_tmp)
+            grads += st.depth * lb.layer_grads
+            # Then the stack's embedding backward (T5's decoder reuses the shared table):
+            # embedding_dense_backward makes a zero table and the index_put result.
+            if k == 0 or spec.model_type == "t5":
+                emb_tmp = 2 * max(emb_grads, default=0)
+                # (the ids it reads are all that is left of the stack's activations)
+                candidates[f"{tag}|bwd|{st.name}.post"] = _row(W, G if (m or k == 0) else grads + tied_tmp, O,
+                                                               below if k else 0, emb_tmp)
+        candidates[f"{tag}|opt" if m == micros[-1] else f"{tag}|opt.skip"] = _row(W, G, O, 0, opt_tmp)
+    candidates = {r: v for r, v in candidates.items() if not r.endswith(".skip")}
+    return StepMemory(
+        candidates=candidates,
+        trainable_params=sum(p.numel * p.count for p in trainable),
+        total_params=sum(p.numel * p.count for p in params),
+        largest_param_numel=max(p.numel for p in params),
+        quantizable_linear_params=_quantizable(spec, settings)[0],
+        largest_linear_numel=_quantizable(spec, settings)[1],
+    )
+
+
+def _quantizable(spec, settings) -> tuple[int, int]:
+    """Linear weights bitsandbytes would pack to 4 bits (every Linear but the head and adapters), and the largest."""
+    if not settings.load_in_4bit:
+        return 0, 0
+    mods = [m for m in spec.linear_modules(settings.task, settings.num_labels) if m.scope != "head"]
+    return sum(m.weight_numel * m.count for m in mods), max((m.weight_numel for m in mods), default=0)

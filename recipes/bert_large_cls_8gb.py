@@ -1,0 +1,21 @@
+"""Sequence classification with BERT-large (340M) on one 8 GB GPU.
+
+    accelerate launch recipes/bert_large_cls_8gb.py                 # SST-2
+    accelerate launch recipes/bert_large_cls_8gb.py --train-file labelled.tsv   # label<TAB>text per line
+    python recipes/bert_large_cls_8gb.py --dry-run
+    python recipes/bert_large_cls_8gb.py --smoke
+"""
+
+from hf_memfit.recipe import Recipe, run
+
+RECIPE = Recipe(
+    model="bert-large-uncased",
+    task="seq-cls",
+    num_labels=2,
+    memory_budget="8GiB",
+    seq_len=512,  # BERT's maximum
+    global_batch_size=32,
+)
+
+if __name__ == "__main__":
+    raise SystemExit(run(RECIPE))

@@ -1,0 +1,24 @@
+"""Full fine-tuning of GPT-2-XL (1.5B parameters) on one 12 GB GPU (RTX 3060 class).
+
+    accelerate launch recipes/gpt2xl_12gb.py                   # wikitext-2, seq 1024, global batch 64
+    accelerate launch recipes/gpt2xl_12gb.py --train-file my.txt
+    python recipes/gpt2xl_12gb.py --dry-run                    # the plan, offline, no weights
+    python recipes/gpt2xl_12gb.py --smoke                      # same code path, tiny model, CPU, seconds
+
+fp32 weights + grads alone are 11.6 GiB, so the plan has to find room: bf16
+autocast, micro-batch x accumulation = 64, gradient checkpointing, and
+DeepSpeed ZeRO-2 with the optimizer offloaded to host RAM if nothing else fits.
+Every choice is printed with its numbers when training starts.
+"""
+
+from hf_memfit.recipe import Recipe, run
+
+RECIPE = Recipe(
+    model="gpt2-xl",
+    memory_budget="12GiB",  # an RTX 3060's 12 GB
+    seq_len=1024,  # GPT-2's full context
+    global_batch_size=64,  # kept exactly: micro-batch x accumulation x GPUs
+)
+
+if __name__ == "__main__":
+    raise SystemExit(run(RECIPE))

@@ -1,0 +1,26 @@
+"""QLoRA fine-tuning of Llama-3.1-8B on one 24 GB GPU (A10G, RTX 3090/4090).
+
+    accelerate launch recipes/llama31_8b_qlora_24gb.py
+    python recipes/llama31_8b_qlora_24gb.py --dry-run
+    python recipes/llama31_8b_qlora_24gb.py --smoke
+
+The base is loaded in 4-bit NF4 with double quantisation (bitsandbytes), LoRA
+rank 16 on peft's default Llama targets; the planner picks the micro-batch,
+checkpointing and optimizer. The smoke run trains LoRA on a full-precision
+tiny base, since 4-bit kernels need CUDA.
+"""
+
+from hf_memfit.recipe import Recipe, run
+
+RECIPE = Recipe(
+    model="meta-llama/Llama-3.1-8B",
+    memory_budget="24GiB",
+    seq_len=2048,
+    global_batch_size=32,
+    load_in_4bit=True,  # QLoRA: 4-bit frozen base
+    lora_r=16,
+    lora_alpha=32,
+)
+
+if __name__ == "__main__":
+    raise SystemExit(run(RECIPE))
