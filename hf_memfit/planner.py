@@ -214,8 +214,10 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
     best = fitting[0]
     alternatives = _runners_up(best, fitting, candidates)
     ideal = _ideal_seconds(spec, best.settings, best.estimate, gpu_info)
+    largest = max(spec.vocab_size * (spec.embedding_dim or spec.hidden_size),
+                  max((m.weight_numel for m in spec.linear_modules(base.task, num_labels)), default=0))
     chosen = _make_plan(best, candidates, usable, budget, ideal, [precision_reason, attn_reason], nvme_path,
-                        keep_optimizer)
+                        keep_optimizer, largest)
     return PlanResult(chosen, best.estimate, alternatives, len(candidates))
 
 
@@ -432,7 +434,7 @@ def _lookup(candidates: list[Candidate], settings: TrainSettings) -> Candidate |
 
 
 def _make_plan(best: Candidate, candidates, usable: int, budget: int, ideal_seconds: float, fixed_reasons: list[str],
-               nvme_path: str | None, keep_optimizer: bool) -> Plan:
+               nvme_path: str | None, keep_optimizer: bool, largest_param_numel: int) -> Plan:
     s, est = best.settings, best.estimate
     reasons = [f"budget: {format_bytes(usable)} usable of {format_bytes(budget)}; plan peaks at "
                f"{format_bytes(est.device_total_bytes)} ({100 * est.device_total_bytes / usable:.0f}% of usable)"]
@@ -480,8 +482,8 @@ def _make_plan(best: Candidate, candidates, usable: int, budget: int, ideal_seco
     if s.zero_stage:
         from hf_memfit.deepspeed import deepspeed_config
 
-        deepspeed = deepspeed_config(s.zero_stage, s.offload_optimizer, s.offload_param,
-                                     nvme_path=nvme_path, precision=s.precision)
+        deepspeed = deepspeed_config(s.zero_stage, s.offload_optimizer, s.offload_param, nvme_path=nvme_path,
+                                     precision=s.precision, largest_param_numel=largest_param_numel)
     torch_dtype = "float32" if not s.load_in_4bit else ("bfloat16" if s.precision.startswith("bf16") else "float16")
     return Plan(
         per_device_train_batch_size=s.batch_size,

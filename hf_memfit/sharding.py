@@ -97,7 +97,7 @@ def _zero(rank: RankMemory, step: StepMemory, settings: TrainSettings, hidden_si
     master = 4 * trainable if half else 0  # fp32 master weights (DeepSpeed bf16/fp16 optimizer)
     optimizer_total = single_opt + master
     bucket = hidden_size * hidden_size * w_bytes  # reduce_bucket_size "auto" = h^2 elements
-    overlap = 2 if stage == 3 else 1  # overlap_comm defaults to True for stage 3 only
+    overlap = 2  # overlap_comm doubles the reduce bucket; our configs (deepspeed.py) turn it on at every stage
 
     weights = total * w_bytes if not settings.load_in_4bit else max(b["weights"] for b in rank.candidates.values())
     gradients = trainable * w_bytes
