@@ -28,6 +28,11 @@ class MemFitArguments(TrainingArguments):
     headroom: float = field(default=0.05, metadata={"help": "Fraction of the budget kept free."})
     keep_optimizer: bool = field(default=False, metadata={"help": "Never switch AdamW to its 8-bit variants."})
     memfit_max_recoveries: int = field(default=3, metadata={"help": "OOM recoveries before saving and stopping."})
+    memfit_debug_memory: bool = field(
+        default=False,
+        metadata={"help": "Record PyTorch's CUDA memory history from the start and write a snapshot and a "
+                          "predicted-vs-measured report to the output directory at the end (or at an OOM)."},
+    )
 
     def __post_init__(self):
         super().__post_init__()

@@ -508,40 +508,53 @@ def _make_plan(best: Candidate, candidates, usable: int, budget: int, ideal_seco
 
 def _nothing_fits(spec, base: TrainSettings, candidates, usable: int, budget: int, allow_offload: str, world: int,
                   per_rank: int) -> str:
+    """The one-line error when no candidate fits: the smallest footprint, and which remedies would fit."""
     smallest = min(candidates, key=lambda c: c.estimate.device_total_bytes)
-    need = smallest.estimate.device_total_bytes
-    helps = []
-    probe = smallest.settings
+    lean = dict(gradient_checkpointing=True, zero_stage=0, offload_optimizer="none", offload_param="none")
+
+    def best(**changes) -> int:
+        """The smallest footprint with `changes`, over micro-batch 1 or the whole per-rank batch."""
+        sizes = []
+        for micro in sorted({1, per_rank}):
+            settings = base.replace(batch_size=micro, gradient_accumulation_steps=per_rank // micro, **{**lean, **changes})
+            sizes.append(estimate_settings(spec, settings).device_total_bytes)
+        return min(sizes)
+
+    remedies = []
     if allow_offload == "none" and not base.load_in_4bit:
-        off = estimate_settings(spec, probe.replace(zero_stage=3, offload_optimizer="cpu", offload_param="cpu"))
-        if off.device_total_bytes <= usable:
-            helps.append(f"`--allow-offload cpu` ({format_bytes(off.device_total_bytes)} on the GPU)")
-    for gpus in (2 * world, 4 * world, 8 * world):
-        if probe.num_nodes == 1 and gpus <= 8:
-            more = estimate_settings(spec, probe.replace(num_gpus=gpus, zero_stage=3, batch_size=1,
-                                                         gradient_accumulation_steps=1))
-            if more.device_total_bytes <= usable:
-                helps.append(f"`--num-gpus {gpus}` with ZeRO-3 ({format_bytes(more.device_total_bytes)} per GPU)")
-                break
+        remedies.append(("`--allow-offload cpu`", dict(zero_stage=3, offload_optimizer="cpu", offload_param="cpu",
+                                                       optim="adamw_torch_fused")))
+    if base.num_nodes == 1:
+        for gpus in (2 * world, 4 * world, 8 * world):
+            if gpus <= 8 and per_rank * world % gpus == 0:
+                remedies.append((f"`--num-gpus {gpus}` with ZeRO-3", dict(num_gpus=gpus, zero_stage=3,
+                                                                        optim="adamw_torch_fused")))
     if not base.uses_lora:
-        lora = estimate_settings(spec, probe.replace(lora_r=16, zero_stage=0, offload_optimizer="none",
-                                                     offload_param="none", optim="adamw_torch_fused"))
-        if lora.device_total_bytes <= usable:
-            helps.append(f"LoRA `--lora-r 16` ({format_bytes(lora.device_total_bytes)})")
-        elif base.device == "cuda":
-            qlora = estimate_settings(spec, probe.replace(lora_r=16, load_in_4bit=True, zero_stage=0, offload_optimizer="none",
-                                                          offload_param="none", optim="adamw_torch_fused",
-                                                          precision="bf16-mixed" if base.precision == "fp32" else base.precision))
-            if qlora.device_total_bytes <= usable:
-                helps.append(f"QLoRA `--load-in-4bit --lora-r 16` ({format_bytes(qlora.device_total_bytes)})")
-    shorter = base.seq_len // 2
-    if shorter >= 16:
-        short = estimate_settings(spec, probe.replace(seq_len=shorter))
-        if short.device_total_bytes <= usable:
-            helps.append(f"a shorter sequence `--seq-len {shorter}` ({format_bytes(short.device_total_bytes)})")
+        remedies.append(("LoRA `--lora-r 16`", dict(lora_r=16, optim="adamw_torch_fused")))
+        if base.device == "cuda":
+            remedies.append(("QLoRA `--load-in-4bit --lora-r 16`", dict(
+                lora_r=16, load_in_4bit=True, optim="adamw_torch_fused",
+                precision="bf16-mixed" if base.precision == "fp32" else base.precision)))
+    if base.seq_len // 2 >= 16:
+        remedies.append((f"a shorter sequence `--seq-len {base.seq_len // 2}`", dict(seq_len=base.seq_len // 2)))
+    helps = []
+    for text, changes in remedies:
+        if "num_gpus" in changes and any("--num-gpus" in h for h in helps):
+            continue  # the fewest GPUs that fit is enough to name
+        need = best(**changes) if "num_gpus" not in changes else _per_gpu(spec, base, per_rank * world, changes, lean)
+        if need <= usable:
+            helps.append(f"{text} ({format_bytes(need)})")
     suggestion = "; ".join(helps) if helps else "a larger GPU"
     return (f"nothing fits in {format_bytes(usable)} ({format_bytes(budget)} less headroom): the smallest footprint "
-            f"found is {need / GiB:.1f} GiB ({_difference_text(smallest.settings)}); what would fit: {suggestion}")
+            f"found is {smallest.estimate.device_total_bytes / GiB:.1f} GiB ({_difference_text(smallest.settings)}); "
+            f"what would fit: {suggestion}")
+
+
+def _per_gpu(spec, base: TrainSettings, global_batch: int, changes: dict, lean: dict) -> int:
+    """The smallest per-GPU footprint when the same global batch is spread over more GPUs."""
+    per_rank = global_batch // changes["num_gpus"]
+    settings = base.replace(batch_size=1, gradient_accumulation_steps=per_rank, **{**lean, **changes})
+    return estimate_settings(spec, settings).device_total_bytes
 
 
 def _difference_text(s: TrainSettings) -> str:

@@ -65,7 +65,51 @@ class MemFitTrainer(Trainer):
             path = os.path.join(self.args.output_dir, "memfit_plan.json")
             with open(path, "w") as handle:
                 json.dump(self.memfit_result.to_dict(), handle, indent=2)
-        return super().train(*args, **kwargs)
+        recording = self.args.memfit_debug_memory and _on_cuda(self.args)
+        if recording:
+            torch.cuda.memory._record_memory_history(max_entries=200_000)
+        try:
+            output = super().train(*args, **kwargs)
+        except Exception as error:
+            if is_out_of_memory(error) or isinstance(error.__cause__, torch.OutOfMemoryError):
+                self.write_postmortem(f"out of memory: {str(error).splitlines()[0]}")
+            raise
+        if self.args.memfit_debug_memory:
+            self.write_postmortem("end of training (memfit_debug_memory=True)")
+        return output
+
+    def write_postmortem(self, reason: str) -> str | None:
+        """Write the predicted breakdown beside what was measured, and on CUDA the allocator snapshot.
+
+        The snapshot (`memfit_memory_snapshot.pickle`) opens in PyTorch's memory
+        viewer (pytorch.org/memory_viz). Returns the report's path.
+        """
+        if not self.args.should_save:
+            return None
+        os.makedirs(self.args.output_dir, exist_ok=True)
+        estimate = self.memfit_result.estimate
+        report = {"reason": reason, "step": self.state.global_step, "predicted": estimate.to_dict(),
+                  "measured": [h for h in self.state.log_history if any(k.startswith("memfit/") for k in h)]}
+        if _on_cuda(self.args):
+            report["measured_cuda"] = {"max_memory_allocated": torch.cuda.max_memory_allocated(),
+                                       "max_memory_reserved": torch.cuda.max_memory_reserved()}
+            if self.args.memfit_debug_memory:
+                snapshot = os.path.join(self.args.output_dir, "memfit_memory_snapshot.pickle")
+                torch.cuda.memory._dump_snapshot(snapshot)
+                report["snapshot"] = snapshot
+        path = os.path.join(self.args.output_dir, "memfit_postmortem.json")
+        with open(path, "w") as handle:
+            json.dump(report, handle, indent=2, default=str)
+        lines = [f"hf-memfit post-mortem ({reason}), written to {path}"]
+        lines += [f"  predicted {name:<12} {value / 2**30:8.2f} GiB" for name, value in estimate.breakdown.items()]
+        lines.append(f"  predicted peak allocated {estimate.peak_allocated_bytes / 2**30:.2f} GiB")
+        for key, value in report.get("measured_cuda", {}).items():
+            lines.append(f"  measured {key} {value / 2**30:.2f} GiB")
+        for entry in report["measured"]:
+            if "memfit/measured_peak_bytes" in entry:
+                lines.append(f"  measured peak over the first steps {entry['memfit/measured_peak_bytes'] / 2**30:.2f} GiB")
+        logger.warning("\n".join(lines))
+        return path
 
     # --- OOM recovery ------------------------------------------------------------
 
@@ -145,6 +189,10 @@ class MemFitTrainer(Trainer):
             "`allow_offload='cpu'`, and resume") from error
 
 
+def _on_cuda(args) -> bool:
+    return torch.cuda.is_available() and not args.use_cpu
+
+
 def _batch_size(inputs) -> int:
     for value in inputs.values():
         if isinstance(value, torch.Tensor) and value.dim() > 0:
@@ -179,7 +227,7 @@ def _plan_for(model, args: MemFitArguments, train_dataset, data_collator, proces
     spec = ModelSpec.from_config(getattr(base.config, "_name_or_path", "") or base.config.model_type, config)
     task = next((t for suffix, t in _TASK_BY_CLASS_SUFFIX.items() if type(base).__name__.endswith(suffix)), None)
     lora = _lora_settings(model)
-    on_gpu = torch.cuda.is_available() and not args.use_cpu
+    on_gpu = _on_cuda(args)
     world = max(1, args.world_size)
     global_batch = args.global_batch_size or args.per_device_train_batch_size * args.gradient_accumulation_steps * world
     budget = args.memory_budget
@@ -279,7 +327,7 @@ class MemoryCheckCallback(TrainerCallback):
     def on_step_begin(self, args, state, control, **kwargs):
         if state.global_step != 0 or self.tracker is not None:
             return
-        if torch.cuda.is_available() and not args.use_cpu:
+        if _on_cuda(args):
             torch.cuda.reset_peak_memory_stats()
             self.tracker = "cuda"
             return

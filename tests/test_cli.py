@@ -51,7 +51,7 @@ def test_offload_moves_bytes_to_the_host(capsys):
 
 
 BAD_INPUTS = [
-    (["estimate", "gpt-9000", "--batch-size", "1", "--seq-len", "8"], "gpt2"),  # unknown model: suggests close names
+    (["estimate", "gpt2-xxl", "--batch-size", "1", "--seq-len", "8"], "gpt2-xl"),  # unknown model: suggests close names
     (["estimate", "gpt2", "--batch-size", "1", "--seq-len", "4096"], "--seq-len"),
     (["estimate", "gpt2", "--batch-size", "1", "--seq-len", "8", "--optim", "adamw_magic"], "--optim"),
     (["estimate", "gpt2", "--batch-size", "1", "--seq-len", "8", "--lora-r", "8", "--lora-target-modules", "q_proj"],

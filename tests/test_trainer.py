@@ -34,7 +34,7 @@ class TokenDataset(torch.utils.data.Dataset):
 
 def make_args(tmp_path, **overrides):
     values = dict(output_dir=str(tmp_path / "out"), memory_budget="2GiB", per_device_train_batch_size=4,
-                  gradient_accumulation_steps=2, max_steps=3, learning_rate=1e-2, report_to=[], save_strategy="no",
+                  gradient_accumulation_steps=2, max_steps=3, learning_rate=1e-3, report_to=[], save_strategy="no",
                   use_cpu=True, seed=0, data_seed=0, logging_steps=1, disable_tqdm=True)
     values.update(overrides)
     return MemFitArguments(**values)
@@ -51,7 +51,7 @@ def test_plans_applies_and_writes_the_plan(tmp_path):
     assert saved["plan"]["per_device_train_batch_size"] == plan.per_device_train_batch_size
     checks = [h for h in trainer.state.log_history if "memfit/measured_peak_bytes" in h]
     assert checks and checks[0]["memfit/measured_peak_bytes"] > 0
-    assert abs(checks[0]["memfit/relative_error"]) < 0.5
+    assert abs(checks[0]["memfit/relative_error"]) < 0.10  # the warning threshold
 
 
 def test_a_tight_budget_lowers_the_micro_batch(tmp_path):
@@ -59,8 +59,11 @@ def test_a_tight_budget_lowers_the_micro_batch(tmp_path):
     need = roomy.memfit_result.estimate.device_total_bytes
     tight = MemFitTrainer(model=tiny_gpt2(), args=make_args(tmp_path, memory_budget=str(int(need * 0.97 / 0.95))),
                           train_dataset=TokenDataset())
-    assert tight.memfit_plan.per_device_train_batch_size < roomy.memfit_plan.per_device_train_batch_size \
-        or tight.memfit_plan.gradient_checkpointing
+    budget = int(need * 0.97 / 0.95)
+    assert tight.memfit_result.estimate.device_total_bytes <= budget * 0.95
+    knobs = lambda p: (p.per_device_train_batch_size, p.gradient_checkpointing, p.optim)  # noqa: E731
+    assert knobs(tight.memfit_plan) != knobs(roomy.memfit_plan)  # something had to give
+    assert tight.args.optim == tight.memfit_plan.optim
 
 
 def _train_weights(tmp_path, fail_above: int | None):
@@ -85,7 +88,10 @@ def test_oom_recovery_keeps_the_training_identical(tmp_path):
     assert any("memfit/oom_recovery" in h for h in trainer.state.log_history)
     assert trainer.state.global_step == 3
     for name, value in clean.items():
-        torch.testing.assert_close(recovered[name], value, rtol=1e-4, atol=1e-5, msg=name)
+        # Chunked gradients differ from whole ones only by float rounding, which Adam
+        # can amplify for near-zero gradients; a skipped or repeated micro-batch moves
+        # weights by ~lr (1e-3), far outside this tolerance.
+        torch.testing.assert_close(recovered[name], value, rtol=0, atol=2e-5, msg=name)
 
 
 def test_gives_up_after_the_ladder_with_a_checkpoint(tmp_path):
@@ -99,6 +105,27 @@ def test_gives_up_after_the_ladder_with_a_checkpoint(tmp_path):
     with pytest.raises(MemFitError, match="checkpoint"):
         trainer.train()
     assert any(p.name.startswith("checkpoint-") for p in (tmp_path / "out").iterdir())
+    postmortem = json.loads((tmp_path / "out" / "memfit_postmortem.json").read_text())
+    assert postmortem["reason"].startswith("out of memory")
+    assert postmortem["predicted"]["breakdown"]["weights"] > 0
+
+
+def test_debug_memory_writes_a_postmortem_on_the_cpu(tmp_path):
+    trainer = MemFitTrainer(model=tiny_gpt2(), args=make_args(tmp_path, memfit_debug_memory=True),
+                            train_dataset=TokenDataset())
+    trainer.train()
+    report = json.loads((tmp_path / "out" / "memfit_postmortem.json").read_text())
+    assert report["predicted"]["peak_allocated_bytes"] > 0
+    assert any("memfit/measured_peak_bytes" in entry for entry in report["measured"])
+    assert "snapshot" not in report  # the CUDA snapshot needs a GPU
+
+
+@pytest.mark.gpu
+def test_debug_memory_writes_a_cuda_snapshot(tmp_path):
+    args = make_args(tmp_path, memfit_debug_memory=True, use_cpu=False, memory_budget="auto")
+    trainer = MemFitTrainer(model=tiny_gpt2().cuda(), args=args, train_dataset=TokenDataset())
+    trainer.train()
+    assert (tmp_path / "out" / "memfit_memory_snapshot.pickle").stat().st_size > 0
 
 
 def test_plain_training_arguments_are_upcast(tmp_path):

@@ -1,0 +1,95 @@
+"""The planner: fits, keeps the global batch, explains itself, and says what would help when nothing fits."""
+
+import json
+
+import pytest
+
+from hf_memfit.cli import main
+from hf_memfit.errors import MemFitError
+from hf_memfit.planner import plan
+from hf_memfit.units import GiB
+
+
+def test_gpt2_xl_full_fine_tune_on_12_gib():
+    result = plan("gpt2-xl", gpu_memory="12GiB", seq_len=1024, global_batch_size=64)
+    p = result.plan
+    assert p.per_device_train_batch_size * p.gradient_accumulation_steps * p.num_gpus == 64
+    assert result.estimate.device_total_bytes <= 12 * GiB * 0.95
+    assert p.bf16 and not p.fp16
+    assert result.estimate.trainable_params == result.estimate.total_params  # still a full fine-tune
+    assert len(p.reasons) >= 5 and any("GiB" in r for r in p.reasons)
+
+
+def test_fp16_on_gpus_without_bf16():
+    result = plan("gpt2", gpu="t4", seq_len=512, global_batch_size=16)
+    assert result.plan.fp16 and not result.plan.bf16
+    assert any("no bf16" in r for r in result.plan.reasons)
+
+
+def test_llama_8b_qlora_on_24_gib():
+    result = plan("meta-llama/Llama-3.1-8B", gpu_memory="24GiB", seq_len=2048, global_batch_size=32,
+                  load_in_4bit=True, lora_r=16)
+    assert result.plan.deepspeed is None
+    assert result.estimate.device_total_bytes <= 24 * GiB * 0.95
+    assert result.estimate.trainable_params < 0.01 * result.estimate.total_params
+
+
+def test_llama_70b_full_fine_tune_on_8_h100s_shards_with_zero3():
+    result = plan("meta-llama/Llama-2-70b-hf", gpu="h100", num_gpus=8, seq_len=4096, global_batch_size=64)
+    p = result.plan
+    assert p.settings.zero_stage == 3
+    assert p.deepspeed["zero_optimization"]["stage"] == 3
+    assert p.per_device_train_batch_size * p.gradient_accumulation_steps * 8 == 64
+
+
+def test_more_memory_never_plans_slower():
+    small = plan("gpt2-large", gpu_memory="16GiB", seq_len=1024, global_batch_size=32)
+    large = plan("gpt2-large", gpu_memory="80GiB", seq_len=1024, global_batch_size=32)
+    assert large.plan.predicted_step_seconds <= small.plan.predicted_step_seconds
+    assert large.plan.per_device_train_batch_size >= small.plan.per_device_train_batch_size
+
+
+def test_keep_optimizer_forbids_eight_bit():
+    result = plan("gpt2-large", gpu_memory="16GiB", seq_len=1024, global_batch_size=32, keep_optimizer=True)
+    assert result.plan.optim == "adamw_torch_fused"
+
+
+def test_nothing_fits_says_what_would():
+    with pytest.raises(MemFitError) as error:
+        plan("meta-llama/Llama-3.1-8B", gpu_memory="8GiB", seq_len=2048, global_batch_size=8, allow_offload="none")
+    message = str(error.value)
+    assert "smallest footprint" in message and "GiB" in message
+    assert "LoRA" in message or "offload" in message or "--num-gpus" in message
+    assert "\n" not in message
+
+
+def test_global_batch_that_cannot_be_split():
+    with pytest.raises(MemFitError, match="multiple of 4"):
+        plan("gpt2", gpu_memory="16GiB", seq_len=128, global_batch_size=6, num_gpus=4)
+
+
+def test_cli_json_and_deepspeed_config(tmp_path, capsys):
+    out_path = tmp_path / "ds" / "config.json"
+    code = main(["plan", "t5-3b", "--gpu-memory", "24GiB", "--seq-len", "512", "--global-batch-size", "32",
+                 "--deepspeed-config-out", str(out_path), "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert set(data) == {"plan", "estimate", "alternatives"}
+    for key in ("per_device_train_batch_size", "gradient_accumulation_steps", "num_gpus", "gradient_checkpointing",
+                "bf16", "fp16", "torch_dtype", "optim", "attn_implementation", "deepspeed",
+                "per_device_eval_batch_size", "reasons", "predicted_tokens_per_second_relative"):
+        assert key in data["plan"]
+    if data["plan"]["deepspeed"] is not None:
+        assert json.loads(out_path.read_text()) == data["plan"]["deepspeed"]
+
+
+def test_plan_table_lists_runners_up(capsys):
+    assert main(["plan", "gpt2-xl", "--gpu-memory", "12GiB", "--seq-len", "1024", "--global-batch-size", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "Why:" in out and "Runners-up:" in out and "per_device_train_batch_size" in out
+
+
+def test_gpu_memory_auto_without_a_gpu(capsys):
+    code = main(["plan", "gpt2", "--gpu-memory", "auto", "--seq-len", "128", "--global-batch-size", "8"])
+    assert code == 2
+    assert "--gpu-memory auto" in capsys.readouterr().err
