@@ -20,6 +20,7 @@ median and maximum |error| per method.
     python benchmarks/accuracy.py --quick    # 6 rows
     python benchmarks/accuracy.py --json results.json
     python benchmarks/accuracy.py --only llama   # rows whose name contains "llama"
+    python benchmarks/accuracy.py --measured-from results.json   # re-score the modes, reuse the measurements
 
 Nothing here is tuned to the estimator: the rows were chosen to cover the
 architectures, precisions and optimizers the issue lists, before the results
@@ -109,16 +110,17 @@ GPT2, LLAMA, QWEN = "openai-community/gpt2", "meta-llama/Llama-3.2-1B", "Qwen/Qw
 BERT, T5, OPT, NEOX = "google-bert/bert-base-uncased", "google-t5/t5-small", "facebook/opt-125m", "EleutherAI/pythia-160m"
 
 ROWS = [
-    # --- GPT-2 ------------------------------------------------------------------
-    Row("gpt2-L4 fp32 adamw", GPT2, gpt2(4), dict(batch_size=4, seq_len=256), quick=True),
-    Row("gpt2-L6 bf16-mixed adamw", GPT2, gpt2(6), dict(batch_size=4, seq_len=256, precision="bf16-mixed")),
-    Row("gpt2-L8 fp32 adamw gc", GPT2, gpt2(8), dict(batch_size=8, seq_len=256, gradient_checkpointing=True)),
-    Row("gpt2-L6 fp32 adamw_fused b2 s512", GPT2, gpt2(6), dict(batch_size=2, seq_len=512, optim="adamw_torch_fused")),
+    # --- GPT-2 (real 50k vocabulary unless noted) ---------------------------------------
+    Row("gpt2-L4 fp32 adamw", GPT2, gpt2(4), dict(batch_size=2, seq_len=256), quick=True),
+    Row("gpt2-L6 bf16-mixed adamw", GPT2, gpt2(6), dict(batch_size=2, seq_len=256, precision="bf16-mixed")),
+    Row("gpt2-L8 fp32 adamw gc (vocab 8k)", GPT2, gpt2(8, vocab_size=8192),
+        dict(batch_size=4, seq_len=256, gradient_checkpointing=True)),
+    Row("gpt2-L6 fp32 adamw_fused s512", GPT2, gpt2(6), dict(batch_size=1, seq_len=512, optim="adamw_torch_fused")),
     Row("gpt2-L4 fp32 lora r8", GPT2, gpt2(4), dict(batch_size=4, seq_len=128, lora_r=8)),
     Row("gpt2-L4 fp32 adamw eager", GPT2, gpt2(4), dict(batch_size=2, seq_len=256, attn_implementation="eager")),
-    Row("gpt2-L4 fp32 adamw accum4", GPT2, gpt2(4), dict(batch_size=2, seq_len=256, gradient_accumulation_steps=4)),
-    # --- Llama with GQA -------------------------------------------------------------
-    Row("llama-gqa-L4 fp32 adamw", LLAMA, llama(4), dict(batch_size=4, seq_len=256), quick=True),
+    Row("gpt2-L4 fp32 adamw accum4", GPT2, gpt2(4), dict(batch_size=1, seq_len=256, gradient_accumulation_steps=4)),
+    # --- Llama with GQA (4:1) ----------------------------------------------------------------
+    Row("llama-gqa-L4 fp32 adamw", LLAMA, llama(4), dict(batch_size=2, seq_len=256), quick=True),
     Row("llama-gqa-L6 bf16 adamw", LLAMA, llama(6), dict(batch_size=4, seq_len=256, precision="bf16")),
     Row("llama-gqa-L8 bf16-mixed 8bit gc", LLAMA, llama(8), dict(batch_size=4, seq_len=256, precision="bf16-mixed",
                                                                  optim="adamw_bnb_8bit", gradient_checkpointing=True)),
@@ -126,31 +128,31 @@ ROWS = [
                                                                       lora_r=16, lora_alpha=32,
                                                                       lora_target_modules=("q_proj", "k_proj", "v_proj", "o_proj"))),
     Row("llama-gqa-L12 fp32 sgd", LLAMA, llama(12), dict(batch_size=2, seq_len=128, optim="sgd")),
-    # --- Qwen2 ----------------------------------------------------------------------
-    Row("qwen2-L4 fp32 adafactor", QWEN, qwen2(4), dict(batch_size=4, seq_len=128, optim="adafactor"), quick=True),
-    Row("qwen2-L6 bf16-mixed adamw", QWEN, qwen2(6), dict(batch_size=2, seq_len=256, precision="bf16-mixed")),
-    Row("qwen2-L4 bf16 8bit gc", QWEN, qwen2(4), dict(batch_size=4, seq_len=128, precision="bf16",
-                                                      optim="adamw_bnb_8bit", gradient_checkpointing=True)),
-    # --- BERT sequence classification -----------------------------------------------
+    # --- Qwen2 (GQA 7:1, real 152k vocabulary unless noted) -------------------------------------
+    Row("qwen2-L4 fp32 adafactor", QWEN, qwen2(4), dict(batch_size=2, seq_len=128, optim="adafactor"), quick=True),
+    Row("qwen2-L6 bf16-mixed adamw", QWEN, qwen2(6), dict(batch_size=2, seq_len=128, precision="bf16-mixed")),
+    Row("qwen2-L4 bf16 8bit gc (vocab 32k)", QWEN, qwen2(4, vocab=32768), dict(batch_size=4, seq_len=256, precision="bf16",
+                                                                            optim="adamw_bnb_8bit", gradient_checkpointing=True)),
+    # --- BERT sequence classification ---------------------------------------------------------
     Row("bert-cls-L4 fp32 adamw", BERT, bert(4), dict(batch_size=8, seq_len=128), quick=True),
-    Row("bert-cls-L6 bf16-mixed adamw gc", BERT, bert(6), dict(batch_size=8, seq_len=256, precision="bf16-mixed",
+    Row("bert-cls-L6 bf16-mixed adamw gc", BERT, bert(6), dict(batch_size=4, seq_len=256, precision="bf16-mixed",
                                                                gradient_checkpointing=True)),
     Row("bert-cls-L12 fp32 lora r8", BERT, bert(12), dict(batch_size=8, seq_len=128, lora_r=8)),
-    Row("bert-cls-L4 bf16 sgd", BERT, bert(4), dict(batch_size=8, seq_len=512, precision="bf16", optim="sgd")),
-    # --- T5 seq2seq -------------------------------------------------------------------
+    Row("bert-cls-L4 bf16 sgd s512", BERT, bert(4), dict(batch_size=4, seq_len=512, precision="bf16", optim="sgd")),
+    # --- T5 seq2seq ---------------------------------------------------------------------------
     Row("t5-L4 fp32 adamw", T5, t5(4), dict(batch_size=4, seq_len=128), quick=True),
-    Row("t5-L6 bf16-mixed adafactor", T5, t5(6), dict(batch_size=4, seq_len=256, precision="bf16-mixed", optim="adafactor")),
+    Row("t5-L6 bf16-mixed adafactor", T5, t5(6), dict(batch_size=2, seq_len=256, precision="bf16-mixed", optim="adafactor")),
     Row("t5-L4 fp32 sgd gc", T5, t5(4), dict(batch_size=8, seq_len=64, optim="sgd", gradient_checkpointing=True)),
-    # --- OPT -----------------------------------------------------------------------
-    Row("opt-L4 fp32 adamw", OPT, opt(4), dict(batch_size=4, seq_len=256)),
-    Row("opt-L8 bf16-mixed adamw_fused gc", OPT, opt(8), dict(batch_size=4, seq_len=256, precision="bf16-mixed",
+    # --- OPT (real 50k vocabulary) ---------------------------------------------------------------
+    Row("opt-L4 fp32 adamw", OPT, opt(4), dict(batch_size=2, seq_len=256)),
+    Row("opt-L8 bf16-mixed adamw_fused gc", OPT, opt(8), dict(batch_size=2, seq_len=256, precision="bf16-mixed",
                                                               optim="adamw_torch_fused", gradient_checkpointing=True)),
-    Row("opt-L6 bf16-mixed adamw accum2", OPT, opt(6), dict(batch_size=2, seq_len=256, precision="bf16-mixed",
+    Row("opt-L6 bf16-mixed adamw accum2", OPT, opt(6), dict(batch_size=2, seq_len=128, precision="bf16-mixed",
                                                             gradient_accumulation_steps=2)),
-    # --- GPT-NeoX (Pythia) ------------------------------------------------------------
-    Row("pythia-L4 fp32 adamw", NEOX, neox(4), dict(batch_size=4, seq_len=256), quick=True),
-    Row("pythia-L6 bf16 adafactor s512", NEOX, neox(6), dict(batch_size=2, seq_len=512, precision="bf16", optim="adafactor")),
-    Row("pythia-L6 fp32 lora r8 8bit", NEOX, neox(6), dict(batch_size=4, seq_len=128, lora_r=8, optim="adamw_bnb_8bit")),
+    # --- GPT-NeoX / Pythia (real 50k vocabulary) -------------------------------------------------
+    Row("pythia-L4 fp32 adamw", NEOX, neox(4), dict(batch_size=2, seq_len=256), quick=True),
+    Row("pythia-L6 bf16 adafactor s512", NEOX, neox(6), dict(batch_size=1, seq_len=512, precision="bf16", optim="adafactor")),
+    Row("pythia-L6 fp32 lora r8 8bit", NEOX, neox(6), dict(batch_size=2, seq_len=128, lora_r=8, optim="adamw_bnb_8bit")),
 ]
 
 
@@ -217,18 +219,50 @@ def baselines(config: dict, settings) -> dict:
     return {"accelerate": int(accelerate_bytes), "ds_zero2": int(z2), "ds_zero3": int(z3)}
 
 
-def run_row(row: Row, *, with_baselines: bool = True) -> dict:
-    from hf_memfit.estimate import estimate_settings
+def _estimator_module():
+    """hf_memfit's estimator module (`estimator.py`; `estimate.py` in older trees)."""
+    import importlib
+
+    for name in ("hf_memfit.estimator", "hf_memfit.estimate"):
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if hasattr(module, "estimate_settings"):
+            return module
+    raise ImportError("no hf_memfit estimator module with estimate_settings()")
+
+
+def run_row_stages(row: Row, emit, *, with_baselines: bool = True, measured: int | None = None) -> None:
+    """Measure, then fast, baselines and exact; `emit(dict)` after each stage so a crash keeps what was done.
+
+    Exact mode runs last: it is the stage most likely to abort the process
+    (see the notes in docs/benchmarks.md), and the ground truth must not run
+    after anything that could have damaged the process.
+    """
     from hf_memfit.measure import measure_cpu_peak
 
     config, spec, settings = build(row)
-    result = {"name": row.name, "base": row.base, "overrides": row.overrides, "settings": settings.to_dict(),
-              "layers": spec.num_layers, "decoder_layers": spec.num_decoder_layers}
-    t0 = time.perf_counter()
-    result["measured"] = _quiet(measure_cpu_peak, config, settings)
-    result["measure_s"] = time.perf_counter() - t0
-    for mode in ("exact", "fast"):
+    emit({"name": row.name, "base": row.base, "overrides": row.overrides, "settings": settings.to_dict(),
+          "layers": spec.num_layers, "decoder_layers": spec.num_decoder_layers})
+    if measured is None:
         t0 = time.perf_counter()
+        measured = _quiet(measure_cpu_peak, config, settings)
+        emit({"measured": measured, "measure_s": time.perf_counter() - t0})
+    else:
+        emit({"measured": measured, "measure_s": 0.0, "measured_reused": True})
+    estimate_settings = _estimator_module().estimate_settings
+    for mode in ("fast", "baselines", "exact"):
+        if mode == "baselines":
+            if with_baselines:
+                try:
+                    emit(_quiet(baselines, config, settings))
+                except Exception as exc:  # noqa: BLE001
+                    emit({"baseline_error": f"{type(exc).__name__}: {exc}"[:200]})
+            continue
+        emit({f"{mode}_error": "crashed the process (see the run log)"})  # overwritten below unless it dies
+        t0 = time.perf_counter()
+        result = {}
         try:
             est = _quiet(estimate_settings, spec, settings.replace(mode=mode))
         except Exception as exc:  # noqa: BLE001 - a failing mode is reported, not fatal
@@ -236,22 +270,82 @@ def run_row(row: Row, *, with_baselines: bool = True) -> dict:
             result[f"{mode}_error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
         else:
             result[mode] = est.peak_allocated_bytes
+            result[f"{mode}_error"] = None
             result[f"{mode}_region"] = est.peak_region
-            result[f"{mode}_breakdown"] = est.breakdown
+            result[f"{mode}_breakdown"] = dict(est.breakdown)
             if mode == "exact":
                 result["total_params"] = est.total_params
                 result["trainable_params"] = est.trainable_params
         result[f"{mode}_s"] = time.perf_counter() - t0
-    if with_baselines:
-        try:
-            result.update(_quiet(baselines, config, settings))
-        except Exception as exc:  # noqa: BLE001
-            result["baseline_error"] = f"{type(exc).__name__}: {exc}"[:200]
-    m = result["measured"]
+        emit(result)
+
+
+def _finish(result: dict) -> dict:
+    m = result.get("measured")
     for key in ("exact", "fast", "accelerate", "ds_zero2", "ds_zero3"):
-        if result.get(key) is not None:
+        if m and result.get(key) is not None:
             result[f"{key}_err_pct"] = 100.0 * (result[key] - m) / m
     return result
+
+
+def run_row(row: Row, *, with_baselines: bool = True, isolate: bool = True, measured: int | None = None) -> dict:
+    """One row, in a forked child process unless `isolate` is False.
+
+    The parent has imported torch / transformers / peft but run no tensor op,
+    so each child starts from a clean heap without paying the imports again;
+    a child that dies (segfault, abort) costs only its own row.
+    """
+    if not isolate:
+        result: dict = {}
+        run_row_stages(row, result.update, with_baselines=with_baselines, measured=measured)
+        return _finish(result)
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+
+    def child():
+        try:
+            run_row_stages(row, queue.put, with_baselines=with_baselines, measured=measured)
+        except BaseException as exc:  # noqa: BLE001
+            queue.put({"row_error": f"{type(exc).__name__}: {exc}"[:300], "traceback": traceback.format_exc()[-2000:]})
+        queue.put(None)
+        queue.close()
+        queue.join_thread()
+
+    proc = ctx.Process(target=child, daemon=True)
+    proc.start()
+    result = {"name": row.name}
+    import queue as queue_module
+
+    while True:
+        try:
+            item = queue.get(timeout=1.0)
+        except queue_module.Empty:
+            if not proc.is_alive():
+                # Drain anything left, then record how the child ended.
+                while True:
+                    try:
+                        item = queue.get(timeout=0.5)
+                    except queue_module.Empty:
+                        break
+                    if item is not None:
+                        result.update(item)
+                break
+            continue
+        if item is None:
+            break
+        result.update(item)
+    proc.join()
+    if proc.exitcode:
+        why = f"process died with exit code {proc.exitcode}" + (
+            f" (signal {-proc.exitcode})" if proc.exitcode < 0 else "")
+        result["crash"] = why
+        for mode in ("fast", "exact"):
+            if result.get(f"{mode}_error") == "crashed the process (see the run log)":
+                result[f"{mode}_error"] = f"crashed: {why}"
+                result[mode] = None
+    return _finish(result)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -307,7 +401,7 @@ def print_summary(summary: dict, out=sys.stdout) -> None:
     for key, label in labels.items():
         s = summary[key]
         if not s["rows"]:
-            print(f"{label:32s}: no results ({s['missing']} rows failed or unavailable)", file=out)
+            print(f"{label:32s}: no results (skipped, or failed on all {s['missing']} rows)", file=out)
             continue
         extra = f", {s['missing']} rows failed" if s["missing"] else ""
         print(f"{label:32s}: median |err| {s['median_abs_err_pct']:6.2f}%   max |err| {s['max_abs_err_pct']:7.2f}% "
@@ -337,12 +431,71 @@ def machine() -> dict:
     return info
 
 
+def _ground_truth_hashes() -> dict:
+    """Hashes of the code the measurement runs; saved with --json so --measured-from can check them."""
+    import hashlib
+
+    import hf_memfit
+
+    root = os.path.dirname(hf_memfit.__file__)
+    return {name: hashlib.sha256(open(os.path.join(root, name), "rb").read()).hexdigest()
+            for name in ("step.py", "measure.py")}
+
+
+def _estimator_hashes() -> dict:
+    """Short hashes of the estimator code being scored (fast mode was still changing while this was written)."""
+    import hashlib
+
+    import hf_memfit
+
+    root = os.path.dirname(hf_memfit.__file__)
+    return {name: hashlib.sha256(open(os.path.join(root, name), "rb").read()).hexdigest()[:12]
+            for name in ("formulas.py", "trace.py") if os.path.exists(os.path.join(root, name))}
+
+
+def _load_measurements(path: str) -> dict:
+    with open(path, encoding="utf-8") as f:
+        saved = json.load(f)
+    if saved.get("ground_truth_code") != _ground_truth_hashes():
+        raise SystemExit(f"{path}: hf_memfit/step.py or measure.py changed since it was measured; re-measure")
+    return {r["name"]: r for r in saved["rows"] if r.get("measured")}
+
+
+def _reusable(saved: dict, row: Row) -> int | None:
+    old = saved.get(row.name)
+    if old is None:
+        return None
+    _, _, settings = build(row)
+    if old.get("settings") != json.loads(json.dumps(settings.to_dict())) or old.get("overrides") != row.overrides:
+        return None
+    return old["measured"]
+
+
+def _preload() -> None:
+    """Import what every row needs once, in the parent, so forked children start warm (no tensor op runs here)."""
+    import importlib
+
+    for name in ("transformers", "peft", "accelerate", "bitsandbytes", "torch.profiler", "hf_memfit.measure",
+                 "hf_memfit.trace", "hf_memfit.formulas", "deepspeed.runtime.zero.stage3",
+                 "deepspeed.runtime.zero.stage_1_and_2", "accelerate.commands.estimate"):
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - a missing optional module is reported by its stage
+            pass
+    _estimator_module()
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="only the 6 quick rows")
     parser.add_argument("--only", help="only rows whose name contains this text")
     parser.add_argument("--json", metavar="PATH", help="write the per-row results and the summary as JSON")
     parser.add_argument("--no-baselines", action="store_true", help="skip the accelerate / DeepSpeed baselines")
+    parser.add_argument("--measured-from", metavar="JSON",
+                        help="re-score both modes against the measurements saved by an earlier --json run "
+                             "(refused if hf_memfit/step.py or measure.py changed since, or a row's settings differ)")
+    parser.add_argument("--no-isolate", action="store_true",
+                        help="run every row in this process instead of a forked child per row")
     args = parser.parse_args(argv)
 
     logging.disable(logging.WARNING)
@@ -350,33 +503,56 @@ def main(argv=None) -> int:
     if args.only:
         rows = [r for r in rows if args.only.lower() in r.name.lower()]
     info = _quiet(machine)
+    _quiet(_preload)
     print(f"# hf-memfit accuracy benchmark: {len(rows)} rows, device=cpu; torch {info['torch']}, "
-          f"transformers {info['transformers']}, {info['cpu_count']} CPUs", flush=True)
-    results = []
+          f"transformers {info['transformers']}, {info['cpu_count']} CPUs; estimator code "
+          + ", ".join(f"{k} {v}" for k, v in _estimator_hashes().items()), flush=True)
+    reused = _load_measurements(args.measured_from) if args.measured_from else {}
+    results, failed = [], []
     started = time.perf_counter()
     for i, row in enumerate(rows, 1):
         try:
-            r = run_row(row, with_baselines=not args.no_baselines)
+            r = run_row(row, with_baselines=not args.no_baselines, isolate=not args.no_isolate,
+                        measured=_reusable(reused, row))
         except Exception as exc:  # noqa: BLE001 - the measurement itself failed
             traceback.print_exc()
             print(f"[{i}/{len(rows)}] {row.name}: FAILED to measure ({type(exc).__name__}: {exc})", flush=True)
             continue
+        if r.get("measured") is None:
+            print(f"[{i}/{len(rows)}] {row.name}: FAILED to measure ({r.get('row_error') or r.get('crash')})", flush=True)
+            if r.get("traceback"):
+                print(r["traceback"])
+            failed.append(r)
+            continue
         results.append(r)
-        print(f"[{i}/{len(rows)}] {row.name}: measured {r['measured'] / MiB:.1f} MiB ({r['measure_s']:.1f}s), "
-              f"exact {_fmt_err(r.get('exact_err_pct'))} ({r['exact_s']:.1f}s), "
-              f"fast {_fmt_err(r.get('fast_err_pct'))} ({r['fast_s'] * 1000:.0f}ms)"
+        how = "reused" if r.get("measured_reused") else f"{r['measure_s']:.1f}s"
+        print(f"[{i}/{len(rows)}] {row.name}: measured {r['measured'] / MiB:.1f} MiB ({how}), "
+              f"exact {_fmt_err(r.get('exact_err_pct'))} ({r.get('exact_s', float('nan')):.1f}s), "
+              f"fast {_fmt_err(r.get('fast_err_pct'))} ({r.get('fast_s', float('nan')) * 1000:.0f}ms)"
               + (f"  [fast: {r['fast_error']}]" if r.get("fast_error") else "")
               + (f"  [exact: {r['exact_error']}]" if r.get("exact_error") else ""), flush=True)
     elapsed = time.perf_counter() - started
     print()
     print_table(results)
     print()
+    problems = [(r["name"], mode, r[f"{mode}_error"]) for r in results for mode in ("exact", "fast")
+                if r.get(f"{mode}_error")]
+    problems += [(r["name"], "baselines", r["baseline_error"]) for r in results if r.get("baseline_error")]
+    if problems:
+        print("errors:")
+        for name, mode, error in problems:
+            print(f"  {name} [{mode}]: {error}")
+        print()
     summary = summarize(results)
+    summary["rows_not_measured"] = [r["name"] for r in failed]
     print_summary(summary)
+    if failed:
+        print("rows that could not be measured: " + "; ".join(r["name"] for r in failed))
     print(f"total wall time {elapsed:.0f}s")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"machine": info, "elapsed_s": elapsed, "rows": results, "summary": summary}, f, indent=2,
+            json.dump({"machine": info, "ground_truth_code": _ground_truth_hashes(),
+                       "estimator_code": _estimator_hashes(), "elapsed_s": elapsed, "rows": results, "failed_rows": failed, "summary": summary}, f, indent=2,
                       default=str)
         print(f"wrote {args.json}")
     return 0

@@ -17,8 +17,10 @@ so everything is derived from the `ModelSpec`:
   `mul` saves the other operand, `relu`/`tanh`/`softmax` save their output,
   ...), autocast's casts (input and weight copies; leaf weights cached until
   autocast exits) and dtype promotion. What a layer saves, times the depth, is
-  the activation memory; a layer's transients are bounded by its largest
-  tensors. The same tensor saved by two ops is counted once.
+  the activation memory (the same tensor saved by two ops counts once); which
+  op reads each tensor last gives the transients. A layer's backward is
+  replayed over the same tape in reverse: saved tensors freed op by op while
+  weight gradients appear.
 - The head and loss (logits, the fp32 upcast, log_softmax's saved output,
   accelerate's fp32 copy of the logits, the backward of all of that) and the
   embedding backward are short event sequences whose maxima are taken exactly.
@@ -74,14 +76,17 @@ class _T:
     when it is contiguous in head-major order.
     """
 
-    __slots__ = ("numel", "dtype", "rg", "scope", "saved", "held", "base", "layout", "alloc", "idx", "first_save")
+    __slots__ = ("numel", "dtype", "rg", "scope", "saved", "held", "base", "layout", "alloc", "idx", "first_save",
+                 "weight_copy", "last_use")
 
-    def __init__(self, numel, dtype, rg, scope, alloc=True, base=None, layout="bshd", idx=0):
+    def __init__(self, numel, dtype, rg, scope, alloc=True, base=None, layout="bshd", idx=0, weight_copy=False):
         self.numel, self.dtype, self.rg, self.scope = int(numel), dtype, rg, scope
         self.saved = self.held = False
         self.base, self.layout, self.alloc = base, layout, alloc
         self.idx = idx  # position on the forward tape
         self.first_save = None  # tape position of the first op that saved it (its last user in backward)
+        self.weight_copy = weight_copy  # autocast's compute-dtype copy of a weight: counted with the weights
+        self.last_use = idx  # tape position of the last op that reads it
 
 
 def _promote(*dtypes: str) -> str:
@@ -103,6 +108,17 @@ class _Ctx:
     lora_targets: frozenset
     use_cache: bool  # the model builds a DynamicCache in forward (copies of k and v)
     flash_ok: bool  # the GPU can run SDPA's flash kernel
+    checkpointing: bool = False
+
+    @property
+    def embeddings_need_grad(self) -> bool:
+        """Whether the token embeddings' output requires grad.
+
+        Under LoRA the table is frozen, but with checkpointing peft calls
+        `enable_input_require_grads()`, which marks the embedding output as
+        requiring grad so the checkpointed layers get a gradient path.
+        """
+        return self.full_ft or self.checkpointing
 
     @property
     def tokens(self) -> int:
@@ -121,16 +137,24 @@ class _Forward:
         self.ctx = ctx
         self.tensors: list[_T] = []
         self.scope = "emb"
-        self.peak_transient: dict[str, int] = {}
         # (tape position, scope, gradient numel, param dtype, compute-dtype copy or None) per trainable weight use
         self.grad_events: list[tuple[int, str, int, str, str | None]] = []
 
     # -- bookkeeping ---------------------------------------------------------
 
-    def new(self, numel, dtype, rg=True, layout="bshd") -> _T:
-        t = _T(numel, dtype, rg, self.scope, layout=layout, idx=len(self.tensors))
+    def new(self, numel, dtype, rg=True, layout="bshd", weight_copy=False, inputs=()) -> _T:
+        """A new tensor made by an op that reads `inputs`."""
+        self.use(*inputs)
+        t = _T(numel, dtype, rg, self.scope, layout=layout, idx=len(self.tensors), weight_copy=weight_copy)
         self.tensors.append(t)
         return t
+
+    def use(self, *ts: _T | None) -> None:
+        """The op about to run reads these tensors (Python keeps them alive until then)."""
+        for t in ts:
+            if t is not None:
+                t = t.base or t
+                t.last_use = len(self.tensors)
 
     def weight_grad(self, numel: int, dtype: str, cast: str | None = None) -> None:
         """A trainable weight is used here; its gradient appears when backward gets back to this point."""
@@ -166,16 +190,39 @@ class _Forward:
             n = max(_CUDA_BLOCK, -(-n // _CUDA_BLOCK) * _CUDA_BLOCK)
         return n
 
-    def scope_bytes(self, scope: str, *, held: bool) -> int:
-        """Bytes of tensors made in `scope` that are saved (and, with `held`, also those only held)."""
-        return sum(self.bytes_of(t) for t in self.tensors
-                   if t.scope == scope and (t.saved or (held and t.held)))
+    def scope_bytes(self, scope: str, *, held: bool, weight_copies: bool = False) -> int:
+        """Bytes of tensors made in `scope` that are saved (and, with `held`, also those only held).
 
-    def transient(self, *ts: _T) -> None:
-        """Note tensors alive together inside one op, for the scope's transient bound."""
-        total = sum(self.bytes_of(t) for t in ts if t is not None and t.alloc)
-        if total > self.peak_transient.get(self.scope, 0):
-            self.peak_transient[self.scope] = total
+        With `weight_copies`, only autocast's weight copies among them.
+        """
+        return sum(self.bytes_of(t) for t in self.tensors
+                   if t.scope == scope and (t.saved or (held and t.held)) and (t.weight_copy or not weight_copies))
+
+    def live_peak(self, scope: str, *, keep_saved: bool, everything: bool = False) -> int:
+        """Most bytes of `scope`'s tensors alive at once.
+
+        By default only what nothing keeps beyond its last read is counted. With
+        `keep_saved`, saved tensors are left out (they are counted as saved); without
+        (checkpointing's forward) only held ones are. With `everything`, saved and held
+        tensors count too, alive to the scope's end (checkpointing's recompute).
+        """
+        deltas: dict[int, int] = {}
+        end_of_scope = max((t.idx for t in self.tensors if t.scope == scope), default=0) + 1
+        for t in self.tensors:
+            if t.scope != scope or not t.alloc:
+                continue
+            kept = t.held or t.saved
+            if not everything and (t.held or (keep_saved and t.saved)):
+                continue
+            b = self.bytes_of(t)
+            deltas[t.idx] = deltas.get(t.idx, 0) + b
+            end = end_of_scope if (everything and kept) else max(t.idx, t.last_use) + 1
+            deltas[end] = deltas.get(end, 0) - b
+        live = peak = 0
+        for pos in sorted(deltas):
+            live += deltas[pos]
+            peak = max(peak, live)
+        return peak
 
     # -- elementwise and casts -----------------------------------------------
 
@@ -183,15 +230,16 @@ class _Forward:
         """`x.to(dtype)`: a copy when the dtype changes; its backward saves nothing."""
         if x.dtype == dtype:
             return x
-        return self.new(x.numel, dtype, x.rg, layout=x.layout)
+        return self.new(x.numel, dtype, x.rg, layout=x.layout, inputs=(x,))
 
     def scale(self, x: _T) -> _T:
         """Multiply by a Python number (or a constant tensor): a new tensor, nothing saved."""
-        return self.new(x.numel, x.dtype, x.rg, layout=x.layout)
+        return self.new(x.numel, x.dtype, x.rg, layout=x.layout, inputs=(x,))
 
     def add(self, a: _T, b: _T) -> _T:
         """`a + b`: a new tensor in the promoted dtype; add saves nothing."""
-        return self.new(max(a.numel, b.numel), _promote(a.dtype, b.dtype), a.rg or b.rg, layout=a.layout)
+        return self.new(max(a.numel, b.numel), _promote(a.dtype, b.dtype), a.rg or b.rg, layout=a.layout,
+                        inputs=(a, b))
 
     def mul(self, a: _T, b: _T) -> _T:
         """`a * b`: saves each operand that the other's gradient needs."""
@@ -199,7 +247,8 @@ class _Forward:
             self.save(a)
         if a.rg:
             self.save(b)
-        return self.new(max(a.numel, b.numel), _promote(a.dtype, b.dtype), a.rg or b.rg, layout=a.layout)
+        return self.new(max(a.numel, b.numel), _promote(a.dtype, b.dtype), a.rg or b.rg, layout=a.layout,
+                        inputs=(a, b))
 
     def dropout(self, x: _T, p: float) -> _T:
         """Training-mode dropout with p > 0: the mask (saved) and the output.
@@ -212,7 +261,7 @@ class _Forward:
         cpu_mask = not self.ctx.cuda or _EXACT_CUDA_EMULATION["cpu_dropout_mask"]
         mask = self.new(x.numel, x.dtype if cpu_mask else "bool", False)
         self.save(mask)
-        return self.new(x.numel, x.dtype, x.rg, layout=x.layout)
+        return self.new(x.numel, x.dtype, x.rg, layout=x.layout, inputs=(x, mask))
 
     # -- activations ---------------------------------------------------------
 
@@ -222,14 +271,13 @@ class _Forward:
             # pow saves x; tanh saves its output; the final mul saves 0.5*x and (1 + tanh).
             self.save(x)
             half = self.scale(x)
-            cube = self.new(x.numel, x.dtype, x.rg)
-            inner = self.scale(cube)
-            th = self.new(x.numel, x.dtype, x.rg)
+            cube = self.new(x.numel, x.dtype, x.rg, inputs=(x,))
+            inner = self.new(x.numel, x.dtype, x.rg, inputs=(x, cube))  # c * (x + 0.044715 * cube)
+            th = self.new(x.numel, x.dtype, x.rg, inputs=(inner,))
             self.save(th)
             one_plus = self.scale(th)
-            self.transient(x, half, cube, inner)
             return self.mul(half, one_plus)
-        out = self.new(x.numel, x.dtype, x.rg, layout=x.layout)
+        out = self.new(x.numel, x.dtype, x.rg, layout=x.layout, inputs=(x,))
         if kind == "relu":
             self.save(out)  # threshold_backward uses the result
         else:
@@ -250,23 +298,23 @@ class _Forward:
         ctx = self.ctx
         trainable = ctx.full_ft if trainable is None else trainable
         rows = x.numel // fin
-        if ctx.ac and ctx.wdt == "f32":
-            xin = self.cast(x, ctx.ac)
-            w = self.new(fin * fout, ctx.ac, False)  # the weight's compute-dtype copy
-            if trainable:
-                self.hold(w)  # autocast's weight cache
-                if bias:
-                    self.hold(self.new(fout, ctx.ac, False))  # the bias copy, cached likewise
-            out_dtype = ctx.ac
+        w = None
+        if ctx.ac:
+            xin, out_dtype = self.cast(x, ctx.ac), ctx.ac
+            if ctx.wdt != ctx.ac:
+                w = self.new(fin * fout, ctx.ac, False, weight_copy=True)  # the weight's compute-dtype copy
+                if trainable:
+                    self.hold(w)  # autocast's weight cache
+                    if bias:
+                        self.hold(self.new(fout, ctx.ac, False, weight_copy=True))  # the bias copy, cached likewise
         else:
-            xin, w, out_dtype = x, None, x.dtype
+            xin, out_dtype = x, x.dtype
         if trainable:
             self.save(xin)
             self.weight_grad(fin * fout + (fout if bias else 0), ctx.wdt, ctx.ac if w is not None else None)
         if x.rg and w is not None:
             self.save(w)
-        out = self.new(rows * fout, out_dtype, x.rg or trainable)
-        self.transient(xin, out)
+        out = self.new(rows * fout, out_dtype, x.rg or trainable, inputs=(xin, w))
         if lora and ctx.lora_r and name in ctx.lora_targets:
             out = self._lora(x, out, fin, fout)
         return out
@@ -283,20 +331,20 @@ class _Forward:
         self.weight_grad(r * fout, "f32", ac)
         if ac:
             xa_c = self.cast(xa, ac)
-            wa = self.new(fin * r, ac, False)
-            wb = self.new(r * fout, ac, False)
+            wa = self.new(fin * r, ac, False, weight_copy=True)
+            wb = self.new(r * fout, ac, False, weight_copy=True)
             self.hold(wa, wb)
             self.save(xa_c)
             if xa.rg:
                 self.save(wa)
-            a = self.new(rows * r, ac, True)
+            a = self.new(rows * r, ac, True, inputs=(xa_c, wa))
             self.save(a, wb)
-            out_b = self.new(rows * fout, ac, True)
+            out_b = self.new(rows * fout, ac, True, inputs=(a, wb))
         else:
             self.save(xa)
-            a = self.new(rows * r, "f32", True)
+            a = self.new(rows * r, "f32", True, inputs=(xa,))
             self.save(a)
-            out_b = self.new(rows * fout, "f32", True)
+            out_b = self.new(rows * fout, "f32", True, inputs=(a,))
         scaled = self.scale(out_b)
         result = self.add(base_out, scaled)
         return self.cast(result, base_out.dtype)
@@ -316,7 +364,7 @@ class _Forward:
             self.save(xin, self.new(rows, stat, False), self.new(rows, stat, False))
         if trainable:
             self.weight_grad(2 * h, self.ctx.wdt)
-        return self.new(x.numel, out_dtype, x.rg or trainable)
+        return self.new(x.numel, out_dtype, x.rg or trainable, inputs=(xin,))
 
     def rms_norm(self, x: _T, h: int, style: str, trainable: bool | None = None) -> _T:
         """The Python RMSNorms of transformers.
@@ -330,19 +378,20 @@ class _Forward:
         w = self.param(h, self.ctx.wdt, trainable)
         if trainable:
             self.weight_grad(h, self.ctx.wdt)
-        rstd = self.new(rows, "f32", x.rg)
         if style == "t5":
             x32 = self.cast(x, "f32")
+            rstd = self.new(rows, "f32", x.rg, inputs=(x32,))
             if x.rg:
                 self.save(x32, x, rstd)
-            normed = self.new(x.numel, _promote(x.dtype, "f32"), x.rg)
+            normed = self.new(x.numel, _promote(x.dtype, "f32"), x.rg, inputs=(x, rstd))
             if self.ctx.wdt != "f32":
                 normed = self.cast(normed, self.ctx.wdt)
             return self.mul(w, normed)
         x32 = self.cast(x, "f32")
+        rstd = self.new(rows, "f32", x.rg, inputs=(x32,))
         if x.rg:
             self.save(x32, rstd)
-        normed = self.new(x.numel, "f32", x.rg)
+        normed = self.new(x.numel, "f32", x.rg, inputs=(x32, rstd))
         if style == "gemma":
             w1 = self.new(h, "f32", trainable)  # 1 + weight.float()
             out = self.mul(normed, w1)
@@ -356,8 +405,8 @@ class _Forward:
         """DynamicLayer.update in training: cat([], k) copies k and v (in k's dtype); the cache holds them."""
         if not self.ctx.use_cache:
             return k, v
-        kc = self.new(k.numel, k.dtype, k.rg, layout="bhsd")
-        vc = self.new(v.numel, k.dtype, v.rg, layout="bhsd")
+        kc = self.new(k.numel, k.dtype, k.rg, layout="bhsd", inputs=(k,))
+        vc = self.new(v.numel, k.dtype, v.rg, layout="bhsd", inputs=(v,))
         self.hold(kc, vc)
         return kc, vc
 
@@ -375,40 +424,47 @@ class _Forward:
             if _EXACT_CUDA_EMULATION["sdpa_autocast"] and ctx.ac:
                 q, k, v = self.cast(q, ctx.ac), self.cast(k, ctx.ac), self.cast(v, ctx.ac)
             if kv_heads != heads:  # the kernels see k and v expanded to every head
-                k = self.new(k.numel * heads // kv_heads, k.dtype, k.rg)
-                v = self.new(v.numel * heads // kv_heads, v.dtype, v.rg)
+                k = self.new(k.numel * heads // kv_heads, k.dtype, k.rg, inputs=(k,))
+                v = self.new(v.numel * heads // kv_heads, v.dtype, v.rg, inputs=(v,))
             half = q.dtype in ("bf16", "f16")
             flash = ctx.flash_ok and mask is None and half and head_dim <= 256
             # flash / memory-efficient kernels save q, k, v, the output and the fp32 logsumexp
             # (memory-efficient pads s to a multiple of 32); no s x s matrix.
             lse_s = s if flash else -(-s // 32) * 32
-            out = self.new(out_numel, q.dtype, True, layout="bshd")
+            out = self.new(out_numel, q.dtype, True, layout="bshd", inputs=(q, k, v, mask))
             self.save(q, k, v, out, self.new(b * heads * lse_s, "f32", False))
             if mask is not None and mask.rg:
-                out = self.new(out_numel, q.dtype, True, layout="bshd")  # out + 0 * mask.sum()
+                out = self.new(out_numel, q.dtype, True, layout="bshd", inputs=(out, mask))  # out + 0 * mask.sum()
             return self._merge_heads(out)
         # CPU SDPA, under CPU autocast (scaled_dot_product_attention is a lower-precision op there).
         if ctx.ac:
             q, k, v = self.cast(q, ctx.ac), self.cast(k, ctx.ac), self.cast(v, ctx.ac)
+        origin = q.dtype
         if not dropout:
             # _scaled_dot_product_flash_attention_for_cpu (GQA native): saves q, k, v, out, logsumexp.
-            out = self.new(out_numel, q.dtype, True, layout=q.layout)
+            out = self.new(out_numel, q.dtype, True, layout=q.layout, inputs=(q, k, v, mask))
             self.save(q, k, v, out, self.new(rows, "f32", False), mask)
             return self._merge_heads(out)
-        # Dropout rules the flash kernel out: the math path materialises the s x s probabilities.
+        # Dropout rules the flash kernel out: `_scaled_dot_product_attention_math` materialises
+        # the s x s probabilities, in fp32 (it upcasts half q, k, v: "keep ... in high precision").
+        acc = "f32"
+        q, k, v = self.cast(q, acc), self.cast(k, acc), self.cast(v, acc)
         if kv_heads != heads:
-            k = self.new(k.numel * heads // kv_heads, k.dtype, k.rg)
-            v = self.new(v.numel * heads // kv_heads, v.dtype, v.rg)
+            k = self.new(k.numel * heads // kv_heads, k.dtype, k.rg, inputs=(k,))
+            v = self.new(v.numel * heads // kv_heads, v.dtype, v.rg, inputs=(v,))
         qs = self.scale(q)  # q * sqrt(scale)
         kts = self.scale(k)  # k^T * sqrt(scale)
         self.save(qs, kts, v)
-        scores = self.new(rows * s, q.dtype, True)
-        probs = self.new(rows * s, q.dtype, True)  # _safe_softmax output, saved
+        scores = self.new(rows * s, acc, True, inputs=(qs, kts, mask))
+        probs = self.new(rows * s, acc, True, inputs=(scores,))  # _safe_softmax output, saved
         self.save(probs)
-        self.transient(scores, probs)
         probs = self.dropout(probs, dropout)
         self.save(probs)
-        out = self.new(out_numel, q.dtype, True, layout="bhsd")
+        out = self.new(out_numel, acc, True, layout="bhsd", inputs=(probs, v))
+        # it returns (out.to(origin_dtype), attn.to(origin_dtype)); the caller drops the second
+        weights = self.cast(probs, origin)
+        out = self.cast(out, origin)
+        self.use(weights, q, k, v, qs)  # C++ locals, alive until the function returns
         return self._merge_heads(out)
 
     def _eager(self, q, k, v, heads, kv_heads, head_dim, dropout, mask, causal, style, softcap):
@@ -416,46 +472,56 @@ class _Forward:
         ctx = self.ctx
         b, s = ctx.b, ctx.s
         rows = b * heads * s
-        if kv_heads != heads and style in ("llama", "gemma"):  # repeat_kv copies
-            k = self.new(k.numel * heads // kv_heads, k.dtype, k.rg)
-            v = self.new(v.numel * heads // kv_heads, v.dtype, v.rg)
+        if kv_heads != heads and style == "llama":  # repeat_kv copies
+            k = self.new(k.numel * heads // kv_heads, k.dtype, k.rg, inputs=(k,))
+            v = self.new(v.numel * heads // kv_heads, v.dtype, v.rg, inputs=(v,))
         cdt = ctx.ac or _promote(q.dtype, k.dtype)
         qm, km = (self.cast(q, ctx.ac), self.cast(k, ctx.ac)) if ctx.ac else (q, k)
+        qm, km = self._bmm_operand(qm), self._bmm_operand(km)
         self.save(qm, km)  # matmul(q, k^T) saves both
-        scores = self.new(rows * s, cdt, True)
-        scaled = scores if style == "t5" else self.scale(scores)
+        scores = self.new(rows * s, cdt, True, inputs=(qm, km))
+        scaled = self.scale(scores)
         if softcap:  # gemma2: tanh(scores / cap) * cap; tanh saves its output
             divided = self.scale(scaled)
-            th = self.new(rows * s, cdt, True)
+            th = self.new(rows * s, cdt, True, inputs=(divided,))
             self.save(th)
             scaled = self.scale(th)
-            self.transient(scores, divided)
-        if mask is not None or causal:
-            scaled = self.new(rows * s, _promote(scaled.dtype, mask.dtype if mask is not None else ctx.wdt), True)
-        # softmax: llama/opt/neox/gemma ask for fp32 and cast back to q's dtype; t5 upcasts
-        # then .type_as(scores); gpt2/bert take CUDA autocast's fp32 softmax, then
-        # gpt2 casts to v's dtype.
-        if style in ("llama", "gemma", "t5") or (ctx.ac and ctx.cuda):
+        if mask is not None:  # T5's position bias
+            scaled = self.new(rows * s, _promote(scaled.dtype, mask.dtype), True, inputs=(scaled, mask))
+        if causal:  # the 4-D causal mask, in the hidden states' dtype
+            scaled = self.new(rows * s, _promote(scaled.dtype, ctx.wdt), True, inputs=(scaled,))
+        # softmax: llama/opt/neox/gemma ask for fp32 and cast back to q's dtype; gpt2/bert/t5
+        # take CUDA autocast's fp32 softmax, then gpt2 casts to v's dtype.
+        if style == "llama" or (ctx.ac and ctx.cuda):
             soft_in = self.cast(scaled, "f32")
-            probs = self.new(rows * s, "f32", True)
+            probs = self.new(rows * s, "f32", True, inputs=(soft_in,))
         else:
             soft_in = scaled
-            probs = self.new(rows * s, scaled.dtype, True)
+            probs = self.new(rows * s, scaled.dtype, True, inputs=(soft_in,))
         self.save(probs)
-        self.transient(scores, scaled, soft_in, probs)
-        back = {"llama": q.dtype, "gemma": q.dtype, "t5": cdt, "gpt2": v.dtype}.get(style, probs.dtype)
+        back = {"llama": q.dtype, "gpt2": v.dtype}.get(style, probs.dtype)
         probs = self.cast(probs, back)
         probs = self.dropout(probs, dropout)
         pm, vm = (self.cast(probs, ctx.ac), self.cast(v, ctx.ac)) if ctx.ac else (probs, v)
+        vm = self._bmm_operand(vm)
         self.save(pm, vm)  # matmul(probs, v) saves both
-        out = self.new(rows * head_dim, ctx.ac or _promote(pm.dtype, vm.dtype), True, layout="bhsd")
+        out = self.new(rows * head_dim, ctx.ac or _promote(pm.dtype, vm.dtype), True, layout="bhsd",
+                       inputs=(pm, vm))
         return self._merge_heads(out)
+
+    def _bmm_operand(self, x: _T) -> _T:
+        """4-D matmul folds [b, heads] into one batch dim for bmm. A [b, heads, s, d] tensor
+        that is a transposed view of [b, s, heads*d] only folds without a copy when b == 1;
+        otherwise matmul's reshape copies it, and bmm saves the copy."""
+        if x.layout == "bshd" and self.ctx.b > 1:
+            return self.new(x.numel, x.dtype, x.rg, layout="bhsd", inputs=(x,))
+        return x
 
     def _merge_heads(self, out: _T) -> _T:
         """attn_output.transpose(1, 2).reshape(b, s, -1).contiguous(): a copy unless already [b, s, h, d]."""
         if out.layout == "bshd":
             return out
-        return self.new(out.numel, out.dtype, out.rg)
+        return self.new(out.numel, out.dtype, out.rg, inputs=(out,))
 
 
 # ---------------------------------------------------------------------------
@@ -471,13 +537,12 @@ def _rope(f: _Forward, x: _T, cos_dtype: str, rotary_frac: float, cat_style: boo
     """
     rot = int(x.numel * rotary_frac)
     dtype = _promote(x.dtype, cos_dtype)
-    a = f.new(rot, dtype, x.rg)
-    half = f.new(rot, x.dtype, x.rg)
-    bpart = f.new(rot, dtype, x.rg)
-    f.transient(a, half, bpart)
-    out = f.new(rot, dtype, x.rg, layout=x.layout)
+    a = f.new(rot, dtype, x.rg, inputs=(x,))  # q * cos
+    half = f.new(rot, x.dtype, x.rg, inputs=(x,))  # rotate_half(q)
+    bpart = f.new(rot, dtype, x.rg, inputs=(half,))  # ... * sin
+    out = f.new(rot, dtype, x.rg, layout=x.layout, inputs=(a, bpart))
     if cat_style:
-        out = f.new(x.numel, _promote(dtype, x.dtype), x.rg, layout="bhsd")
+        out = f.new(x.numel, _promote(dtype, x.dtype), x.rg, layout="bhsd", inputs=(out, x))
     return out
 
 
@@ -495,11 +560,20 @@ class _Family:
     def rdt(self) -> str:
         return self.ctx.wdt
 
+    def token_embedding(self, width: int) -> _T:
+        """The token-embedding lookup. With a frozen table made to require grad (peft's
+        `enable_input_require_grads` under checkpointing) the output is a leaf the graph keeps."""
+        ctx = self.ctx
+        x = self.f.new(self.T * width, self.rdt, ctx.embeddings_need_grad)
+        if ctx.embeddings_need_grad and not ctx.full_ft:
+            self.f.save(x)
+        return x
+
 
 class _GPT2(_Family):
     def embed(self):
         f, T, h = self.f, self.T, self.h
-        tok = f.new(T * h, self.rdt, self.ctx.full_ft)
+        tok = self.token_embedding(h)
         pos = f.new(T * h, self.rdt, self.ctx.full_ft)
         x = f.add(tok, pos)
         return f.dropout(x, self.spec.embedding_dropout)
@@ -529,13 +603,15 @@ class _GPT2(_Family):
 class _Bert(_Family):
     def embed(self):
         f, T, h = self.f, self.T, self.h
-        word = f.new(T * h, self.rdt, self.ctx.full_ft)
+        word = self.token_embedding(h)
         tt = f.new(T * h, self.rdt, self.ctx.full_ft)
         x = f.add(word, tt)
         pos = f.new(T * h, self.rdt, self.ctx.full_ft)
         x = f.add(x, pos)
         x = f.layer_norm(x, h)
-        return f.dropout(x, self.spec.embedding_dropout)
+        x = f.dropout(x, self.spec.embedding_dropout)
+        f.hold(x)  # BertModel.forward keeps `embedding_output` until it returns
+        return x
 
     def layer(self, x, index):
         f, s, h, T = self.f, self.spec, self.h, self.T
@@ -565,7 +641,7 @@ class _OPT(_Family):
 
     def embed(self):
         f, T, h, p = self.f, self.T, self.h, self.spec.embedding_dim
-        x = f.new(T * p, self.rdt, self.ctx.full_ft)
+        x = self.token_embedding(p)
         if p != h:
             x = f.linear(x, p, h, "project_in", False)
         pos = f.new(T * h, self.rdt, self.ctx.full_ft)
@@ -609,7 +685,7 @@ class _LlamaLike(_Family):
 
     def embed(self):
         f, T, h, s = self.f, self.T, self.h, self.spec
-        x = f.new(T * h, self.rdt, self.ctx.full_ft)
+        x = self.token_embedding(h)
         if s.model_type == "gemma2":
             x = f.scale(x)  # inputs_embeds * sqrt(hidden_size)
         if s.model_type == "gpt_neox":
@@ -656,12 +732,12 @@ class _LlamaLike(_Family):
         q = _rope(f, q, self.rdt, frac, cat)
         k = _rope(f, k, self.rdt, frac, cat)
         k, v = f.kv_cache(k, v)
-        softcap = s.attn_logit_softcapping if s.model_type == "gemma2" else None
-        o = f.attention(q, k, v, nh, kvh, hd, dropout=s.attention_dropout,
-                        eager_style="gemma" if s.model_type == "gemma2" else "llama", softcap=softcap)
+        o = f.attention(q, k, v, nh, kvh, hd, dropout=s.attention_dropout, eager_style="llama",
+                        softcap=s.attn_logit_softcapping)
         o = f.linear(o, q_dim, h, "dense" if s.model_type == "gpt_neox" else "o_proj", s.attn_out_bias)
-        if s.model_type == "gemma2":
-            o = f.rms_norm(o, h, "gemma")  # post_attention_layernorm
+        sandwich = s.norms_per_layer == 4  # Gemma-2 also norms each block's output
+        if sandwich:
+            o = self._norm(o)  # post_attention_layernorm
         o = f.dropout(o, s.hidden_dropout)
         if s.model_type == "gpt_neox" and s.config.get("use_parallel_residual", True):
             m = self._mlp(self._norm(x))
@@ -669,8 +745,8 @@ class _LlamaLike(_Family):
             return f.add(f.add(m, o), x)
         x = f.add(x, o)
         m = self._mlp(self._norm(x))
-        if s.model_type == "gemma2":
-            m = f.rms_norm(m, h, "gemma")  # post_feedforward_layernorm
+        if sandwich:
+            m = self._norm(m)  # post_feedforward_layernorm
         m = f.dropout(m, s.hidden_dropout)
         return f.add(x, m)
 
@@ -699,7 +775,7 @@ class _T5(_Family):
 
     def embed(self):
         f = self.f
-        x = f.new(self.T * self.h, self.rdt, self.ctx.full_ft)
+        x = self.token_embedding(self.h)
         return f.dropout(x, self.spec.embedding_dropout)
 
     def _bias(self, kv_len: int, relative: bool, causal: bool):
@@ -724,7 +800,7 @@ class _T5(_Family):
             return bias
         cond = f.new(self.ctx.s * self.ctx.s, "bool", False)
         f.save(cond)
-        return f.new(bias.numel, bias.dtype, bias.rg)
+        return f.new(bias.numel, bias.dtype, bias.rg, inputs=(bias, cond))
 
     def _attn(self, x, kv_src, bias, causal, cache):
         f, s, h, T = self.f, self.spec, self.h, self.T
@@ -737,8 +813,8 @@ class _T5(_Family):
             k, v = f.kv_cache(k, v)
         mask = self._mask(bias, causal)
         if self.ctx.attn == "eager":
-            o = f.attention(q, k, v, nh, nh, hd, dropout=s.attention_dropout, mask=mask, causal=False,
-                            eager_style="t5")
+            o = f.attention(q, k, v, nh, nh, hd, dropout=s.attention_dropout, mask=mask, causal=causal,
+                            eager_style="bert")
         else:
             o = f.attention(q, k, v, nh, nh, hd, dropout=s.attention_dropout, mask=mask, causal=False)
         return f.linear(o, inner, h, "o", False)
@@ -925,11 +1001,13 @@ def _optimizer_state_bytes(p: _Param, optim: str, family: str, cuda: bool) -> in
         return 0  # the Trainer's SGD has no momentum: no state
     if family == "adafactor":
         # transformers Adafactor (beta1=None: no exp_avg). States are made from
-        # grad.float(): fp32. 2-D tensors are factored into a row and a column vector.
+        # grad.float(): fp32. 2-D tensors are factored into a row and a column vector;
+        # state["RMS"] = self._rms(p) is a 0-d fp32 tensor.
+        rms = _nbytes(1, 4, cuda)
         if len(p.shape) >= 2:
             rows, cols = p.shape[0], p.shape[-1]
-            return p.count * (_nbytes(rows, 4, cuda) + _nbytes(cols, 4, cuda))
-        return p.count * _nbytes(n, 4, cuda)
+            return p.count * (_nbytes(rows, 4, cuda) + _nbytes(cols, 4, cuda) + rms)
+        return p.count * (_nbytes(n, 4, cuda) + rms)
     if family == "adam8bit":
         if n >= _BNB_MIN_8BIT_SIZE:
             blocks = -(-n // _BNB_BLOCK)
@@ -956,10 +1034,18 @@ def _optimizer_temporary_bytes(params: list[_Param], settings, cuda: bool) -> in
     if family in ("adam8bit", "sgd"):
         return optimizer_step_temporary_bytes(optim, sum(p.numel * p.count for p in trainable), device=settings.device)
     if family == "adafactor":
-        largest = max(trainable, key=lambda p: p.numel)
-        return optimizer_step_temporary_bytes(optim, sum(p.numel * p.count for p in trainable),
-                                              largest_param_numel=largest.numel, device=settings.device,
-                                              param_dtype_bytes=_SIZE[largest.dtype])
+        # transformers' Adafactor works one tensor at a time in fp32: grad**2 and grad**2 + eps
+        # (then the factored estimate beside the old update, then -update beside update) are two
+        # fp32 copies; half-precision params add grad.float() and p.float(). The previous
+        # tensor's `update` is still bound when the next one starts.
+        best = prev = 0
+        for g in ([p for p in trainable if p.decay], [p for p in trainable if not p.decay]):
+            for p in g:
+                one = _nbytes(p.numel, 4, cuda)
+                k = 2 if p.dtype == "f32" else 4
+                best = max(best, k * one + prev)
+                prev = one
+        return best
     # torch AdamW. The Trainer makes two param groups (decay, no decay); each is one
     # `_multi_tensor_adam` / `_single_tensor_adam` call, so only one group's temporaries live at once.
     groups = [[p for p in trainable if p.decay], [p for p in trainable if not p.decay]]
@@ -992,16 +1078,24 @@ class _Stack:
     depth: int
     saved: int  # bytes one layer keeps for its backward
     held: int  # bytes one layer keeps only until the forward ends (KV-cache copies, autocast cache)
-    first_saved: int  # what layer 0 keeps on top (T5's position-bias buckets)
-    first_held: int
-    transient: int  # most bytes alive at once inside one op of the layer
-    largest: int  # the layer's largest single tensor
+    first_saved: int  # what layer 0 keeps beyond an ordinary layer (T5's position-bias buckets; less
+    first_held: int  # when the layer's input needs no grad, as under LoRA)
+    transient: int  # most unsaved bytes alive at once inside the layer's forward
     carry: int  # the hidden state passed from layer to layer (kept per layer by checkpointing)
     gc_held: int  # per layer, under checkpointing: autocast's weight cache only
+    saved_w: int = 0  # the autocast weight copies among `saved` (counted as weights)
+    held_w: int = 0  # ... among `held`
+    first_saved_w: int = 0  # ... among `first_saved` / `first_held`
+    first_held_w: int = 0
 
     def total(self, held: bool) -> int:
         per = self.saved + (self.held if held else 0)
         first = self.first_saved + (self.first_held if held else 0)
+        return first + per * self.depth
+
+    def total_w(self, held: bool) -> int:
+        per = self.saved_w + (self.held_w if held else 0)
+        first = self.first_saved_w + (self.first_held_w if held else 0)
         return first + per * self.depth
 
 
@@ -1015,6 +1109,10 @@ class _Head:
     bwd_peak: int  # most bytes beyond what is saved, during the head's backward
     grad_bytes: int  # the head weight's gradient (0 when frozen)
     bwd_after: int  # what the head's backward leaves for the layers (the hidden-state grad)
+    saved_w: int = 0  # autocast weight copies among `saved` / `held`
+    held_w: int = 0
+    bwd_peak_w: int = 0  # change in weight copies alive at the head's backward peak
+    bwd_peak_acts: int = 0  # change in saved activations at that peak (log_softmax's output, ...)
 
 
 @dataclass
@@ -1027,6 +1125,12 @@ class _Activations:
     final_saved: int  # the final norm
     final_held: int
     head: _Head
+    pre_w: int  # autocast weight copies among pre/mid/final (saved, held)
+    pre_held_w: int
+    mid_w: int
+    mid_held_w: int
+    final_w: int
+    final_held_w: int
     tape: _Forward  # the symbolic forward, for the layers' backward
     gc_tape: _Forward | None  # the same without the KV cache, for checkpointing's recompute
 
@@ -1048,19 +1152,27 @@ def _ctx(spec, settings) -> _Ctx:
         bool(spec.config.get("use_cache", True))
     return _Ctx(b=settings.batch_size, s=settings.seq_len, wdt=wdt, ac=ac, cuda=settings.device == "cuda",
                 attn=attn, full_ft=not settings.uses_lora, lora_r=(settings.lora_r or 8) if settings.uses_lora else None,
-                lora_targets=_lora_targets(spec, settings), use_cache=use_cache, flash_ok=flash_ok)
+                lora_targets=_lora_targets(spec, settings), use_cache=use_cache, flash_ok=flash_ok,
+                checkpointing=settings.gradient_checkpointing)
 
 
 def _stack_summary(f: _Forward, name: str, depth: int, carry: _T, gc_f: _Forward | None) -> _Stack:
     l0, l1 = f"{name}.L0", f"{name}.L1"
     saved1, all1 = f.scope_bytes(l1, held=False), f.scope_bytes(l1, held=True)
     saved0, all0 = f.scope_bytes(l0, held=False), f.scope_bytes(l0, held=True)
-    largest = max((f.bytes_of(t) for t in f.tensors if t.scope == l1), default=0)
     gc_held = 0
     if gc_f is not None:
         gc_held = sum(gc_f.bytes_of(t) for t in gc_f.tensors if t.scope == l1 and t.held)
-    return _Stack(name, depth, saved1, all1 - saved1, max(0, saved0 - saved1), max(0, (all0 - saved0) - (all1 - saved1)),
-                  f.peak_transient.get(l1, 0), largest, f.bytes_of(carry), gc_held)
+    saved_w = f.scope_bytes(l1, held=False, weight_copies=True)
+    all_w = f.scope_bytes(l1, held=True, weight_copies=True)
+    saved0_w = f.scope_bytes(l0, held=False, weight_copies=True)
+    all0_w = f.scope_bytes(l0, held=True, weight_copies=True)
+    # Inside a layer's forward: its unsaved temporaries at their most; under checkpointing
+    # nothing in the layer is saved, so everything lives only until its last read.
+    transient = gc_f.live_peak(l1, keep_saved=False) if gc_f is not None else f.live_peak(l1, keep_saved=True)
+    return _Stack(name, depth, saved1, all1 - saved1, saved0 - saved1, (all0 - saved0) - (all1 - saved1),
+                  transient, f.bytes_of(carry), gc_held, saved_w, all_w - saved_w,
+                  saved0_w - saved_w, (all0_w - saved0_w) - (all_w - saved_w))
 
 
 @dataclass
@@ -1071,6 +1183,9 @@ class _LayerBackward:
     grads: int
     temp: int
     layer_grads: int  # all of the layer's new gradients (0 when they accumulate into existing ones)
+    acts_w: int = 0  # autocast weight copies among `acts`
+    start: int = 0  # what the layer saved, all alive when its backward starts
+    start_w: int = 0
 
 
 def _layer_backward(f: _Forward, scope: str, accumulate: bool, residual_grad: int) -> _LayerBackward:
@@ -1088,21 +1203,27 @@ def _layer_backward(f: _Forward, scope: str, accumulate: bool, residual_grad: in
     start, end = tensors[0].idx, tensors[-1].idx
     by_pos = {t.idx: t for t in tensors}
     frees: dict[int, int] = {}
-    live = 0
+    frees_w: dict[int, int] = {}
+    live = live_w = 0
     for t in f.tensors:
         if t.saved and t.scope == scope:
             b = f.bytes_of(t)
             live += b
             pos = t.first_save if t.first_save is not None and t.first_save <= end else end + 1
             frees[pos] = frees.get(pos, 0) + b
+            if t.weight_copy:
+                live_w += b
+                frees_w[pos] = frees_w.get(pos, 0) + b
     grads_at: dict[int, list] = {}
     for pos, sc, numel, dtype, cast in f.grad_events:
         if sc == scope:
             grads_at.setdefault(pos, []).append((numel, dtype, cast))
     live -= frees.pop(end + 1, 0)  # saved by the next layer: freed in its backward
+    live_w -= frees_w.pop(end + 1, 0)
+    start_live, start_w = live, live_w
     cuda = f.ctx.cuda
     new = 0
-    best = _LayerBackward(live, 0, residual_grad, 0)
+    best = _LayerBackward(live, 0, residual_grad, 0, live_w)
     for pos in range(end, start - 1, -1):
         t = by_pos.get(pos)
         tmp = residual_grad + (2 * f.bytes_of(t) if t is not None and t.rg and t.alloc else 0)
@@ -1115,9 +1236,11 @@ def _layer_backward(f: _Forward, scope: str, accumulate: bool, residual_grad: in
             else:
                 new += g
         if live + new + tmp > best.acts + best.grads + best.temp:
-            best = _LayerBackward(live, new, tmp, 0)
+            best = _LayerBackward(live, new, tmp, 0, live_w)
         live -= frees.get(pos, 0)
+        live_w -= frees_w.get(pos, 0)
     best.layer_grads = new
+    best.start, best.start_w = start_live, start_w
     return best
 
 
@@ -1172,61 +1295,68 @@ def _head(spec, settings, ctx: _Ctx, f: _Forward, head_in: _T) -> _Head:
         f.hold(logits)
         saved = f.scope_bytes("head", held=False)
         held = f.scope_bytes("head", held=True) - saved
+        saved_w = f.scope_bytes("head", held=False, weight_copies=True)
+        held_w = f.scope_bytes("head", held=True, weight_copies=True) - saved_w
         small = 4 * nb(ctx.b * settings.num_labels, "f32")
         grad_in = nb(T * width, head_in.dtype)
-        return _Head(saved, held, small, grad_in + small, 0, grad_in)
+        return _Head(saved, held, small, grad_in + small, 0, grad_in, saved_w, held_w)
     head_trainable = ctx.full_ft
     logits = f.linear(head_in, width, spec.vocab_size, "lm_head", False, trainable=head_trainable, lora=False)
     L = logits.numel
     cdt = logits.dtype
-    softcap = spec.final_logit_softcapping if spec.model_type == "gemma2" else None
-    extra_fwd = 0
+    softcap = spec.final_logit_softcapping
     if softcap:
         # logits / cap -> tanh (saved) -> * cap
         th = f.new(L, cdt, True)
         f.save(th)
         logits = f.new(L, cdt, True)
-        extra_fwd = nb(L, cdt)
     f.hold(logits)
     saved = f.scope_bytes("head", held=False)
     held = f.scope_bytes("head", held=True) - saved
-    Lc, L4 = nb(L, cdt), nb(L, "f32")
+    saved_w = f.scope_bytes("head", held=False, weight_copies=True)
+    held_w = f.scope_bytes("head", held=True, weight_copies=True) - saved_w
+    # The loss works on fp32 logits: the causal-LM loss calls logits.float(); T5's
+    # CrossEntropyLoss gets fp32 from autocast (cross_entropy runs in fp32) but the raw
+    # logits' dtype without it. log_softmax saves its output; nll_loss makes a scalar.
+    loss_dt = "f32" if (settings.task == "causal-lm" or ctx.ac) else cdt
+    Lc, L4 = nb(L, cdt), nb(L, loss_dt)
     labels = 2 * nb(T + ctx.b, "i64")  # padded and shifted labels
-    # The loss: logits.float() (a copy unless fp32), log_softmax's fp32 output (saved), nll.
-    upcast = L4 if cdt != "f32" else 0
+    upcast = L4 if cdt != loss_dt else 0
     during_loss = upcast + L4 + labels
     # After the model returns, accelerate's convert_to_fp32 copies the logits under autocast.
-    after_loss = L4 + (L4 if ctx.ac else 0)
-    fwd_extra = max(extra_fwd + (Lc if softcap else 0), during_loss, after_loss)
+    after_loss = L4 + (nb(L, "f32") if ctx.ac else 0)
+    # (soft-capping's transients never exceed the tanh output and the final logits it leaves)
+    fwd_extra = max(during_loss, after_loss)
     # Backward (outputs deleted: logits, their copies and the autocast cache are gone), as
     # bytes beyond what the layers saved:
     # - nll_loss backward makes grad_logsm; log_softmax backward reads it and its saved
-    #   output (both fp32) and makes the fp32 grad of the logits;
+    #   output and makes the grad of the (upcast) logits;
     # - the upcast's backward casts that grad back to the logits' dtype;
     # - the head's mm backward makes the hidden-state grad and the weight grad (under
     #   autocast in the compute dtype, then its fp32 copy).
-    steps = [3 * L4]
+    # Each step: (activations still saved beyond the layers', temporaries, weight copies gone).
+    steps = [(L4, 2 * L4, 0)]  # log_softmax's saved output, its grad in, its grad out
     cur = L4
-    if cdt != "f32":
-        steps.append(L4 + Lc)
+    if cdt != loss_dt:
+        steps.append((0, L4 + Lc, 0))
         cur = Lc
     if softcap:
-        steps.append(cur + 2 * Lc)  # tanh's backward reads its saved output
+        steps.append((0, cur + 2 * Lc, 0))  # tanh's backward reads its saved output
     hidden_grad = nb(T * width, cdt)
     grad_w = 0
     if head_trainable:
         wv = width * spec.vocab_size
         grad_w = nb(wv, ctx.wdt)
-        if ctx.ac and ctx.wdt == "f32":
-            steps.append(cur + hidden_grad + nb(wv, cdt))
+        if ctx.ac and ctx.wdt != ctx.ac:
+            steps.append((0, cur + hidden_grad + nb(wv, cdt), 0))
             # the cast's backward, after mm released its saved input and weight copies
-            steps.append(hidden_grad + nb(wv, cdt) + grad_w - saved)
+            steps.append((-saved, hidden_grad + nb(wv, cdt) + grad_w, -saved_w))
         else:
-            steps.append(cur + hidden_grad + grad_w)
+            steps.append((0, cur + hidden_grad + grad_w, 0))
     else:
-        steps.append(cur + hidden_grad)
-    bwd_peak = max(steps)
-    return _Head(saved, held, fwd_extra, bwd_peak, grad_w, hidden_grad)
+        steps.append((0, cur + hidden_grad, 0))
+    acts_extra, bwd_peak, peak_w = max(steps, key=lambda x: x[0] + x[1])
+    return _Head(saved, held, fwd_extra, bwd_peak, grad_w, hidden_grad, saved_w, held_w, peak_w, acts_extra)
 
 
 def _activations(spec, settings) -> _Activations:
@@ -1240,13 +1370,19 @@ def _activations(spec, settings) -> _Activations:
     stacks = [_stack_summary(f, "s0", spec.num_layers, out["carry0"], gc_f)]
     if spec.model_type == "t5":
         stacks.append(_stack_summary(f, "s1", spec.num_decoder_layers, out["carry1"], gc_f))
+
+    def part(scope):
+        saved, every = f.scope_bytes(scope, held=False), f.scope_bytes(scope, held=True)
+        saved_w, every_w = (f.scope_bytes(scope, held=False, weight_copies=True),
+                            f.scope_bytes(scope, held=True, weight_copies=True))
+        return saved, every - saved, saved_w, every_w - saved_w
+
+    pre, mid, fin = part("emb"), part("mid"), part("final")
     return _Activations(
-        pre_saved=f.scope_bytes("emb", held=False), pre_held=f.scope_bytes("emb", held=True) - f.scope_bytes("emb", held=False),
-        stacks=stacks,
-        mid_saved=f.scope_bytes("mid", held=False), mid_held=f.scope_bytes("mid", held=True) - f.scope_bytes("mid", held=False),
-        final_saved=f.scope_bytes("final", held=False),
-        final_held=f.scope_bytes("final", held=True) - f.scope_bytes("final", held=False),
-        head=head, tape=f, gc_tape=gc_f,
+        pre_saved=pre[0], pre_held=pre[1], stacks=stacks, mid_saved=mid[0], mid_held=mid[1],
+        final_saved=fin[0], final_held=fin[1], head=head,
+        pre_w=pre[2], pre_held_w=pre[3], mid_w=mid[2], mid_held_w=mid[3], final_w=fin[2], final_held_w=fin[3],
+        tape=f, gc_tape=gc_f,
     )
 
 
@@ -1255,32 +1391,30 @@ def _activations(spec, settings) -> _Activations:
 # ---------------------------------------------------------------------------
 
 
-def _row(weights, gradients, optimizer, activations, temporary) -> dict[str, int]:
-    return {"weights": int(weights), "gradients": int(gradients), "optimizer": int(optimizer),
-            "activations": int(max(0, activations)), "temporary": int(max(0, temporary)), "overhead": 0}
-
-
-def _layer_grad_bytes(spec, params: list[_Param], cuda: bool) -> list[int]:
-    """Gradient bytes of one layer of each stack (T5: encoder, decoder)."""
-    per_layer_kinds = ("layer", "norm", "lora")
-    total = sum(_param_bytes(p, cuda) for p in params if p.trainable and p.kind in per_layer_kinds)
-    if spec.model_type != "t5":
-        return [total // max(1, spec.num_layers)]
-    counts = spec.parameter_count("seq2seq")
-    enc, dec = counts["per_encoder_layer"] * spec.num_layers, counts["per_decoder_layer"] * spec.num_decoder_layers
-    share = enc / (enc + dec)
-    return [int(total * share) // spec.num_layers, int(total * (1 - share)) // spec.num_decoder_layers]
+def _row(weights, gradients, optimizer, activations, temporary, weight_copies=0) -> dict[str, int]:
+    """One candidate. Autocast's weight copies are among `activations` here and reported as weights."""
+    return {"weights": int(weights + weight_copies), "gradients": int(gradients), "optimizer": int(optimizer),
+            "activations": int(max(0, activations - weight_copies)), "temporary": int(max(0, temporary)),
+            "overhead": 0}
 
 
 def fast_step_memory(spec, settings) -> StepMemory:
     """Closed-form peak candidates for one training step (fast mode; no torch).
 
-    Regions follow exact mode's names: "<step>.<micro>|fwd|s<k>.post" (the end of
-    the forward, logits and loss alive), "|bwd|pre" (the head's backward),
-    "|bwd|s<k>.first" / ".last" (the first and last layer of stack k in
-    backward), "|bwd|s0.post" (the embedding's backward) and "|opt" (the
-    optimizer step). With gradient accumulation the "1.1|..." regions are the
-    later micro-batches, whose backward finds the gradients already allocated.
+    `spec` is a `ModelSpec`, `settings` a `TrainSettings` (its task is resolved
+    here when None). Returns a `StepMemory` for one process on one device, no
+    sharding: bytes by category at each region's maximum, plus the parameter
+    facts (trainable / total params with LoRA, the largest tensor, and for
+    4-bit the linear weights bitsandbytes would pack). `reserved_gap_bytes` is
+    None: fast mode has no allocation trace to replay.
+
+    Regions follow exact mode's names: "1.<micro>|fwd|pre" (embeddings),
+    "|fwd|s<k>.last" (inside stack k's last layer), "|fwd|s<k>.post" (the end of
+    the forward: logits and loss alive), "|bwd|pre" (the head's and the loss's
+    backward), "|bwd|s<k>.first" / ".last" (the first and last layer of stack k
+    in backward), "|bwd|s<k>.post" (the embedding's backward) and "1.<m>|opt"
+    (clipping and the optimizer step). With gradient accumulation the "1.1|..."
+    regions are the later micro-batches, which run with the gradients allocated.
     """
     if settings.task is None:
         settings = settings.validate(spec)
@@ -1294,70 +1428,107 @@ def fast_step_memory(spec, settings) -> StepMemory:
     opt_tmp = _optimizer_temporary_bytes(params, settings, cuda)
     acts = _activations(spec, settings)
     head = acts.head
-    layer_grads = _layer_grad_bytes(spec, params, cuda)
     emb_grads = [_param_bytes(p, cuda) for p in params if p.trainable and p.kind == "embedding"]
-    largest_grad = max((_nbytes(p.numel, _SIZE[p.dtype], cuda) for p in trainable), default=0)
     gc = settings.gradient_checkpointing
 
-    def stack_fwd(st: _Stack, held: bool) -> int:
-        if gc:
-            return st.first_held + st.depth * (st.carry + st.gc_held)
-        return st.total(held)
+    def stack_fwd(st: _Stack) -> tuple[int, int]:
+        """Bytes (and weight copies among them) a whole stack holds at the end of its forward."""
+        if gc:  # each checkpointed layer keeps its input; autocast still caches its weight copies
+            return st.first_held + st.depth * (st.carry + st.gc_held), st.depth * st.gc_held
+        return st.total(True), st.total_w(True)
 
-    def stack_saved_one(st: _Stack) -> int:
-        return st.carry if gc else st.saved
+    def stack_saved(st: _Stack) -> tuple[int, int]:
+        """Bytes (and weight copies) a stack keeps for backward once the forward is over."""
+        if gc:  # the checkpoints keep each layer's input, and what layer 0 passes on (T5's bias)
+            return max(0, st.first_held) + st.depth * st.carry, 0
+        return st.first_saved + st.depth * st.saved, st.first_saved_w + st.depth * st.saved_w
 
     candidates: dict[str, dict[str, int]] = {}
     micros = [0] if settings.gradient_accumulation_steps == 1 else [0, 1]
     last = acts.stacks[-1].name
+    tied = settings.task != "seq-cls" and spec.tie_word_embeddings
     for m in micros:
         tag = f"1.{m}"
         g_live = G if m else 0
-        # --- forward -----------------------------------------------------------------
-        fwd = acts.pre_saved + acts.pre_held
-        candidates[f"{tag}|fwd|pre"] = _row(W, g_live, O, fwd, 0)
+        # --- forward: saved and held tensors pile up -------------------------------
+        fwd, fwd_w = acts.pre_saved + acts.pre_held, acts.pre_w + acts.pre_held_w
+        candidates[f"{tag}|fwd|pre"] = _row(W, g_live, O, fwd, 0, fwd_w)
         for k, st in enumerate(acts.stacks):
             if k:
                 fwd += acts.mid_saved + acts.mid_held
-            layer_peak = st.transient + (st.saved + st.held if gc else 0)
-            candidates[f"{tag}|fwd|{st.name}.last"] = _row(W, g_live, O, fwd + stack_fwd(st, True) + layer_peak, 0)
-            fwd += stack_fwd(st, True)
+                fwd_w += acts.mid_w + acts.mid_held_w
+            total, total_w = stack_fwd(st)
+            # inside a layer: its unsaved temporaries (checkpointing saves nothing in the layer)
+            layer_peak = st.transient
+            candidates[f"{tag}|fwd|{st.name}.last"] = _row(W, g_live, O, fwd + total + layer_peak, 0,
+                                                            fwd_w + total_w)
+            fwd, fwd_w = fwd + total, fwd_w + total_w
         end = fwd + acts.final_saved + acts.final_held + head.saved + head.held + head.fwd_extra
-        candidates[f"{tag}|fwd|{last}.post"] = _row(W, g_live, O, end, 0)
-        # --- backward ---------------------------------------------------------------
-        saved_stacks = [st.first_saved + st.depth * stack_saved_one(st) for st in acts.stacks]
-        saved = acts.pre_saved + acts.mid_saved + sum(saved_stacks) + acts.final_saved + head.saved
-        head_grad = head.grad_bytes if not m else 0
-        candidates[f"{tag}|bwd|pre"] = _row(W, g_live, O, saved, head.bwd_peak)
-        # A tied head's gradient goes into the embedding's .grad, which the embedding
-        # backward replaces: exact mode counts it as temporary until then.
-        tied = settings.task != "seq-cls" and spec.tie_word_embeddings
-        grads, tied_tmp = (g_live, head_grad) if tied else (g_live + head_grad, 0)
-        below = acts.pre_saved + acts.mid_saved + sum(saved_stacks)
+        end_w = fwd_w + acts.final_w + acts.final_held_w + head.saved_w + head.held_w
+        candidates[f"{tag}|fwd|{last}.post"] = _row(W, g_live, O, end, 0, end_w)
+        # --- backward: the head, then each stack top-down, then the embeddings --------
+        stacks_saved = [stack_saved(st) for st in acts.stacks]
+        below = acts.pre_saved + acts.mid_saved + sum(x for x, _ in stacks_saved)
+        below_w = acts.pre_w + acts.mid_w + sum(x for _, x in stacks_saved)
+        saved = below + acts.final_saved + head.saved
+        saved_w = below_w + acts.final_w + head.saved_w
+        candidates[f"{tag}|bwd|pre"] = _row(W, g_live, O, saved + head.bwd_peak_acts, head.bwd_peak,
+                                            saved_w + head.bwd_peak_w)
+        # A tied weight's two gradients (head, embedding) meet in the autograd engine's input
+        # buffer of its AccumulateGrad node: the head's waits there, as a temporary, until the
+        # embedding's arrives; then their sum (made out of place) becomes, or is added into, .grad.
+        if tied:
+            grads, tied_tmp = g_live, head.grad_bytes
+        else:  # an untied head's gradient becomes (or is added in place into) its .grad at once
+            grads, tied_tmp = g_live + (0 if m else head.grad_bytes), 0
         for k in reversed(range(len(acts.stacks))):
             st = acts.stacks[k]
-            below -= saved_stacks[k]
+            below -= stacks_saved[k][0]
+            below_w -= stacks_saved[k][1]
             tape = acts.gc_tape if gc else acts.tape
             lb = _layer_backward(tape, f"{st.name}.L1", bool(m), st.carry + head.bwd_after)
-            one = stack_saved_one(st)
-            rest = st.first_saved + (st.depth - 1) * one
-            # Checkpointing: the layer's input is what was kept; the recompute rebuilds what it saves.
-            at_peak = lb.acts + (st.carry if gc else 0)
-            candidates[f"{tag}|bwd|{st.name}.first"] = _row(
-                W, grads + lb.grads, O, below + rest + at_peak, lb.temp + tied_tmp)
-            grads_bottom = grads + (st.depth - 1) * lb.layer_grads
-            candidates[f"{tag}|bwd|{st.name}.last"] = _row(
-                W, grads_bottom + lb.grads, O, below + st.first_saved + at_peak, lb.temp + tied_tmp)
+            if gc:
+                # Checkpointing keeps each layer's input. Backward first re-runs the layer's
+                # forward (everything it saves, plus its output, beside the incoming grad),
+                # then runs its backward; exact mode counts the recompute as temporary.
+                recompute_end = max(lb.start + st.carry, tape.live_peak(f"{st.name}.L1", keep_saved=False,
+                                                                         everything=True)) + st.carry + head.bwd_after
+                inner, new_g = ((recompute_end, 0) if recompute_end >= lb.acts + lb.grads + lb.temp
+                                else (lb.acts + lb.temp, lb.grads))
+                kept = max(0, st.first_held)
+                top = below + kept + st.depth * st.carry
+                candidates[f"{tag}|bwd|{st.name}.first"] = _row(W, grads + new_g, O, top, inner + tied_tmp)
+                candidates[f"{tag}|bwd|{st.name}.last"] = _row(
+                    W, grads + (st.depth - 1) * lb.layer_grads + new_g, O, below + kept + st.carry,
+                    inner + tied_tmp)
+            else:
+                rest = st.first_saved + (st.depth - 1) * st.saved
+                candidates[f"{tag}|bwd|{st.name}.first"] = _row(
+                    W, grads + lb.grads, O, below + rest + lb.acts, lb.temp + tied_tmp,
+                    below_w + st.first_saved_w + (st.depth - 1) * st.saved_w + lb.acts_w)
+                candidates[f"{tag}|bwd|{st.name}.last"] = _row(
+                    W, grads + (st.depth - 1) * lb.layer_grads + lb.grads, O, below + st.first_saved + lb.acts,
+                    lb.temp + tied_tmp, below_w + st.first_saved_w + lb.acts_w)
             grads += st.depth * lb.layer_grads
-            # Then the stack's embedding backward (T5's decoder reuses the shared table):
-            # embedding_dense_backward makes a zero table and the index_put result.
+            # Then the stack's embedding backward (T5's decoder reuses the shared table).
             if k == 0 or spec.model_type == "t5":
-                emb_tmp = 2 * max(emb_grads, default=0)
-                # (the ids it reads are all that is left of the stack's activations)
-                candidates[f"{tag}|bwd|{st.name}.post"] = _row(W, G if (m or k == 0) else grads + tied_tmp, O,
-                                                               below if k else 0, emb_tmp)
-        candidates[f"{tag}|opt" if m == micros[-1] else f"{tag}|opt.skip"] = _row(W, G, O, 0, opt_tmp)
-    candidates = {r: v for r, v in candidates.items() if not r.endswith(".skip")}
+                grads_now = G if (m or k == 0) else grads + tied_tmp
+                if emb_grads:
+                    # The embedding ops' saved tensors are gone by the dense backward.
+                    emb_acts = below if k else 0
+                    if tied:  # the buffered head grad, the table's new grad and their sum
+                        emb_tmp = (2 + (1 if m else 0)) * max(emb_grads)
+                    else:  # the table's grad becomes .grad (later micro-batches: added in place, freed)
+                        emb_tmp = st.carry + (max(emb_grads) if m else 0)
+                else:
+                    # frozen table: the gradient only flows back to the embedding output when
+                    # peft made it require grad (checkpointing), through the embedding's ops
+                    emb_acts = below
+                    emb_tmp = 2 * st.carry if ctx.embeddings_need_grad else 0
+                candidates[f"{tag}|bwd|{st.name}.post"] = _row(W, grads_now, O, emb_acts, emb_tmp,
+                                                               below_w if k else 0)
+        if m == micros[-1]:
+            candidates[f"{tag}|opt"] = _row(W, G, O, 0, opt_tmp)
     return StepMemory(
         candidates=candidates,
         trainable_params=sum(p.numel * p.count for p in trainable),

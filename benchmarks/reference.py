@@ -1,0 +1,194 @@
+"""CUDA-side sanity check: hf-memfit (device="cuda") vs published GPU measurements.
+
+The rows of `shared/reference_measurements.csv` were measured by others on
+real GPUs (the peft README, peft's method comparison, Liger-Kernel's
+examples, LitGPT). This script expresses each one as `TrainSettings` where
+hf-memfit can, runs fast and exact mode, and prints both next to the
+published figure. None of it is a precise test: most rows leave the sequence
+length open (dynamic padding), some measure something other than
+`max_memory_allocated`, and the software versions differ (Dec 2022 torch
+1.13 vs the torch 2.x semantics hf-memfit models). Read the notes column.
+
+    python benchmarks/reference.py [--json PATH] [--fast-only]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import io
+import json
+import os
+import sys
+import time
+import warnings
+from contextlib import redirect_stderr, redirect_stdout
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+warnings.filterwarnings("ignore")
+
+GiB, GB = 2**30, 1e9
+
+# bigscience/T0_3B is T5 v1.1 (LM-adapted) XL; its published config.json.
+T0_3B = {
+    "model_type": "t5", "architectures": ["T5ForConditionalGeneration"], "d_ff": 5120, "d_kv": 64,
+    "d_model": 2048, "decoder_start_token_id": 0, "dropout_rate": 0.1, "eos_token_id": 1,
+    "feed_forward_proj": "gated-gelu", "initializer_factor": 1.0, "is_encoder_decoder": True,
+    "layer_norm_epsilon": 1e-06, "num_decoder_layers": 24, "num_heads": 32, "num_layers": 24,
+    "pad_token_id": 0, "relative_attention_num_buckets": 32, "tie_word_embeddings": False, "vocab_size": 32128,
+}
+# bigscience/mt0-xxl is an mT5-XXL (model_type "mt5", which hf-memfit does not list). mT5 is the T5 v1.1
+# architecture with a 250k vocabulary, so the same shapes are given as a "t5" config.
+MT0_XXL_AS_T5 = {
+    "model_type": "t5", "d_ff": 10240, "d_kv": 64, "d_model": 4096, "decoder_start_token_id": 0,
+    "dropout_rate": 0.1, "eos_token_id": 1, "feed_forward_proj": "gated-gelu", "num_decoder_layers": 24,
+    "num_heads": 64, "num_layers": 24, "pad_token_id": 0, "relative_attention_num_buckets": 32,
+    "tie_word_embeddings": False, "vocab_size": 250112,
+}
+# bigscience/bloomz-7b1 is BLOOM (model_type "bloom": ALiBi, an embedding LayerNorm), which hf-memfit does
+# not model. The closest family it does model is GPT-NeoX (fused query_key_value, LayerNorm, 4h GELU MLP,
+# biases); the shapes below give BLOOM-7b1's parameter count (7.07 B) with tied embeddings. An approximation.
+BLOOMZ_7B1_AS_NEOX = {
+    "model_type": "gpt_neox", "hidden_size": 4096, "num_hidden_layers": 30, "num_attention_heads": 32,
+    "intermediate_size": 16384, "vocab_size": 250880, "max_position_embeddings": 2048, "rotary_pct": 1.0,
+    "tie_word_embeddings": True, "hidden_act": "gelu", "use_parallel_residual": False,
+    "attention_dropout": 0.0, "hidden_dropout": 0.0,
+}
+
+PEFT_README = "peft README (Dec 2022), A100-80GB, max_memory_allocated"
+
+
+def rows():
+    """(label, model, settings, published bytes or None, unit text, notes)."""
+    out = []
+    for seq in (32, 64, 128):
+        out.append((f"T0_3B full FT, b8 s{seq}", ("bigscience/T0_3B", T0_3B),
+                    dict(batch_size=8, seq_len=seq, precision="fp32", optim="adamw_torch", gpu="a100"),
+                    47.14, "GB", "seq len not stated (tweets, dynamic padding); labels as long as inputs here"))
+    for seq in (32, 64, 128):
+        out.append((f"T0_3B LoRA r8 q,v, b8 s{seq}", ("bigscience/T0_3B", T0_3B),
+                    dict(batch_size=8, seq_len=seq, lora_r=8, lora_alpha=32, gpu="a100"),
+                    14.4, "GB", ""))
+    out.append(("T0_3B LoRA r8 + ZeRO-3 offload param+optim, b8 s64", ("bigscience/T0_3B", T0_3B),
+                dict(batch_size=8, seq_len=64, lora_r=8, lora_alpha=32, zero_stage=3, offload_param="cpu",
+                     offload_optimizer="cpu", gpu="a100"),
+                9.8, "GB", "CPU 17.8 GB published"))
+    for seq in (32, 64, 128):
+        out.append((f"mt0-xxl (as t5) LoRA r8 q,v, b8 s{seq}", ("bigscience/mt0-xxl~t5", MT0_XXL_AS_T5),
+                    dict(batch_size=8, seq_len=seq, lora_r=8, lora_alpha=32, gpu="a100"),
+                    56.0, "GB", "mt5 given as a t5 config of the same shapes"))
+    out.append(("bloomz-7b1 (~NeoX) LoRA r8 qkv, b8 s64", ("bigscience/bloomz-7b1~neox", BLOOMZ_7B1_AS_NEOX),
+                dict(batch_size=8, seq_len=64, lora_r=8, lora_alpha=32, lora_target_modules=("query_key_value",),
+                     gpu="a100"),
+                32.0, "GB", "APPROXIMATION: BLOOM given as GPT-NeoX shapes"))
+    out.append(("bloomz-7b1 (~NeoX) LoRA + ZeRO-3 offload, b8 s64", ("bigscience/bloomz-7b1~neox", BLOOMZ_7B1_AS_NEOX),
+                dict(batch_size=8, seq_len=64, lora_r=8, lora_alpha=32, lora_target_modules=("query_key_value",),
+                     zero_stage=3, offload_param="cpu", offload_optimizer="cpu", gpu="a100"),
+                18.1, "GB", "APPROXIMATION; CPU 35 GB published"))
+    out.append(("Llama-3.2-3B full, bf16, b4 s768", "meta-llama/Llama-3.2-3B",
+                dict(batch_size=4, seq_len=768, precision="bf16", optim="adamw_torch", attn_implementation="sdpa",
+                     gpu="l40s"),
+                35516, "MiB", "published: max_memory_reserved minus init, incl. eval generation; s768 = longest batch"))
+    out.append(("Llama-3.2-3B LoRA r32 q,v, bf16, b4 s768", "meta-llama/Llama-3.2-3B",
+                dict(batch_size=4, seq_len=768, precision="bf16", lora_r=32, lora_alpha=64,
+                     lora_target_modules=("q_proj", "v_proj"), attn_implementation="sdpa", gpu="l40s"),
+                21242, "MiB", "published: max_memory_reserved minus init, as above"))
+    out.append(("Qwen2-7B (Qwen2.5-7B shapes) FSDP x4, gc, bf16, b32 s512", "Qwen/Qwen2.5-7B",
+                dict(batch_size=32, seq_len=512, precision="bf16", gradient_checkpointing=True, zero_stage=3,
+                     num_gpus=4, attn_implementation="sdpa", gpu="a100"),
+                51154, "MiB", "FSDP full_shard modelled as ZeRO-3; Qwen2.5-7B has Qwen2-7B's shapes; dynamic padding"))
+    out.append(("LitGPT Llama-2-7b LoRA r8 q,v, bf16, b1 s1304", "meta-llama/Llama-2-7b-hf",
+                dict(batch_size=1, seq_len=1304, precision="bf16", lora_r=8, lora_alpha=16,
+                     lora_target_modules=("q_proj", "v_proj"), gpu="a100-40gb"),
+                21.30, "GB", "NOT COMPARABLE: LitGPT's own model code and chunked LM-head loss, not transformers"))
+    out.append(("LitGPT Llama-2-7b QLoRA nf4, b1 s1304", "meta-llama/Llama-2-7b-hf",
+                dict(batch_size=1, seq_len=1304, precision="bf16", lora_r=8, lora_alpha=16, load_in_4bit=True,
+                     lora_target_modules=("q_proj", "v_proj"), optim="paged_adamw_32bit", gpu="a100-40gb"),
+                14.14, "GB", "NOT COMPARABLE (LitGPT); bnb PagedAdamW"))
+    return out
+
+
+def _quiet(fn, *a, **k):
+    sink = io.StringIO()
+    with redirect_stdout(sink), redirect_stderr(sink):
+        return fn(*a, **k)
+
+
+def _to_bytes(value, unit):
+    return value * (2**20 if unit == "MiB" else GB)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", metavar="PATH")
+    parser.add_argument("--fast-only", action="store_true")
+    args = parser.parse_args(argv)
+    from hf_memfit.spec import ModelSpec, resolve_model
+    from hf_memfit.settings import TrainSettings
+
+    estimator = None
+    for name in ("hf_memfit.estimator", "hf_memfit.estimate"):
+        try:
+            estimator = __import__(name, fromlist=["estimate_settings"])
+            break
+        except ImportError:
+            continue
+
+    results = []
+    print("| reference row | published | fast alloc | fast reserved | exact alloc | exact reserved | "
+          "exact nvidia-smi | exact vs published | notes |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    for label, model, kw, published, unit, notes in rows():
+        if isinstance(model, tuple):
+            spec = ModelSpec.from_config(model[0], copy.deepcopy(model[1]))
+        else:
+            spec = resolve_model(model)
+        row = {"label": label, "model": spec.name, "settings": kw, "published": published, "unit": unit,
+               "notes": notes}
+        for mode in ("fast",) if args.fast_only else ("fast", "exact"):
+            settings = TrainSettings(mode=mode, device="cuda", **kw)
+            t0 = time.perf_counter()
+            try:
+                est = _quiet(estimator.estimate_settings, spec, settings)
+            except Exception as exc:  # noqa: BLE001
+                row[f"{mode}_error"] = f"{type(exc).__name__}: {exc}"[:200]
+                continue
+            row[mode] = {"allocated": est.peak_allocated_bytes, "reserved": est.peak_reserved_bytes,
+                         "device_total": est.device_total_bytes, "cpu": est.cpu_bytes,
+                         "total_params": est.total_params, "trainable_params": est.trainable_params,
+                         "region": est.peak_region, "seconds": time.perf_counter() - t0}
+        results.append(row)
+
+        def fmt(mode, key):
+            if mode not in row:
+                return "error" if f"{mode}_error" in row else "-"
+            value = row[mode][key]
+            return f"{value / GB:.2f} GB" if unit == "GB" else f"{value / 2**20:.0f} MiB"
+
+        ref = _to_bytes(published, unit)
+        basis = "reserved" if unit == "MiB" and "reserved" in notes else "allocated"
+        rel = f"{100 * (row['exact'][basis] - ref) / ref:+.0f}% ({basis})" if "exact" in row else "-"
+        cpu = (f"; predicted CPU {row['exact']['cpu'] / GB:.1f} GB"
+               if "exact" in row and row["exact"]["cpu"] >= 0.05 * GB else "")
+        print(f"| {label} | {published} {unit} | {fmt('fast', 'allocated')} | {fmt('fast', 'reserved')} | "
+              f"{fmt('exact', 'allocated')} | {fmt('exact', 'reserved')} | {fmt('exact', 'device_total')} | "
+              f"{rel} | {notes}{cpu} |", flush=True)
+        for mode in ("fast", "exact"):
+            if f"{mode}_error" in row:
+                print(f"    {mode} failed: {row[mode + '_error']}")
+
+    from hf_memfit import cuda_overhead
+    from hf_memfit.hardware import find_gpu
+
+    ctx = cuda_overhead.cuda_context_bytes(find_gpu("a100"))
+    print(f"\nCUDA context modelled for A100-80GB: {ctx / GiB:.2f} GiB "
+          "(stas00 ml-engineering: 0.47-0.92 GiB measured on A100)")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"rows": results, "cuda_context_bytes_a100": ctx}, f, indent=2, default=str)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
