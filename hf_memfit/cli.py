@@ -221,12 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--compare", action="append", metavar="FIELD=VALUE[,...]",
                      help="another configuration to draw beside the first (repeatable)")
     exp.set_defaults(func=cmd_explain)
-    for register in _EXTRA_COMMANDS:
-        register(sub)
     return parser
-
-
-_EXTRA_COMMANDS: list = []
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -239,6 +234,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("hf-memfit: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader went away (`hf-memfit plan ... | head`): stop quietly, as Unix tools do.
+        # Point stdout at devnull so the interpreter's final flush does not raise again.
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

@@ -85,13 +85,28 @@ def estimate_settings(spec: ModelSpec, settings: TrainSettings) -> MemoryEstimat
 
 def step_memory(spec: ModelSpec, settings: TrainSettings) -> StepMemory:
     """Single-device peak candidates from the mode the settings ask for."""
+    traced = traced_settings(settings)
     if settings.mode == "exact":
         from hf_memfit.trace import exact_candidates  # imports torch; fast mode never does
 
-        return exact_candidates(spec, settings)
+        return exact_candidates(spec, traced)
     from hf_memfit.formulas import fast_step_memory
 
-    return fast_step_memory(spec, settings)
+    return fast_step_memory(spec, traced)
+
+
+def traced_settings(settings: TrainSettings) -> TrainSettings:
+    """The step as the device really runs it.
+
+    Under DeepSpeed the engine casts the model to the compute dtype and runs it
+    without autocast (accelerate turns native AMP off for DeepSpeed), so a
+    bf16-mixed ZeRO step is a pure-bf16 step: no fp32 weights, no autocast
+    weight cache, half-precision activations. The model states are then laid
+    out by `sharding.shard`.
+    """
+    if settings.zero_stage and settings.autocast_dtype:
+        return settings.replace(precision=settings.precision.removesuffix("-mixed"))
+    return settings
 
 
 def assemble(spec: ModelSpec, settings: TrainSettings, step: StepMemory) -> MemoryEstimate:

@@ -1020,6 +1020,17 @@ def _optimizer_state_bytes(p: _Param, optim: str, family: str, cuda: bool) -> in
     return p.count * (2 * _nbytes(n, _SIZE[p.dtype], cuda) + _nbytes(1, 4, cuda))
 
 
+def flat_partition_state_bytes(optim: str, family: str, numel: int) -> int:
+    """Optimizer state for one flat fp32 tensor of `numel` elements.
+
+    DeepSpeed ZeRO hands the optimizer a flattened fp32 master partition (one
+    1-D tensor per parameter group), so the state follows the optimizer's layout
+    for a 1-D fp32 tensor: AdamW 8 B/param, 8-bit AdamW ~2 B/param, Adafactor
+    unfactored (4 B/param), SGD without momentum nothing.
+    """
+    return _optimizer_state_bytes(_Param((numel,), 1, "f32", True, True, "layer"), optim, family, cuda=False)
+
+
 def _optimizer_temporary_bytes(params: list[_Param], settings, cuda: bool) -> int:
     """Most temporary bytes inside optimizer.step(), on the path torch takes for the device."""
     from hf_memfit.cuda_overhead import optimizer_step_temporary_bytes

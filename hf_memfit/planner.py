@@ -266,18 +266,20 @@ def _grid(base: TrainSettings, per_rank: int, allow_offload: str, keep_optimizer
     micro_batches = [m for m in range(1, per_rank + 1) if per_rank % m == 0]
     optims = (base.optim,) if keep_optimizer or base.optim not in ADAM_LADDER else ADAM_LADDER
     layouts = [(0, "none", "none")]
-    if world > 1:
+    # DeepSpeed layouts are GPU plans: on the CPU one process holds everything, so there is nothing to shard.
+    on_gpu = base.device == "cuda"
+    if world > 1 and on_gpu:
         layouts += [(1, "none", "none"), (2, "none", "none"), (3, "none", "none")]
-    if allow_offload in ("cpu", "nvme") and not base.load_in_4bit:
+    if allow_offload in ("cpu", "nvme") and not base.load_in_4bit and on_gpu:
         layouts += [(2, "cpu", "none"), (3, "cpu", "none"), (3, "cpu", "cpu")]
-    if allow_offload == "nvme" and not base.load_in_4bit:
+    if allow_offload == "nvme" and not base.load_in_4bit and on_gpu:
         layouts += [(3, "nvme", "nvme")]
     for micro in micro_batches:
         for checkpointing in (False, True):
             for zero_stage, off_opt, off_param in layouts:
                 for optim in optims:
-                    if zero_stage and optim != base.optim and optim not in ("adamw_torch_fused",):
-                        continue  # DeepSpeed brings its own optimizer; 8-bit states are a plain-torch knob
+                    if zero_stage and optim != "adamw_torch_fused":
+                        continue  # under ZeRO the states are already sharded; 8-bit states stay a plain-torch knob
                     if base.load_in_4bit and zero_stage == 3:
                         continue
                     yield base.replace(batch_size=micro, gradient_accumulation_steps=per_rank // micro,
@@ -508,53 +510,72 @@ def _make_plan(best: Candidate, candidates, usable: int, budget: int, ideal_seco
 
 def _nothing_fits(spec, base: TrainSettings, candidates, usable: int, budget: int, allow_offload: str, world: int,
                   per_rank: int) -> str:
-    """The one-line error when no candidate fits: the smallest footprint, and which remedies would fit."""
-    smallest = min(candidates, key=lambda c: c.estimate.device_total_bytes)
-    lean = dict(gradient_checkpointing=True, zero_stage=0, offload_optimizer="none", offload_param="none")
+    """The one-line error when no candidate fits: the smallest footprint, and which remedies would fit.
 
-    def best(**changes) -> int:
+    Remedies are tried from the least to the most change to the training: offload,
+    more GPUs, LoRA, QLoRA, then a shorter sequence (the longest power-of-two
+    fraction that fits). Each is checked with the same estimator, so every
+    suggestion printed is one that fits.
+    """
+    smallest = min(candidates, key=lambda c: c.estimate.device_total_bytes)
+    on_gpu = base.device == "cuda"
+    lean = dict(gradient_checkpointing=True, zero_stage=0, offload_optimizer="none", offload_param="none")
+    offload = dict(zero_stage=3, offload_optimizer="cpu", offload_param="cpu", optim="adamw_torch_fused")
+
+    def need(global_batch: int = per_rank * world, **changes) -> int:
         """The smallest footprint with `changes`, over micro-batch 1 or the whole per-rank batch."""
+        settings = base.replace(**{**lean, **changes})
+        ranks = settings.world_size
         sizes = []
-        for micro in sorted({1, per_rank}):
-            settings = base.replace(batch_size=micro, gradient_accumulation_steps=per_rank // micro, **{**lean, **changes})
-            sizes.append(estimate_settings(spec, settings).device_total_bytes)
+        for micro in sorted({1, global_batch // ranks}):
+            trial = settings.replace(batch_size=micro, gradient_accumulation_steps=global_batch // ranks // micro)
+            sizes.append(estimate_settings(spec, trial).device_total_bytes)
         return min(sizes)
 
-    remedies = []
-    if allow_offload == "none" and not base.load_in_4bit:
-        remedies.append(("`--allow-offload cpu`", dict(zero_stage=3, offload_optimizer="cpu", offload_param="cpu",
-                                                       optim="adamw_torch_fused")))
-    if base.num_nodes == 1:
+    remedies: list[tuple[str, dict]] = []
+    if on_gpu and allow_offload == "none" and not base.load_in_4bit:
+        remedies.append(("`--allow-offload cpu`", offload))
+    if on_gpu and base.num_nodes == 1:
         for gpus in (2 * world, 4 * world, 8 * world):
             if gpus <= 8 and per_rank * world % gpus == 0:
-                remedies.append((f"`--num-gpus {gpus}` with ZeRO-3", dict(num_gpus=gpus, zero_stage=3,
-                                                                        optim="adamw_torch_fused")))
+                layout = offload if allow_offload != "none" else dict(zero_stage=3, optim="adamw_torch_fused")
+                remedies.append((f"`--num-gpus {gpus}` with ZeRO-3", dict(layout, num_gpus=gpus)))
     if not base.uses_lora:
         remedies.append(("LoRA `--lora-r 16`", dict(lora_r=16, optim="adamw_torch_fused")))
-        if base.device == "cuda":
-            remedies.append(("QLoRA `--load-in-4bit --lora-r 16`", dict(
-                lora_r=16, load_in_4bit=True, optim="adamw_torch_fused",
-                precision="bf16-mixed" if base.precision == "fp32" else base.precision)))
-    if base.seq_len // 2 >= 16:
-        remedies.append((f"a shorter sequence `--seq-len {base.seq_len // 2}`", dict(seq_len=base.seq_len // 2)))
+    qlora = dict(lora_r=base.lora_r or 16, load_in_4bit=True, optim="adamw_torch_fused",
+                 precision="bf16-mixed" if base.precision == "fp32" else base.precision)
+    if on_gpu and not base.load_in_4bit:
+        remedies.append(("QLoRA `--load-in-4bit --lora-r 16`", qlora))
     helps = []
     for text, changes in remedies:
         if "num_gpus" in changes and any("--num-gpus" in h for h in helps):
             continue  # the fewest GPUs that fit is enough to name
-        need = best(**changes) if "num_gpus" not in changes else _per_gpu(spec, base, per_rank * world, changes, lean)
-        if need <= usable:
-            helps.append(f"{text} ({format_bytes(need)})")
+        size = need(**changes)
+        if size <= usable:
+            helps.append(f"{text} ({format_bytes(size)})")
+    # A shorter sequence changes the data, so it comes last: alone (with offload where the
+    # user allowed it), then, only if nothing else fits, together with offload or QLoRA.
+    can_offload = on_gpu and not base.load_in_4bit
+    shorter = [("", [{}] + ([offload] if can_offload and allow_offload != "none" else []))]
+    if can_offload and allow_offload == "none":
+        shorter.append(("`--allow-offload cpu` with ", [offload]))
+    if can_offload:
+        shorter.append(("QLoRA with ", [qlora]))
+    for prefix, variants in shorter:
+        if prefix and helps:
+            break
+        seq, size = base.seq_len // 2, None
+        while seq >= 16:
+            size = min(need(seq_len=seq, **changes) for changes in variants)
+            if size <= usable:
+                break
+            seq //= 2
+        if seq >= 16:
+            helps.append(f"{prefix}a shorter sequence `--seq-len {seq}` ({format_bytes(size)})")
     suggestion = "; ".join(helps) if helps else "a larger GPU"
     return (f"nothing fits in {format_bytes(usable)} ({format_bytes(budget)} less headroom): the smallest footprint "
             f"found is {smallest.estimate.device_total_bytes / GiB:.1f} GiB ({_difference_text(smallest.settings)}); "
             f"what would fit: {suggestion}")
-
-
-def _per_gpu(spec, base: TrainSettings, global_batch: int, changes: dict, lean: dict) -> int:
-    """The smallest per-GPU footprint when the same global batch is spread over more GPUs."""
-    per_rank = global_batch // changes["num_gpus"]
-    settings = base.replace(batch_size=1, gradient_accumulation_steps=per_rank, **{**lean, **changes})
-    return estimate_settings(spec, settings).device_total_bytes
 
 
 def _difference_text(s: TrainSettings) -> str:

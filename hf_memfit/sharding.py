@@ -16,8 +16,9 @@ from hf_memfit.settings import TrainSettings
 # bitsandbytes NF4 with double quantisation (the QLoRA recipe): 4-bit codes,
 # an 8-bit absmax per 64 weights and an fp32 absmax per 256 of those.
 QLORA_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)
-# A DeepSpeed "auto" bucket (transformers integrations/deepspeed.py) is hidden_size**2 elements.
 NCCL_BYTES_PER_COMMUNICATOR = int(0.6 * 1024**3)  # 0.5-0.7 GB per communicator on A100 (nccl#964)
+# zero_optimization.sub_group_size: DeepSpeed's default, and what deepspeed.py writes for ZeRO-3.
+SUB_GROUP_SIZE = 1_000_000_000
 
 
 @dataclass
@@ -29,10 +30,6 @@ class RankMemory:
     nvme_bytes: int = 0
     notes: list[str] = field(default_factory=list)
     outside_allocator_bytes: int = 0  # NCCL buffers: counted by nvidia-smi, not by torch
-
-
-def _dtype_bytes(dtype: str) -> int:
-    return 4 if dtype == "float32" else 2
 
 
 def shard(step: StepMemory, settings: TrainSettings, hidden_size: int) -> RankMemory:
@@ -79,70 +76,82 @@ def _pack_4bit(rank: RankMemory, step: StepMemory, settings: TrainSettings) -> N
 
 
 def _zero(rank: RankMemory, step: StepMemory, settings: TrainSettings, hidden_size: int) -> None:
-    """DeepSpeed ZeRO on `world_size` ranks, with the HF integration's "auto" values.
+    """DeepSpeed ZeRO on `world_size` ranks, with the configs `deepspeed.py` writes (HF "auto" values).
 
-    Under DeepSpeed the engine keeps the model in the compute dtype (bf16/fp16)
-    and the optimizer keeps an fp32 master copy, instead of torch AMP's fp32
-    weights under autocast.
+    What one rank holds, read from DeepSpeed 0.19 (runtime/zero/stage_1_and_2.py, stage3.py):
+    - the model in the compute dtype (the engine casts it and runs without autocast, so
+      the step was traced in that dtype; see `estimator.traced_settings`): whole under
+      ZeRO-1/2, a 1/dp partition plus the layers being gathered under ZeRO-3;
+    - the optimizer over a flat fp32 master copy of the trainable partition (cloned even
+      for an fp32 model): 4 B/param/dp plus the optimizer's state for a 1-D fp32 tensor;
+      DeepSpeedCPUAdam (8 B/param) on the host when the optimizer is offloaded;
+    - gradients: whole, in the model dtype, under ZeRO-1 (reduced at the boundary); a 1/dp
+      partition under ZeRO-2 (`grads_in_partition`) and ZeRO-3 (`grad_partitions_flat_buffer`,
+      in the model dtype since `grad_accum_dtype` defaults to it). With the optimizer offloaded
+      they accumulate on the host (ZeRO-3 makes `self.device` the CPU; ZeRO-2 copies each
+      reduced gradient out through `temp_grad_buffer_for_gpu_offload`, the largest parameter);
+    - reduce buckets of `reduce_bucket_size` ("auto" = h^2) elements: two under ZeRO-1/2 with
+      overlap_comm (`setup_buckets` double-buffers them), one under ZeRO-3;
+    - at the step, without offload, the fp32 copy of the gradient partition: whole under
+      ZeRO-1/2, one `sub_group_size` group at a time under ZeRO-3.
     """
+    from hf_memfit.formulas import flat_partition_state_bytes
+
     dp = settings.world_size
     stage = settings.zero_stage
     total, trainable = step.total_params, step.trainable_params
-    half = settings.compute_dtype != "float32"
-    w_bytes = 2 if half else 4
-    frozen = total - trainable
-    # Optimizer state bytes per trainable parameter, as the single-device trace saw them.
-    single_opt = max(b["optimizer"] for b in rank.candidates.values())
-    state_bytes = single_opt / max(trainable, 1)
-    master = 4 * trainable if half else 0  # fp32 master weights (DeepSpeed bf16/fp16 optimizer)
-    optimizer_total = single_opt + master
-    bucket = hidden_size * hidden_size * w_bytes  # reduce_bucket_size "auto" = h^2 elements
-    overlap = 2  # overlap_comm doubles the reduce bucket; our configs (deepspeed.py) turn it on at every stage
+    w_bytes = 4 if settings.compute_dtype == "float32" else 2
+    largest = step.largest_param_numel
+    trainable_part = -(-trainable // dp)
+    master = 4 * trainable_part  # fp32 master partition
+    states = flat_partition_state_bytes(settings.optim, settings.optimizer_family, trainable_part)
+    buckets = (2 if stage in (1, 2) else 1) * hidden_size * hidden_size * w_bytes
 
-    weights = total * w_bytes if not settings.load_in_4bit else max(b["weights"] for b in rank.candidates.values())
-    gradients = trainable * w_bytes
-    persistent = 0
-    if stage == 3:
-        # Parameters are partitioned; a layer or two are gathered at a time
-        # (prefetch bucket "auto" = 0.9 h^2), and parameters under the
-        # persistence threshold ("auto" = 10 h elements) stay whole.
-        gathered = 2 * (step.largest_param_numel + int(0.9 * hidden_size * hidden_size)) * w_bytes
-        persistent = 0
-        weights = total * w_bytes // dp + gathered
-    device_grads = gradients if stage == 1 else gradients // dp
-    device_opt = int(optimizer_total // dp)
-    step_temp = 4 * trainable // dp  # fp32 gradient partition built for the step
+    if settings.load_in_4bit:  # packed 4-bit base (never partitioned: validate() forbids ZeRO-3)
+        weights = max(b["weights"] for b in rank.candidates.values())
+    elif stage == 3:
+        # The 1/dp partition, plus what is gathered at once: the module being computed and
+        # the prefetch bucket ("auto" = 0.9 h^2), counted twice for the overlap of one
+        # module's release with the next one's fetch. Parameters under the persistence
+        # threshold ("auto" = 10 h elements: biases, norms) stay whole; they are negligible.
+        weights = total * w_bytes // dp + 2 * (largest + int(0.9 * hidden_size * hidden_size)) * w_bytes
+    else:
+        weights = total * w_bytes
+    grads = trainable * w_bytes if stage == 1 else trainable_part * w_bytes
+    optimizer = master + states
+    step_temp = 4 * (min(SUB_GROUP_SIZE, trainable_part) if stage == 3 else trainable_part)
 
     cpu = nvme = 0
     if settings.offload_optimizer != "none":
-        # ZeRO-Offload: fp32 master, states and fp32 grads on the host
-        # (about 18 B/param/dp with Adam), a device buffer the size of the largest parameter.
-        host = device_opt + step_temp + 2 * trainable // dp
+        # Host: fp32 master, CPU-Adam states, the fp32 gradient partition the step reads, and
+        # the gradient accumulation buffer in the model dtype (about 18 B/param/dp for bf16).
+        host_states = master + 8 * trainable_part
+        host_grads = 4 * trainable_part + w_bytes * trainable_part
         if settings.offload_optimizer == "cpu":
-            cpu += host
-        else:
-            nvme += device_opt
-            cpu += host - device_opt
-        device_opt = 0
-        step_temp = step.largest_param_numel * 4
+            cpu += host_states + host_grads
+        else:  # ZeRO-Infinity swaps master and states to NVMe; gradients stay in host memory
+            nvme += host_states
+            cpu += host_grads
+        optimizer = 0
+        grads = largest * w_bytes if stage < 3 else 0  # ZeRO-2's device staging buffer
+        step_temp = largest * w_bytes  # one updated parameter copied back at a time
     if settings.offload_param != "none":
-        gathered = weights - total * w_bytes // dp
-        host_weights = total * w_bytes // dp
+        partition = total * w_bytes // dp
         if settings.offload_param == "cpu":
-            cpu += host_weights
+            cpu += partition
         else:
-            nvme += host_weights
-        weights = gathered + persistent
+            nvme += partition
+        weights -= partition
 
     for region, b in rank.candidates.items():
         b["weights"] = weights
-        b["gradients"] = device_grads
-        b["optimizer"] = device_opt
-        b["overhead"] += bucket * overlap * (2 if stage >= 2 else 1)
+        b["gradients"] = grads
+        b["optimizer"] = optimizer
+        b["overhead"] += buckets
         if is_optimizer_region(region):
-            b["temporary"] = step_temp  # DeepSpeed's optimizer replaces torch's step temporaries
+            b["temporary"] = step_temp  # DeepSpeed's step replaces torch's step temporaries
     rank.cpu_bytes += cpu
     rank.nvme_bytes += nvme
     shards = {1: "optimizer states", 2: "optimizer states and gradients", 3: "optimizer states, gradients and parameters"}
-    rank.notes.append(f"ZeRO-{stage} partitions {shards[stage]} over {dp} rank(s); frozen params: {frozen}; "
-                      f"optimizer state {state_bytes:.1f} B/param + fp32 master")
+    rank.notes.append(f"ZeRO-{stage} partitions {shards[stage]} over {dp} rank(s); {total - trainable:,} frozen "
+                      f"params; optimizer: fp32 master + {settings.optim} state on a flat fp32 partition")

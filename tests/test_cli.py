@@ -89,3 +89,17 @@ def test_fast_cli_path_does_not_import_torch():
             "'--json']); assert 'torch' not in sys.modules, 'torch imported'")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_closed_pipe_ends_quietly():
+    # `hf-memfit plan ... | head -1` with a reader that is already gone: no traceback, exit 141 as Unix tools do.
+    import os
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # nobody will ever read: the first write fails with EPIPE
+    proc = subprocess.run([sys.executable, "-m", "hf_memfit.cli", "plan", "gpt2", "--gpu-memory", "12GiB",
+                           "--seq-len", "128", "--global-batch-size", "8"], stdout=write_end, stderr=subprocess.PIPE,
+                          text=True)
+    os.close(write_end)
+    assert proc.returncode == 141
+    assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr

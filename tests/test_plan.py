@@ -40,6 +40,9 @@ def test_llama_70b_full_fine_tune_on_8_h100s_shards_with_zero3():
     assert p.settings.zero_stage == 3
     assert p.deepspeed["zero_optimization"]["stage"] == 3
     assert p.per_device_train_batch_size * p.gradient_accumulation_steps * 8 == 64
+    # 12 B/param of fp32 master + AdamW states is 98 GiB per rank over 8 ranks: only offload fits 80 GB.
+    assert p.settings.offload_optimizer == "cpu" and result.estimate.cpu_bytes > 0
+    assert result.estimate.device_total_bytes <= 0.95 * 80e9
 
 
 def test_more_memory_never_plans_slower():
@@ -61,6 +64,32 @@ def test_nothing_fits_says_what_would():
     assert "smallest footprint" in message and "GiB" in message
     assert "LoRA" in message or "offload" in message or "--num-gpus" in message
     assert "\n" not in message
+
+
+def test_every_suggested_remedy_fits_when_planned():
+    request = dict(seq_len=2048, global_batch_size=8)
+    with pytest.raises(MemFitError) as error:
+        plan("meta-llama/Llama-3.1-8B", gpu_memory="8GiB", allow_offload="none", **request)
+    assert "`--allow-offload cpu`" in str(error.value)
+    assert plan("meta-llama/Llama-3.1-8B", gpu_memory="8GiB", allow_offload="cpu", **request).plan.deepspeed
+
+    with pytest.raises(MemFitError) as error:
+        plan("meta-llama/Llama-3.1-8B", gpu_memory="6GiB", allow_offload="none", **request)
+    message = str(error.value)
+    assert "`--allow-offload cpu` with a shorter sequence `--seq-len 1024`" in message
+    result = plan("meta-llama/Llama-3.1-8B", gpu_memory="6GiB", allow_offload="cpu", seq_len=1024, global_batch_size=8)
+    assert result.estimate.device_total_bytes <= 6 * GiB * 0.95
+
+
+def test_cpu_plans_never_shard_or_suggest_gpu_remedies():
+    result = plan("gpt2", gpu_memory="4GiB", seq_len=256, global_batch_size=8, device="cpu")  # allow_offload: cpu
+    assert result.plan.deepspeed is None and result.plan.settings.zero_stage == 0
+    assert all(c.settings.zero_stage == 0 for c in result.alternatives)
+    with pytest.raises(MemFitError) as error:
+        plan("gpt2", gpu_memory="1GiB", seq_len=256, global_batch_size=8, device="cpu")
+    message = str(error.value)
+    assert "LoRA `--lora-r 16`" in message
+    assert "--num-gpus" not in message and "offload" not in message and "QLoRA" not in message
 
 
 def test_global_batch_that_cannot_be_split():
