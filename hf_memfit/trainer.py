@@ -1,11 +1,13 @@
 """`MemFitTrainer`: the HF Trainer that plans its memory knobs, checks the plan, and survives an OOM.
 
-It overrides two methods: `__init__` (plan and apply the plan before the
-optimizer and dataloaders exist) and `training_step` (OOM recovery). The rest
-is the stock Trainer, so everything else (logging, checkpoints, resume,
-accelerate and DeepSpeed) behaves as users know it.
+It overrides three methods: `__init__` (plan and apply the plan before the
+optimizer and dataloaders exist), `train` (write the plan; on resume, restore
+the plan the checkpoint was trained with) and `training_step` (OOM recovery,
+agreed across ranks). The rest is the stock Trainer, so everything else
+(logging, checkpoints, accelerate and DeepSpeed) behaves as users know it.
 """
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -13,14 +15,27 @@ import os
 
 import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers.training_args import OptimizerNames
 
 from hf_memfit.args import MemFitArguments
 from hf_memfit.errors import MemFitError
+from hf_memfit.units import format_bytes
 
 logger = logging.getLogger(__name__)
 
 _TASK_BY_CLASS_SUFFIX = {"ForCausalLM": "causal-lm", "ForSequenceClassification": "seq-cls",
                          "ForConditionalGeneration": "seq2seq", "ForSeq2SeqLM": "seq2seq"}
+
+
+# Written into every checkpoint: the knobs the run was really trained with (the plan,
+# plus any step down the OOM ladder), so that a resumed run keeps them.
+STATE_FILE = "memfit_state.json"
+_PLAN_KNOBS = ("per_device_train_batch_size", "gradient_accumulation_steps", "gradient_checkpointing", "optim",
+               "bf16", "fp16")
+
+
+class PeerOutOfMemoryError(torch.OutOfMemoryError):
+    """Another rank ran out of memory in this micro-batch; every rank steps down the ladder with it."""
 
 
 def is_out_of_memory(error: BaseException) -> bool:
@@ -50,16 +65,23 @@ class MemFitTrainer(Trainer):
         args = _apply(self.memfit_plan, args)
         super().__init__(model, args, *positional, **kwargs)
         self.add_callback(MemoryCheckCallback(self))
+        self.add_callback(PlanCheckpointCallback(self))
         self._memfit_chunk: int | None = None  # micro-batch split after an OOM; None = whole micro-batch
         self._memfit_recoveries = 0
         self._memfit_step_inputs: list = []
         self._memfit_step_id = -1
+        self._memfit_ranks_told = False  # this micro-batch's OOM was already shared with the other ranks
+        self.memfit_backward_syncs = False  # whether the backward running now all-reduces gradients (DDP)
+        self._memfit_forward_agreed = False  # the running forward reached the ranks' agreement
+        self._memfit_hooked = False
         if self.args.process_index == 0:
             from hf_memfit.report import format_plan
 
             logger.info("hf-memfit plan:\n%s", format_plan(self.memfit_result))
 
-    def train(self, *args, **kwargs):
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
+        if resume_from_checkpoint:
+            self._restore_plan(resume_from_checkpoint)
         if self.args.should_save:
             os.makedirs(self.args.output_dir, exist_ok=True)
             path = os.path.join(self.args.output_dir, "memfit_plan.json")
@@ -69,7 +91,7 @@ class MemFitTrainer(Trainer):
         if recording:
             torch.cuda.memory._record_memory_history(max_entries=200_000)
         try:
-            output = super().train(*args, **kwargs)
+            output = super().train(resume_from_checkpoint, *args, **kwargs)
         except Exception as error:
             if is_out_of_memory(error) or isinstance(error.__cause__, torch.OutOfMemoryError):
                 self.write_postmortem(f"out of memory: {str(error).splitlines()[0]}")
@@ -77,6 +99,51 @@ class MemFitTrainer(Trainer):
         if self.args.memfit_debug_memory:
             self.write_postmortem("end of training (memfit_debug_memory=True)")
         return output
+
+    def memfit_state(self) -> dict:
+        """The knobs this run trains with now: the plan's, after any step down the OOM ladder."""
+        knobs = {name: getattr(self.args, name) for name in _PLAN_KNOBS}
+        knobs["optim"] = str(getattr(knobs["optim"], "value", knobs["optim"]))
+        return {"knobs": knobs, "micro_batch_chunk": self._memfit_chunk, "recoveries": self._memfit_recoveries}
+
+    def write_memfit_state(self, step: int) -> None:
+        """Record `memfit_state()` in the checkpoint of `step`, for `train(resume_from_checkpoint=...)`."""
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+        folder = os.path.join(self.args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")
+        if self.args.should_save and os.path.isdir(folder):
+            with open(os.path.join(folder, STATE_FILE), "w") as handle:
+                json.dump(self.memfit_state(), handle, indent=2)
+
+    def _restore_plan(self, checkpoint: str | bool) -> None:
+        """Train on with the knobs the checkpoint was trained with, whatever today's plan says.
+
+        The optimizer state in the checkpoint only loads into the same optimizer, and
+        the same micro-batch and accumulation keep the data order and the global batch.
+        """
+        if checkpoint is True:
+            from transformers.trainer_utils import get_last_checkpoint
+
+            checkpoint = get_last_checkpoint(self.args.output_dir)
+        path = os.path.join(str(checkpoint), STATE_FILE) if checkpoint else None
+        if path is None or not os.path.exists(path):
+            return  # the Trainer reports a missing checkpoint; a checkpoint without hf-memfit keeps today's plan
+        with open(path) as handle:
+            saved = json.load(handle)
+        knobs = saved["knobs"]
+        if (knobs["bf16"], knobs["fp16"]) != (self.args.bf16, self.args.fp16):
+            raise MemFitError(f"the checkpoint {checkpoint} was trained with bf16={knobs['bf16']}, fp16={knobs['fp16']} "
+                              f"but this run plans bf16={self.args.bf16}, fp16={self.args.fp16}; resume on a GPU "
+                              "with the same precision support or start a new run")
+        changed = {name: value for name, value in knobs.items() if value != self.memfit_state()["knobs"][name]}
+        for name, value in changed.items():
+            setattr(self.args, name, OptimizerNames(value) if name == "optim" else value)
+        self._train_batch_size = self.args.train_batch_size
+        self._memfit_chunk = saved.get("micro_batch_chunk")
+        self._memfit_recoveries = saved.get("recoveries", 0)
+        if changed and self.args.process_index == 0:
+            logger.warning("hf-memfit: resuming with the plan saved in %s: %s", checkpoint,
+                           ", ".join(f"{k}={v}" for k, v in changed.items()))
 
     def write_postmortem(self, reason: str) -> str | None:
         """Write the predicted breakdown beside what was measured, and on CUDA the allocator snapshot.
@@ -119,6 +186,8 @@ class MemFitTrainer(Trainer):
         The micro-batches already run for the current optimizer step are kept,
         so after an OOM the step's gradients are rebuilt from the same samples
         with the same global batch: nothing is skipped, nothing is counted twice.
+        In a distributed run every rank learns of an OOM on any rank and steps
+        down with it, so the ranks never disagree on the plan.
         """
         if self.state.global_step != self._memfit_step_id:
             self._memfit_step_id, self._memfit_step_inputs = self.state.global_step, []
@@ -127,8 +196,8 @@ class MemFitTrainer(Trainer):
         while True:
             try:
                 for earlier in replay:
-                    self._chunked_step(model, earlier, num_items_in_batch)
-                return self._chunked_step(model, inputs, num_items_in_batch)
+                    self._micro_batch(model, earlier, num_items_in_batch)
+                return self._micro_batch(model, inputs, num_items_in_batch)
             except Exception as error:
                 if not is_out_of_memory(error):
                     raise
@@ -136,9 +205,71 @@ class MemFitTrainer(Trainer):
                 model.zero_grad(set_to_none=True)
                 replay = self._memfit_step_inputs[:-1]
 
+    def _micro_batch(self, model, inputs, num_items_in_batch):
+        """One micro-batch (in chunks after an OOM), with the ranks agreeing on any OOM.
+
+        In a distributed run every rank takes part in one agreement (a MAX all-reduce
+        of an OOM flag) at the end of each forward and one after each micro-batch, and
+        a rank that runs out of memory joins the agreement the others are waiting in.
+        The forward's agreement runs in a hook at the end of the model's own forward,
+        before DDP prepares its gradient reduction, so a forward abandoned because of
+        another rank's OOM leaves DDP's reducer untouched.
+        """
+        self._memfit_ranks_told = False
+        if self._distributed and not self._memfit_hooked:
+            self.accelerator.unwrap_model(model).register_forward_hook(self._agree_after_forward)
+            self._memfit_hooked = True
+        try:
+            loss = self._chunked_step(model, inputs, num_items_in_batch)
+        except Exception as error:
+            if is_out_of_memory(error) and self._distributed and not self._memfit_ranks_told:
+                if self._memfit_forward_agreed and self.memfit_backward_syncs:
+                    # DDP's all-reduce of this backward is already under way on the other ranks,
+                    # which wait for this one: there is no collective left that all ranks can join.
+                    raise MemFitError(
+                        f"out of memory on rank {self.args.process_index} in the backward pass of a micro-batch that "
+                        "synchronises gradients; the other ranks are inside DDP's all-reduce, so the step cannot be "
+                        "redone in place. Resume from the last checkpoint with a lower `memory_budget` (the plan "
+                        f"predicted {self.memfit_result.estimate.device_total_bytes / 2**30:.1f} GiB)") from error
+                self._any_rank_out_of_memory(True)  # joins the others' forward or end-of-micro-batch agreement
+            raise
+        if self._any_rank_out_of_memory(False):
+            raise PeerOutOfMemoryError("another rank ran out of memory in this micro-batch's backward")
+        return loss
+
+    def _agree_after_forward(self, module, args, output):
+        """Forward hook on the unwrapped model: every rank learns whether any ran out of memory in its forward."""
+        if not (module.training and torch.is_grad_enabled()):
+            return None
+        self._memfit_forward_agreed = True
+        if self._any_rank_out_of_memory(False):
+            self._memfit_ranks_told = True
+            raise PeerOutOfMemoryError("another rank ran out of memory in this micro-batch's forward")
+        return None
+
+    @property
+    def _distributed(self) -> bool:
+        return self.args.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized()
+
+    def _any_rank_out_of_memory(self, here: bool) -> bool:
+        """Whether any rank ran out of memory: a MAX all-reduce of one flag (just `here` on one process)."""
+        if not self._distributed:
+            return here
+        flag = torch.tensor([1.0 if here else 0.0], device=self.args.device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return bool(flag.item())
+
     def _chunked_step(self, model, inputs, num_items_in_batch):
+        """The micro-batch whole, or after an OOM in chunks whose gradients add up to the same.
+
+        Under DDP only the last chunk of a synchronising micro-batch all-reduces; the
+        others run under `no_sync`, like the Trainer's own accumulation steps, so an
+        OOM in their backward can still be redone on every rank.
+        """
         size = _batch_size(inputs)
+        syncs = self.accelerator.sync_gradients
         if self._memfit_chunk is None or self._memfit_chunk >= size:
+            self.memfit_backward_syncs, self._memfit_forward_agreed = syncs, False
             return super().training_step(model, inputs, num_items_in_batch)
         chunks = [_slice(inputs, start, min(start + self._memfit_chunk, size)) for start in range(0, size, self._memfit_chunk)]
         saved = self.current_gradient_accumulation_steps
@@ -148,17 +279,23 @@ class MemFitTrainer(Trainer):
                 # Without a token count the loss is a per-micro-batch mean divided by the
                 # accumulation steps; dividing by the chunk count as well keeps the sum equal.
                 self.current_gradient_accumulation_steps = saved * len(chunks)
-            for chunk in chunks:
-                loss = super().training_step(model, chunk, num_items_in_batch)
+            for index, chunk in enumerate(chunks):
+                last = index == len(chunks) - 1
+                self.memfit_backward_syncs, self._memfit_forward_agreed = syncs and last, False
+                hold = contextlib.nullcontext() if last or not self._distributed else self.accelerator.no_sync(model)
+                with hold:
+                    loss = super().training_step(model, chunk, num_items_in_batch)
                 total = loss if total is None else total + loss
         finally:
             self.current_gradient_accumulation_steps = saved
         return total
 
     def _step_down_the_ladder(self, model, inputs, error):
-        if self.is_deepspeed_enabled:
-            raise MemFitError("out of memory under DeepSpeed; hf-memfit cannot split micro-batches inside the "
-                              "DeepSpeed engine: lower `memory_budget` and plan again") from error
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            engine = "DeepSpeed" if self.is_deepspeed_enabled else "FSDP"
+            raise MemFitError(f"out of memory under {engine}, whose forward and backward run collectives that cannot "
+                              "be redone in place; lower `memory_budget` and plan again, resuming from the last "
+                              "checkpoint") from error
         self._memfit_recoveries += 1
         size = _batch_size(inputs)
         chunk = self._memfit_chunk or size
@@ -174,14 +311,17 @@ class MemFitTrainer(Trainer):
         else:
             self._give_up(error)
         _free_cached_memory()
-        message = f"hf-memfit: out of memory at step {self.state.global_step}; {change}; redoing this step's micro-batches"
-        logger.warning(message)
+        where = "another rank" if isinstance(error, PeerOutOfMemoryError) else f"rank {self.args.process_index}"
+        if self.args.process_index == 0 or not isinstance(error, PeerOutOfMemoryError):
+            logger.warning("hf-memfit: out of memory on %s at step %d; %s; redoing this step's micro-batches",
+                           where, self.state.global_step, change)
         self.state.log_history.append({"memfit/oom_recovery": self._memfit_recoveries, "memfit/change": change,
                                        "step": self.state.global_step})
 
     def _give_up(self, error):
         if self.args.should_save:
-            self._save_checkpoint(self.model, trial=None)
+            self._save_checkpoint(self.model, trial=None)  # no on_save callback fires here: write the state too
+            self.write_memfit_state(self.state.global_step)
         raise MemFitError(
             f"out of memory at step {self.state.global_step} after {self._memfit_recoveries - 1} recoveries; a checkpoint "
             f"was saved in {self.args.output_dir}. Lower `memory_budget` (the plan predicted "
@@ -310,6 +450,16 @@ def _apply(plan, args: MemFitArguments) -> MemFitArguments:
 
 # --- checking the prediction ------------------------------------------------------------
 
+class PlanCheckpointCallback(TrainerCallback):
+    """Writes the knobs the run trains with into every checkpoint (`memfit_state.json`), for resume."""
+
+    def __init__(self, trainer: MemFitTrainer):
+        self.trainer = trainer
+
+    def on_save(self, args, state, control, **kwargs):
+        self.trainer.write_memfit_state(state.global_step)
+
+
 class MemoryCheckCallback(TrainerCallback):
     """Logs the measured peak of the first optimizer steps beside the prediction as `memfit/*` keys.
 
@@ -323,9 +473,15 @@ class MemoryCheckCallback(TrainerCallback):
         self.trainer = trainer
         self.steps = steps
         self.tracker = None
+        self.first_step = 0
+        self.recoveries_before = 0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.first_step = state.global_step  # 0, or the step a resumed run starts from
+        self.recoveries_before = self.trainer._memfit_recoveries
 
     def on_step_begin(self, args, state, control, **kwargs):
-        if state.global_step != 0 or self.tracker is not None:
+        if state.global_step != self.first_step or self.tracker is not None:
             return
         if _on_cuda(args):
             torch.cuda.reset_peak_memory_stats()
@@ -338,7 +494,7 @@ class MemoryCheckCallback(TrainerCallback):
         self.tracker.__enter__()
 
     def on_step_end(self, args, state, control, **kwargs):
-        if self.tracker is None or state.global_step != min(self.steps, args.max_steps if args.max_steps > 0 else self.steps):
+        if self.tracker in (None, "done") or state.global_step < min(self.first_step + self.steps, state.max_steps):
             return
         if self.tracker == "cuda":
             measured = torch.cuda.max_memory_allocated()
@@ -349,11 +505,15 @@ class MemoryCheckCallback(TrainerCallback):
             predicted = self.trainer.memfit_result.estimate.peak_allocated_bytes
         self.tracker = "done"
         error = (predicted - measured) / measured if measured else 0.0
+        # A step that recovered from an OOM ran another plan (and the failed attempt): not comparable.
+        recovered = self.trainer._memfit_recoveries > self.recoveries_before
         state.log_history.append({"memfit/predicted_peak_bytes": predicted, "memfit/measured_peak_bytes": measured,
-                                  "memfit/relative_error": round(error, 4), "step": state.global_step})
-        if abs(error) > 0.10:
-            logger.warning("hf-memfit: predicted peak %.2f GiB, measured %.2f GiB (%+.0f%%)",
-                           predicted / 2**30, measured / 2**30, 100 * error)
+                                  "memfit/relative_error": round(error, 4), "memfit/recovered_during_check": recovered,
+                                  "step": state.global_step})
+        if abs(error) > 0.10 and not recovered:
+            logger.warning("hf-memfit: predicted peak %s, measured %s (%+.0f%%) over the first %d step(s)",
+                           format_bytes(predicted), format_bytes(measured), 100 * error,
+                           state.global_step - self.first_step)
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.tracker not in (None, "cuda", "done"):

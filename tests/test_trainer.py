@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, HfArgumentParser, TrainingArguments
+from transformers import AutoConfig, AutoModelForCausalLM, HfArgumentParser, TrainerCallback, TrainingArguments
 
 from hf_memfit.args import MemFitArguments
 from hf_memfit.errors import MemFitError
@@ -147,3 +147,92 @@ def test_hf_argument_parser_gives_flags():
         ["--output_dir", "/tmp/x", "--memory_budget", "24GiB", "--global_batch_size", "64", "--memfit_mode", "exact",
          "--use_cpu", "True"])
     assert args.memory_budget == "24GiB" and args.global_batch_size == 64 and args.memfit_mode == "exact"
+
+
+def _weights(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+class StopAfter(TrainerCallback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        control.should_training_stop = state.global_step >= self.step
+
+
+def test_resume_keeps_the_plan_and_the_training(tmp_path):
+    roomy = dict(memory_budget="2GiB", max_steps=4, save_strategy="steps", save_steps=2)
+    clean = MemFitTrainer(model=tiny_gpt2(), args=make_args(tmp_path / "clean", **roomy), train_dataset=TokenDataset())
+    clean.train()
+    first = MemFitTrainer(model=tiny_gpt2(), args=make_args(tmp_path / "resumed", **roomy),
+                          train_dataset=TokenDataset(), callbacks=[StopAfter(2)])  # interrupted: same schedule
+    first.train()
+    saved = json.loads((tmp_path / "resumed" / "out" / "checkpoint-2" / "memfit_state.json").read_text())
+    assert saved["knobs"]["per_device_train_batch_size"] == first.memfit_plan.per_device_train_batch_size
+
+    # Today's budget would plan differently; the resumed run must keep the checkpoint's plan.
+    need = first.memfit_result.estimate.device_total_bytes
+    tight = make_args(tmp_path / "resumed", **{**roomy, "memory_budget": str(int(need * 0.97 / 0.95))})
+    resumed = MemFitTrainer(model=tiny_gpt2(), args=tight, train_dataset=TokenDataset())
+    assert resumed.args.per_device_train_batch_size != saved["knobs"]["per_device_train_batch_size"] or \
+        resumed.args.gradient_checkpointing != saved["knobs"]["gradient_checkpointing"] or \
+        resumed.args.optim != saved["knobs"]["optim"]
+    resumed.train(resume_from_checkpoint=True)
+    for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "gradient_checkpointing"):
+        assert getattr(resumed.args, name) == saved["knobs"][name], name
+    assert resumed.state.global_step == 4
+    ours, theirs = _weights(resumed.model), _weights(clean.model)
+    for name, value in theirs.items():
+        torch.testing.assert_close(ours[name], value, rtol=0, atol=1e-6, msg=name)
+
+
+def test_an_oom_step_down_survives_resume(tmp_path):
+    model = tiny_gpt2()
+
+    def fake_oom(module, args):
+        if args[0].shape[0] > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    model.transformer.h[1].register_forward_pre_hook(fake_oom)
+    trainer = MemFitTrainer(model=model, args=make_args(tmp_path, max_steps=2, save_strategy="steps", save_steps=2),
+                            train_dataset=TokenDataset())
+    trainer.train()
+    saved = json.loads((tmp_path / "out" / "checkpoint-2" / "memfit_state.json").read_text())
+    # the hook fails above 2 samples: the ladder halves the micro-batch until chunks of 2 run
+    assert saved["micro_batch_chunk"] == 2 and saved["recoveries"] == trainer._memfit_recoveries >= 1
+    resumed = MemFitTrainer(model=tiny_gpt2(), args=make_args(tmp_path, max_steps=3), train_dataset=TokenDataset())
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed._memfit_chunk == 2 and resumed.state.global_step == 3
+
+
+def _tiny_gpt2_lora():
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(tiny_gpt2(), LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], task_type="CAUSAL_LM"))
+
+
+def test_lora_model_is_planned_as_lora_and_checked(tmp_path):
+    model = _tiny_gpt2_lora()
+    trainer = MemFitTrainer(model=model, args=make_args(tmp_path), train_dataset=TokenDataset())
+    estimate = trainer.memfit_result.estimate
+    assert estimate.settings.lora_r == 4 and estimate.settings.lora_target_modules == ("c_attn",)
+    assert estimate.trainable_params == sum(p.numel() for p in model.parameters() if p.requires_grad)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer.train()
+    for name, param in model.named_parameters():  # only the adapters move
+        assert torch.equal(param, before[name]) != param.requires_grad, name
+    check = next(h for h in trainer.state.log_history if "memfit/relative_error" in h)
+    assert abs(check["memfit/relative_error"]) < 0.10
+
+
+def test_eight_bit_adam_runs_for_real_and_is_predicted(tmp_path):
+    trainer = MemFitTrainer(model=tiny_gpt2(), args=make_args(tmp_path, optim="adamw_bnb_8bit", keep_optimizer=True),
+                            train_dataset=TokenDataset())
+    assert trainer.memfit_plan.optim == "adamw_bnb_8bit"
+    trainer.train()
+    assert type(trainer.optimizer.optimizer).__module__.startswith("bitsandbytes.optim")  # AdamW(optim_bits=8)
+    states = [s for s in trainer.optimizer.optimizer.state.values() if "state1" in s]
+    assert any(s["state1"].dtype == torch.uint8 for s in states)  # 8-bit states, not a fallback
+    check = next(h for h in trainer.state.log_history if "memfit/relative_error" in h)
+    assert abs(check["memfit/relative_error"]) < 0.10
