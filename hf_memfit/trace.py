@@ -26,6 +26,7 @@ explicitly, each item sourced in `shared/CUDA_MEMORY_FACTS.md`:
 """
 
 import contextlib
+import copy
 import math
 import weakref
 from dataclasses import dataclass, field
@@ -279,6 +280,74 @@ def _make_traced_optimizer(model, settings: TrainSettings, cuda_semantics: bool)
     return training.make_optimizer(model, settings, cuda_semantics=cuda_semantics)
 
 
+# --- deep copies of fake tensors ------------------------------------------------
+
+@contextlib.contextmanager
+def _deepcopy_fake_tensors_as_real_ones():
+    """Make `copy.deepcopy` of a FakeTensor allocate what it allocates for a real tensor, and nothing else.
+
+    peft deep-copies modules while it wraps a model: `ModulesToSaveWrapper`
+    copies the classifier head for `SEQ_CLS` (and any `modules_to_save`), and
+    DoRA (of a 4-bit base layer), LN tuning and layer replication copy layers
+    too. torch's
+    `Tensor.__deepcopy__`, which FakeTensor inherits, ends with
+    `new.__dict__ = deepcopy(self.__dict__, memo)`, and a FakeTensor's
+    `__dict__` holds its `fake_mode`. That deep-copies the whole
+    FakeTensorMode, including `fake_tensor_converter.constant_storage_mapping`,
+    whose keys are `StorageWeakRef`s: raw pointers to real storages, each
+    holding one weak reference that its `__del__` releases. The copy duplicates
+    the pointer without taking a reference, so the reference is released
+    twice, and the process heap is corrupted (SIGSEGV in a later trace, or
+    glibc's "corrupted double-linked list" at exit).
+
+    The replacement does for fake tensors what torch does for real ones:
+    a parameter is `Parameter(data.clone(preserve_format), requires_grad)`
+    (`Parameter.__deepcopy__`); another tensor gets a copy of its whole storage,
+    shared by every tensor on that storage within one deepcopy, then the same
+    view of it, its grad and its Python attributes (`Tensor.__deepcopy__`).
+    The copy stays in the tensor's own fake mode, and every allocation goes
+    through the dispatcher, so the tracker counts it.
+    """
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    had_own = "__deepcopy__" in FakeTensor.__dict__
+    original = FakeTensor.__dict__.get("__deepcopy__")
+    fake_keys = object()  # memo key of this deepcopy's storage copies, per source storage
+
+    def deepcopy(self, memo):
+        if id(self) in memo:
+            return memo[id(self)]
+        with torch.no_grad():
+            if isinstance(self, torch.nn.Parameter):
+                new = torch.nn.Parameter(self.detach().clone(memory_format=torch.preserve_format), self.requires_grad)
+            else:
+                storages = memo.setdefault(id(fake_keys), {})
+                source = self.untyped_storage()
+                if source._cdata not in storages:
+                    storages[source._cdata] = torch.empty(
+                        source.nbytes(), dtype=torch.uint8, device=self.device).untyped_storage()
+                new = self.new_empty((0,))
+                new.set_(storages[source._cdata], self.storage_offset(), self.size(), self.stride())
+                if self.requires_grad:
+                    new.requires_grad_()
+                if self.grad is not None:
+                    new.grad = copy.deepcopy(self.grad, memo)
+                for key, value in self.__dict__.items():  # attributes set by users, not the fake mode's own
+                    if key not in new.__dict__:
+                        setattr(new, key, copy.deepcopy(value, memo))
+        memo[id(self)] = new
+        return new
+
+    FakeTensor.__deepcopy__ = deepcopy
+    try:
+        yield
+    finally:
+        if had_own:
+            FakeTensor.__deepcopy__ = original
+        else:
+            del FakeTensor.__deepcopy__
+
+
 # --- the traced step ----------------------------------------------------------
 
 def _flash_supported(settings: TrainSettings) -> bool:
@@ -400,6 +469,7 @@ def trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], *
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     patches = contextlib.ExitStack()
     with fake_mode, tracker, patches:
+        patches.enter_context(_deepcopy_fake_tensors_as_real_ones())  # peft copies modules; see there
         if cuda:
             original_sdpa = torch.nn.functional.scaled_dot_product_attention
             torch.nn.functional.scaled_dot_product_attention = _gpu_sdpa(flash_supported=_flash_supported(settings))
