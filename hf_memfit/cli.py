@@ -6,6 +6,7 @@ The fast paths import no torch.
 
 import argparse
 import json
+import logging
 import sys
 
 from hf_memfit.errors import MemFitError
@@ -105,6 +106,7 @@ _PLAN_EPILOG = """examples:
   hf-memfit plan meta-llama/Llama-3.1-8B --gpu a10g --seq-len 2048 --global-batch-size 32 --load-in-4bit --lora-r 16
   hf-memfit plan meta-llama/Llama-2-70b-hf --gpu h100 --num-gpus 8 --seq-len 4096 --global-batch-size 64 \\
       --deepspeed-config-out ds_config.json --json
+  hf-memfit plan gpt2-large --gpu rtx3060 --seq-len 1024 --global-batch-size 32 --explain plan.png
 """
 
 
@@ -121,6 +123,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keep-optimizer", action="store_true", help="do not switch AdamW to 8-bit variants")
     parser.add_argument("--optim", default="adamw_torch_fused", help="the optimizer to start from")
     parser.add_argument("--deepspeed-config-out", help="write the plan's DeepSpeed config (JSON) here")
+    parser.add_argument("--explain", nargs="?", const="", metavar="FILE.png",
+                        help="also trace the chosen plan's step and show where the memory goes; with a path, draw it")
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -143,7 +147,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
             from hf_memfit.deepspeed import write_deepspeed_config
 
             write_deepspeed_config(result.plan.deepspeed, args.deepspeed_config_out)
-    print(json.dumps(result.to_dict(), indent=2) if args.json else format_plan(result))
+    output = result.to_dict() if args.json else format_plan(result)
+    if args.explain is not None:
+        from hf_memfit.spec import resolve_model
+
+        timelines = _trace(resolve_model(args.model), [("the plan", result.plan.settings)], args.explain)
+        if args.json:
+            output["explain"] = _timeline_dict(timelines[0])
+        else:
+            from hf_memfit.report import format_timeline
+
+            output += "\n\n" + format_timeline(timelines[0])
+    print(json.dumps(output, indent=2) if args.json else output)
     return 0
 
 
@@ -157,28 +172,38 @@ _EXPLAIN_EPILOG = """examples:
 def cmd_explain(args: argparse.Namespace) -> int:
     from hf_memfit.report import format_timeline
     from hf_memfit.spec import resolve_model
-    from hf_memfit.timeline import trace_timeline
 
     spec = resolve_model(args.model)
     base = settings_from_args(args).replace(mode="exact")
     configs = [("as given", base)] + [(text, _override(base, text)) for text in args.compare or []]
-    timelines = []
-    for label, settings in configs:
-        settings = settings.validate(spec)
-        print(f"hf-memfit: tracing {spec.name} ({label}, {spec.num_layers} layers) ...", file=sys.stderr, flush=True)
-        timelines.append(trace_timeline(spec, settings, label=f"{spec.name}: {label}"))
+    timelines = _trace(spec, configs, args.plot)
     if args.json:
-        print(json.dumps([{"label": t.label, "peak_bytes": t.peak_bytes, "peak_breakdown": t.peak_breakdown,
-                           "phases": [vars(p) for p in t.phases], "top_modules": t.top_modules} for t in timelines],
-                         indent=2))
+        print(json.dumps([_timeline_dict(t) for t in timelines], indent=2))
     else:
         print("\n\n".join(format_timeline(t) for t in timelines))
-    if args.plot:
+    return 0
+
+
+def _trace(spec, configs, plot: str | None) -> list:
+    """Trace each (label, settings) at full depth in exact mode, with progress on stderr; draw them to `plot` if given."""
+    from hf_memfit.timeline import trace_timeline
+
+    timelines = []
+    for label, settings in configs:
+        settings = settings.replace(mode="exact").validate(spec)
+        print(f"hf-memfit: tracing {spec.name} ({label}, {spec.num_layers} layers) ...", file=sys.stderr, flush=True)
+        timelines.append(trace_timeline(spec, settings, label=f"{spec.name}: {label}"))
+    if plot:
         from hf_memfit.plot import plot_timelines
 
-        plot_timelines(timelines, args.plot, title=f"{spec.name}: memory over one training step")
-        print(f"hf-memfit: wrote {args.plot}", file=sys.stderr)
-    return 0
+        plot_timelines(timelines, plot, title=f"{spec.name}: memory over one training step")
+        print(f"hf-memfit: wrote {plot}", file=sys.stderr)
+    return timelines
+
+
+def _timeline_dict(t) -> dict:
+    return {"label": t.label, "peak_bytes": t.peak_bytes, "peak_breakdown": t.peak_breakdown,
+            "phases": [vars(p) for p in t.phases], "top_modules": t.top_modules}
 
 
 def _override(settings, text: str):
@@ -225,6 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # bitsandbytes warns on import, on CPUs with AVX512-BF16, that an optional 4-bit CPU
+    # matmul kernel package is missing; estimating never runs that kernel.
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     try:
         args = build_parser().parse_args(argv)
         return args.func(args)

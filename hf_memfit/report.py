@@ -113,7 +113,34 @@ def format_plan(result) -> str:
                      f"ckpt {'on' if c_s.gradient_checkpointing else 'off'}, {c_s.optim}, {_layout_text(c_s)}")
             verdict = c.why_not if c.fits else f"does not fit: {c.why_not}"
             lines.append(f"  - {label}: {verdict}")
+    lines += ["", "Where the memory goes (traces this plan's step; add --plot FILE.png to draw it):",
+              f"  {explain_command(est.model, s)}"]
     return "\n".join(lines)
+
+
+def explain_command(model: str, s) -> str:
+    """The `hf-memfit explain` command line that traces the step `s` describes (flags left at their defaults are omitted)."""
+    from hf_memfit.settings import TrainSettings
+
+    default = TrainSettings()
+    flags = [f"--batch-size {s.batch_size}", f"--seq-len {s.seq_len}"]
+    if s.gradient_accumulation_steps != 1:
+        flags.append(f"--gradient-accumulation-steps {s.gradient_accumulation_steps}")
+    for name in ("task", "precision", "optim", "attn_implementation", "lora_r", "lora_alpha", "gpu"):
+        value = getattr(s, name)
+        if value is not None and value != getattr(default, name):
+            flags.append(f"--{name.replace('_', '-')} {value}")
+    if s.task == "seq-cls" and s.num_labels != default.num_labels:
+        flags.append(f"--num-labels {s.num_labels}")
+    if s.lora_target_modules:
+        flags.append(f"--lora-target-modules {','.join(s.lora_target_modules)}")
+    for name in ("gradient_checkpointing", "load_in_4bit"):
+        if getattr(s, name):
+            flags.append(f"--{name.replace('_', '-')}")
+    for name in ("num_gpus", "num_nodes", "zero_stage", "offload_optimizer", "offload_param", "device"):
+        if getattr(s, name) != getattr(default, name):
+            flags.append(f"--{name.replace('_', '-')} {getattr(s, name)}")
+    return f"hf-memfit explain {model} " + " ".join(flags)
 
 
 def format_timeline(timeline) -> str:

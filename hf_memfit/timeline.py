@@ -40,12 +40,21 @@ class Timeline:
 
 
 def trace_timeline(spec, settings: TrainSettings, label: str = "", samples: int = 1500) -> Timeline:
-    """Trace one configuration at full depth and summarise it (CUDA semantics follow `settings.device`)."""
+    """Trace one configuration at full depth and summarise it (CUDA semantics follow `settings.device`).
+
+    Under ZeRO the step is traced as the device runs it (in the compute dtype, see
+    `estimator.traced_settings`) on one unsharded device: the timeline shows where
+    activations and temporaries go; the sharded model states are the estimate's.
+    """
+    from hf_memfit.estimator import traced_settings
     from hf_memfit.trace import _config_with_depths, _real_depths, trace_step
 
     depths = _real_depths(spec)
-    trace = trace_step(_config_with_depths(spec, depths), settings, depths)
-    return build_timeline(trace.tracker, label or spec.name, samples)
+    trace = trace_step(_config_with_depths(spec, depths), traced_settings(settings), depths)
+    label = label or spec.name
+    if settings.zero_stage:
+        label += f" (one device, before ZeRO-{settings.zero_stage} sharding)"
+    return build_timeline(trace.tracker, label, samples)
 
 
 def build_timeline(tracker, label: str, samples: int = 1500) -> Timeline:

@@ -492,7 +492,7 @@ def trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], *
                 position["micro"] = micro
                 tracker.phase = "inputs"
                 tracker.set_region(f"{step_tag()}|fwd|pre")
-                tracker.markers.append((tracker.clock, f"step {step_index + 1} forward"))
+                tracker.markers.append((tracker.clock, f"step {step_index + 1} forward{_micro_label(micro, settings)}"))
                 batch = training.make_batch(settings, config)
                 tracker.phase = "forward"
                 _forward_backward(model, batch, settings, tracker, step_tag)
@@ -533,6 +533,14 @@ def trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], *
     return result
 
 
+def _micro_label(micro: int, settings: TrainSettings) -> str:
+    """', micro-batch 1' / ', micro-batches 2-8' with accumulation (the second traced one stands for the rest)."""
+    steps = settings.gradient_accumulation_steps
+    if steps == 1:
+        return ""
+    return ", micro-batch 1" if micro == 0 else (", micro-batch 2" if steps == 2 else f", micro-batches 2-{steps}")
+
+
 def _forward_backward(model, batch, settings, tracker, step_tag):
     """`step.forward_backward`, with the phase switched to backward once the loss exists."""
     original_backward = torch.Tensor.backward
@@ -540,8 +548,8 @@ def _forward_backward(model, batch, settings, tracker, step_tag):
     def backward(loss, *args, **kwargs):
         tracker.phase = "backward"
         tracker.set_region(f"{step_tag()}|bwd|pre")
-        step_number = int(step_tag().split(".")[0]) + 1
-        tracker.markers.append((tracker.clock, f"step {step_number} backward"))
+        step_index, micro = (int(part) for part in step_tag().split("."))
+        tracker.markers.append((tracker.clock, f"step {step_index + 1} backward{_micro_label(micro, settings)}"))
         return original_backward(loss, *args, **kwargs)
 
     torch.Tensor.backward = backward

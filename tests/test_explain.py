@@ -58,3 +58,57 @@ def test_compare_rejects_unknown_fields(capsys):
     code = main(["explain", "gpt2", "--batch-size", "1", "--seq-len", "16", "--compare", "warp_drive=on"])
     assert code == 2
     assert "--compare" in capsys.readouterr().err
+
+
+def test_phases_name_the_micro_batches(tiny_specs):
+    spec = tiny_specs["gpt2"]
+    settings = TrainSettings(batch_size=1, seq_len=16, gradient_accumulation_steps=4, device="cpu").validate(spec)
+    names = [p.name for p in trace_timeline(spec, settings).phases][:5]
+    assert names == ["step 1 forward, micro-batch 1", "step 1 backward, micro-batch 1",
+                     "step 1 forward, micro-batches 2-4", "step 1 backward, micro-batches 2-4", "step 1 optimizer step"]
+
+
+PLANS = [
+    ["gpt2-xl", "--gpu-memory", "12GiB", "--seq-len", "1024", "--global-batch-size", "64"],  # ZeRO-2 + offload
+    ["meta-llama/Llama-3.1-8B", "--gpu", "a10g", "--seq-len", "2048", "--global-batch-size", "32", "--load-in-4bit",
+     "--lora-r", "16"],
+    ["bert-base-uncased", "--gpu-memory", "2GiB", "--seq-len", "128", "--global-batch-size", "32", "--device", "cpu"],
+]
+
+
+@pytest.mark.parametrize("argv", PLANS, ids=lambda argv: argv[0])
+def test_plan_table_gives_the_explain_command_of_its_plan(argv):
+    from hf_memfit.cli import build_parser, settings_from_args
+    from hf_memfit.planner import plan
+    from hf_memfit.report import explain_command, format_plan
+
+    args = build_parser().parse_args(["plan", *argv])
+    result = plan(args.model, seq_len=args.seq_len, global_batch_size=args.global_batch_size,
+                  gpu_memory=args.gpu_memory, gpu=args.gpu, lora_r=args.lora_r, load_in_4bit=args.load_in_4bit,
+                  device=args.device)
+    command = explain_command(result.estimate.model, result.plan.settings)
+    assert command in format_plan(result)
+    parsed = build_parser().parse_args(command.split()[1:])  # round trip: the command describes the plan's step
+    traced = settings_from_args(parsed).validate()
+    plan_settings = result.plan.settings
+    for field in ("batch_size", "seq_len", "gradient_accumulation_steps", "precision", "optim", "gradient_checkpointing",
+                  "lora_r", "load_in_4bit", "zero_stage", "offload_optimizer", "offload_param", "device", "gpu",
+                  "attn_implementation"):
+        assert getattr(traced, field) == getattr(plan_settings, field), field
+
+
+def test_plan_explain_traces_the_chosen_plan(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "plan.png"
+    code = main(["plan", "gpt2", "--gpu-memory", "3GiB", "--seq-len", "256", "--global-batch-size", "16", "--device",
+                 "cpu", "--explain", str(path), "--json"])
+    data = __import__("json").loads(capsys.readouterr().out)
+    assert code == 0 and path.stat().st_size > 20_000
+    # the traced step is the plan's: its peak is exact mode's estimate of the same settings (CPU: allocated == total)
+    from hf_memfit.estimator import estimate
+
+    plan = data["plan"]
+    exact = estimate("gpt2", batch_size=plan["per_device_train_batch_size"],
+                     gradient_accumulation_steps=plan["gradient_accumulation_steps"], seq_len=256, device="cpu",
+                     optim=plan["optim"], gradient_checkpointing=plan["gradient_checkpointing"], mode="exact")
+    assert abs(data["explain"]["peak_bytes"] - exact.peak_allocated_bytes) <= 0.001 * exact.peak_allocated_bytes
