@@ -5,17 +5,18 @@
     python recipes/gpt2xl_12gb.py --dry-run                    # the plan, offline, no weights
     python recipes/gpt2xl_12gb.py --smoke                      # same code path, tiny model, CPU, seconds
 
-fp32 weights + grads alone are 11.6 GiB, so the plan has to find room: bf16
-autocast, micro-batch x accumulation = 64, gradient checkpointing, and
-DeepSpeed ZeRO-2 with the optimizer offloaded to host RAM if nothing else fits.
-Every choice is printed with its numbers when training starts.
+fp32 weights + grads alone are 11.6 GiB (1.56B x 8 bytes), so the plan has to
+find room: bf16 autocast, micro-batch x accumulation = 64, gradient
+checkpointing, and DeepSpeed ZeRO-2 with the optimizer offloaded to host RAM
+if nothing else fits. Every choice is printed with its numbers when training
+starts. Any TrainingArguments flag works too (`--learning_rate 2e-5`).
 """
 
 from hf_memfit.recipe import Recipe, run
 
 RECIPE = Recipe(
-    model="gpt2-xl",
-    memory_budget="12GiB",  # an RTX 3060's 12 GB
+    model="openai-community/gpt2-xl",
+    memory_budget="12GiB",  # an RTX 3060's 12 GB; `--memory_budget auto` takes the GPU's free memory
     seq_len=1024,  # GPT-2's full context
     global_batch_size=64,  # kept exactly: micro-batch x accumulation x GPUs
 )

@@ -1,13 +1,13 @@
 """QLoRA fine-tuning of Llama-3.1-8B on one 24 GB GPU (A10G, RTX 3090/4090).
 
-    accelerate launch recipes/llama31_8b_qlora_24gb.py
+    accelerate launch recipes/llama31_8b_qlora_24gb.py         # gated: `hf auth login` first
     python recipes/llama31_8b_qlora_24gb.py --dry-run
     python recipes/llama31_8b_qlora_24gb.py --smoke
 
-The base is loaded in 4-bit NF4 with double quantisation (bitsandbytes), LoRA
-rank 16 on peft's default Llama targets; the planner picks the micro-batch,
-checkpointing and optimizer. The smoke run trains LoRA on a full-precision
-tiny base, since 4-bit kernels need CUDA.
+The base is loaded in 4-bit NF4 with double quantisation (bitsandbytes) and
+computes in bf16; LoRA rank 16 trains on peft's default Llama targets. The
+planner picks the micro-batch, checkpointing and optimizer. The smoke run
+loads its tiny base in 4-bit too: bitsandbytes' Linear4bit runs on the CPU.
 """
 
 from hf_memfit.recipe import Recipe, run
@@ -17,7 +17,7 @@ RECIPE = Recipe(
     memory_budget="24GiB",
     seq_len=2048,
     global_batch_size=32,
-    load_in_4bit=True,  # QLoRA: 4-bit frozen base
+    load_in_4bit=True,  # QLoRA: frozen 4-bit base, ~0.5 B/param instead of 2
     lora_r=16,
     lora_alpha=32,
 )
