@@ -156,15 +156,17 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
          load_in_4bit: bool = False, allow_offload: str = "cpu", cpu_memory: str | int | None = None,
          nvme_path: str | None = None, headroom: float = 0.05, keep_optimizer: bool = False,
          optim: str = "adamw_torch_fused", device: str = "cuda", mode: str = "fast",
-         precision: str | None = None) -> PlanResult:
+         precision: str | None = None, deepspeed_layout: tuple[int, str, str] | None = None) -> PlanResult:
     """Pick the fastest configuration that trains `model` within the memory budget.
 
     The budget is `gpu_memory` (a size such as "12GiB", or "auto" for the local
     GPU's free memory) or the memory of the named `gpu`. The global batch
     (micro-batch x accumulation x GPUs) is kept exactly. `precision` pins the
     precision (the trainer passes the loaded model's); by default it is chosen
-    from the GPU. Raises `MemFitError` when the request is invalid or nothing
-    fits, saying what would.
+    from the GPU. `deepspeed_layout` = (zero_stage, offload_optimizer,
+    offload_param) fixes the layout to a DeepSpeed config the user already has
+    (the trainer passes it); the rest is searched around it. Raises
+    `MemFitError` when the request is invalid or nothing fits, saying what would.
     """
     spec = model if isinstance(model, ModelSpec) else resolve_model(model)
     gpu_info = _gpu_info(gpu)
@@ -204,8 +206,8 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
     ).validate(spec)
 
     per_rank = global_batch_size // world
-    candidates = [_evaluate(spec, s, usable, cpu_limit, gpu_info) for s in _grid(base, per_rank, allow_offload,
-                                                                                   keep_optimizer, world)]
+    grid = _grid(base, per_rank, allow_offload, keep_optimizer, world, deepspeed_layout)
+    candidates = [_evaluate(spec, s, usable, cpu_limit, gpu_info) for s in grid]
     fitting = sorted((c for c in candidates if c.fits), key=lambda c: c.step_seconds)
     if mode == "exact":
         fitting = _confirm_exact(spec, fitting, usable, cpu_limit)
@@ -262,9 +264,18 @@ def _attention(gpu_info, device: str) -> tuple[str, str]:
     return "sdpa", "attention sdpa (memory-efficient kernel): this GPU predates flash attention (sm80+)"
 
 
-def _grid(base: TrainSettings, per_rank: int, allow_offload: str, keep_optimizer: bool, world: int):
+def _grid(base: TrainSettings, per_rank: int, allow_offload: str, keep_optimizer: bool, world: int,
+          fixed_layout: tuple[int, str, str] | None = None):
     micro_batches = [m for m in range(1, per_rank + 1) if per_rank % m == 0]
     optims = (base.optim,) if keep_optimizer or base.optim not in ADAM_LADDER else ADAM_LADDER
+    if fixed_layout is not None:  # the user's own DeepSpeed config: its optimizer section, if any, wins anyway
+        for micro in micro_batches:
+            for checkpointing in (False, True):
+                stage, off_opt, off_param = fixed_layout
+                yield base.replace(batch_size=micro, gradient_accumulation_steps=per_rank // micro,
+                                   gradient_checkpointing=checkpointing, zero_stage=stage,
+                                   offload_optimizer=off_opt, offload_param=off_param)
+        return
     layouts = [(0, "none", "none")]
     # DeepSpeed layouts are GPU plans: on the CPU one process holds everything, so there is nothing to shard.
     on_gpu = base.device == "cuda"

@@ -136,9 +136,10 @@ class TrainSettings:
             problems.append("`--load-in-4bit` computes in half precision: add `--precision bf16-mixed` or `--precision fp16-mixed`")
         if self.load_in_4bit and self.zero_stage == 3:
             problems.append("`--load-in-4bit` cannot be combined with `--zero-stage 3` (4-bit weights are not partitioned)")
-        if self.device == "cpu" and self.zero_stage:
-            # DDP over CPU processes (gloo) is modelled per process; ZeRO's buffers are GPU plans.
-            problems.append("`--device cpu` estimates plain (DDP) processes: drop `--zero-stage`")
+        if self.device == "cpu" and self.zero_stage and self.world_size > 1:
+            # DeepSpeed runs on the CPU in one process (its multi-process CPU launch is not supported
+            # by the Trainer); DDP over CPU processes (gloo) is modelled per process.
+            problems.append("`--device cpu` with `--zero-stage` estimates one DeepSpeed process: drop `--num-gpus/--num-nodes`")
         if self.device == "cpu" and self.attn_implementation == "flash_attention_2":
             problems.append("`--attn-implementation flash_attention_2` needs `--device cuda`")
         settings = self

@@ -117,7 +117,7 @@ def _zero(rank: RankMemory, step: StepMemory, settings: TrainSettings, hidden_si
         weights = total * w_bytes // dp + 2 * (largest + int(0.9 * hidden_size * hidden_size)) * w_bytes
     else:
         weights = total * w_bytes
-    grads = trainable * w_bytes if stage == 1 else trainable_part * w_bytes
+    grads = trainable * w_bytes if stage == 1 else trainable_part * w_bytes  # where gradients exist
     optimizer = master + states
     step_temp = 4 * (min(SUB_GROUP_SIZE, trainable_part) if stage == 3 else trainable_part)
 
@@ -145,7 +145,13 @@ def _zero(rank: RankMemory, step: StepMemory, settings: TrainSettings, hidden_si
 
     for region, b in rank.candidates.items():
         b["weights"] = weights
-        b["gradients"] = grads
+        if stage == 3 or not b["gradients"]:
+            # ZeRO-3's flat buffer is allocated at init. ZeRO-1 keeps the traced gradients; ZeRO-2
+            # allocates its partition at the first reduction in the backward and drops it after the
+            # step, so it exists where the trace has gradients (later micro-batches, layer backward).
+            b["gradients"] = grads if stage == 3 else 0
+        else:
+            b["gradients"] = grads
         b["optimizer"] = optimizer
         b["overhead"] += buckets
         if is_optimizer_region(region):

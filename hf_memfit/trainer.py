@@ -34,6 +34,23 @@ _PLAN_KNOBS = ("per_device_train_batch_size", "gradient_accumulation_steps", "gr
                "bf16", "fp16")
 
 
+# transformers 5 renamed `gradient_checkpointing*` to `activation_checkpointing*`; the old names are
+# deprecated aliases that `__post_init__` overwrites from the new ones, so setting only the old
+# name (directly, or through `dataclasses.replace`) is silently undone. Set both.
+_CHECKPOINTING_ALIASES = (("gradient_checkpointing", "activation_checkpointing"),
+                          ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs"))
+
+
+def _with_checkpointing_aliases(args, changes: dict) -> dict:
+    """`changes` with every checkpointing knob under both its old and its new name (where the field exists)."""
+    changes = dict(changes)
+    for old, new in _CHECKPOINTING_ALIASES:
+        for name, twin in ((old, new), (new, old)):
+            if name in changes and hasattr(args, twin):
+                changes[twin] = changes[name]
+    return changes
+
+
 class PeerOutOfMemoryError(torch.OutOfMemoryError):
     """Another rank ran out of memory in this micro-batch; every rank steps down the ladder with it."""
 
@@ -136,7 +153,7 @@ class MemFitTrainer(Trainer):
                               f"but this run plans bf16={self.args.bf16}, fp16={self.args.fp16}; resume on a GPU "
                               "with the same precision support or start a new run")
         changed = {name: value for name, value in knobs.items() if value != self.memfit_state()["knobs"][name]}
-        for name, value in changed.items():
+        for name, value in _with_checkpointing_aliases(self.args, changed).items():
             setattr(self.args, name, OptimizerNames(value) if name == "optim" else value)
         self._train_batch_size = self.args.train_batch_size
         self._memfit_chunk = saved.get("micro_batch_chunk")
@@ -305,8 +322,11 @@ class MemFitTrainer(Trainer):
             self._memfit_chunk = max(1, chunk // 2)
             change = f"micro-batch split into chunks of {self._memfit_chunk}"
         elif not self.args.gradient_checkpointing:
-            self.args.gradient_checkpointing = True
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            kwargs = {"use_reentrant": False}
+            for name, value in _with_checkpointing_aliases(self.args, {"gradient_checkpointing": True,
+                                                                     "gradient_checkpointing_kwargs": kwargs}).items():
+                setattr(self.args, name, value)
+            self.accelerator.unwrap_model(model).gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
             change = "gradient checkpointing enabled"
         else:
             self._give_up(error)
@@ -394,6 +414,7 @@ def _plan_for(model, args: MemFitArguments, train_dataset, data_collator, proces
             gpu_name = find_gpu(gpu_name).name
         except MemFitError:
             gpu_name = None
+    layout = _user_deepspeed_layout(args)
     return plan(
         spec, seq_len=_longest_sequence(spec, train_dataset, data_collator, processing_class),
         global_batch_size=global_batch, gpu_memory=budget, gpu=gpu_name, task=task,
@@ -401,8 +422,28 @@ def _plan_for(model, args: MemFitArguments, train_dataset, data_collator, proces
         lora_r=lora.get("r"), lora_alpha=lora.get("lora_alpha"), lora_target_modules=lora.get("target_modules"),
         load_in_4bit=quantized, allow_offload=args.allow_offload if on_gpu else "none",
         headroom=args.headroom, keep_optimizer=args.keep_optimizer, optim=str(getattr(args.optim, "value", args.optim)),
-        device="cuda" if on_gpu else "cpu", mode=args.memfit_mode, precision=precision,
+        device="cuda" if on_gpu else "cpu", mode=args.memfit_mode, precision=precision, deepspeed_layout=layout,
     )
+
+
+def _user_deepspeed_layout(args) -> tuple[int, str, str] | None:
+    """(ZeRO stage, optimizer offload, parameter offload) of a DeepSpeed config the run already has.
+
+    From `TrainingArguments.deepspeed` (a path or dict, parsed by the Trainer's
+    integration) or from accelerate's DeepSpeed plugin (`accelerate launch` with
+    a DeepSpeed config sets ACCELERATE_DEEPSPEED_* variables). None: no DeepSpeed,
+    so the planner may choose a layout itself.
+    """
+    hf_config = getattr(args, "hf_deepspeed_config", None)
+    if hf_config is not None:
+        zero = hf_config.config.get("zero_optimization", {})
+        device = lambda key: str((zero.get(key) or {}).get("device", "none") or "none").lower()  # noqa: E731
+        return int(zero.get("stage", 0)), device("offload_optimizer"), device("offload_param")
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() in ("1", "true", "yes"):
+        return (int(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", 2)),
+                os.environ.get("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "none"),
+                os.environ.get("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "none"))
+    return None
 
 
 def _lora_settings(model) -> dict:
@@ -442,8 +483,8 @@ def _apply(plan, args: MemFitArguments) -> MemFitArguments:
     precision and, when the plan uses DeepSpeed, fills the config's "auto"
     values from the new batch sizes and prepares accelerate for it.
     """
-    changes = plan.training_arguments()
-    if plan.deepspeed is not None:
+    changes = _with_checkpointing_aliases(args, plan.training_arguments())
+    if plan.deepspeed is not None and args.deepspeed is None:  # a config the user gave stays theirs
         changes["deepspeed"] = plan.deepspeed
     return dataclasses.replace(args, **changes)
 
@@ -522,13 +563,25 @@ class MemoryCheckCallback(TrainerCallback):
 
 
 def _existing_state_bytes(trainer: MemFitTrainer) -> int:
-    """Bytes of the distinct storages behind parameters, buffers, gradients and optimizer state."""
+    """Bytes of the distinct storages behind parameters, buffers, gradients and optimizer state.
+
+    Optimizers are followed through their wrappers (accelerate's, DeepSpeed's ZeRO
+    optimizer and the one it wraps), so DeepSpeed's flat fp32 master partitions and
+    their states count too.
+    """
     seen, total = set(), 0
     tensors = list(trainer.model.parameters()) + list(trainer.model.buffers())
     tensors += [p.grad for p in trainer.model.parameters() if p.grad is not None]
-    if trainer.optimizer is not None:
-        for state in trainer.optimizer.state.values():
-            tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
+    optimizer, visited = trainer.optimizer, set()
+    while optimizer is not None and id(optimizer) not in visited:
+        visited.add(id(optimizer))
+        for group in getattr(optimizer, "param_groups", []):
+            for param in group.get("params", []):
+                tensors += [param] + ([param.grad] if param.grad is not None else [])
+        for state in getattr(optimizer, "state", {}).values():
+            if isinstance(state, dict):
+                tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
+        optimizer = getattr(optimizer, "optimizer", None)
     for tensor in tensors:
         storage = tensor.untyped_storage()
         if storage._cdata not in seen:

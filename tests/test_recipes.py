@@ -152,15 +152,9 @@ def test_smoke_classification_loss_is_not_scaled_by_accumulation(smoke):
 def test_smoke_measured_peak_is_near_the_prediction(name, smoke):
     trainer, _ = smoke(name)
     check = next(h for h in trainer.state.log_history if "memfit/relative_error" in h)
-    if trainer.memfit_plan.gradient_checkpointing and not _base(trainer).is_activation_checkpointing:
-        pytest.xfail("the plan's gradient checkpointing never reached the model: see "
-                     "test_planned_checkpointing_reaches_the_model")
     assert abs(check["memfit/relative_error"]) < 0.25, check
 
 
-@pytest.mark.xfail(strict=True, reason="trainer._apply sets `gradient_checkpointing`, which transformers 5.23 keeps "
-                                       "only as a deprecated alias: `dataclasses.replace` resets it from "
-                                       "`activation_checkpointing` (False), so checkpointing stays off")
 def test_planned_checkpointing_reaches_the_model(smoke):
     trainer, _ = smoke("gpt2xl_12gb")
     if not trainer.memfit_plan.gradient_checkpointing:

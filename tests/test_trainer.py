@@ -236,3 +236,22 @@ def test_eight_bit_adam_runs_for_real_and_is_predicted(tmp_path):
     assert any(s["state1"].dtype == torch.uint8 for s in states)  # 8-bit states, not a fallback
     check = next(h for h in trainer.state.log_history if "memfit/relative_error" in h)
     assert abs(check["memfit/relative_error"]) < 0.10
+
+
+def test_planned_checkpointing_is_applied_to_the_run(tmp_path):
+    # transformers 5 resolves the deprecated `gradient_checkpointing` from `activation_checkpointing`:
+    # a plan that turns checkpointing on must reach the Trainer under the name it reads.
+    knobs = dict(per_device_train_batch_size=8, gradient_accumulation_steps=1, keep_optimizer=True)
+    roomy = MemFitTrainer(model=tiny_gpt2(), args=make_args(tmp_path, **knobs), train_dataset=TokenDataset())
+    assert not roomy.memfit_plan.gradient_checkpointing
+    need = roomy.memfit_result.estimate.device_total_bytes
+    trainer = None
+    for scale in (0.99, 0.98, 0.97, 0.96, 0.95, 0.93, 0.9, 0.85):  # shrink the budget until checkpointing is planned
+        args = make_args(tmp_path / str(scale), memory_budget=str(int(need * scale / 0.95)), **knobs)
+        trainer = MemFitTrainer(model=tiny_gpt2(), args=args, train_dataset=TokenDataset())
+        if trainer.memfit_plan.gradient_checkpointing:
+            break
+    assert trainer.memfit_plan.gradient_checkpointing, "no budget in the sweep made the plan checkpoint"
+    assert trainer.args.gradient_checkpointing and getattr(trainer.args, "activation_checkpointing", True)
+    trainer.train()
+    assert trainer.model.is_gradient_checkpointing
