@@ -531,7 +531,11 @@ class MemoryCheckCallback(TrainerCallback):
         from hf_memfit.trace import StorageTracker
 
         self.tracker = StorageTracker()
-        self.tracker.live_bytes = _existing_state_bytes(self.trainer)
+        # The model and optimizer states already exist: register their storages, so that
+        # in-place ops on them (the optimizer's update, DeepSpeed's copies into its flat
+        # buffers) are recognised rather than counted as new allocations.
+        for tensor, category in _existing_state(self.trainer):
+            self.tracker.track(tensor, category)
         self.tracker.__enter__()
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -543,7 +547,9 @@ class MemoryCheckCallback(TrainerCallback):
         else:
             self.tracker.__exit__(None, None, None)
             measured = self.tracker.peak_bytes
-            predicted = self.trainer.memfit_result.estimate.peak_allocated_bytes
+            estimate = self.trainer.memfit_result.estimate
+            # On the CPU, DeepSpeed's "offloaded" buffers live in the same memory as everything else.
+            predicted = estimate.peak_allocated_bytes + estimate.cpu_bytes
         self.tracker = "done"
         error = (predicted - measured) / measured if measured else 0.0
         # A step that recovered from an OOM ran another plan (and the failed attempt): not comparable.
@@ -562,29 +568,28 @@ class MemoryCheckCallback(TrainerCallback):
             self.tracker = "done"
 
 
-def _existing_state_bytes(trainer: MemFitTrainer) -> int:
-    """Bytes of the distinct storages behind parameters, buffers, gradients and optimizer state.
+def _existing_state(trainer: MemFitTrainer):
+    """(tensor, category) for parameters, buffers, gradients and optimizer state that exist now.
 
     Optimizers are followed through their wrappers (accelerate's, DeepSpeed's ZeRO
     optimizer and the one it wraps), so DeepSpeed's flat fp32 master partitions and
     their states count too.
     """
-    seen, total = set(), 0
-    tensors = list(trainer.model.parameters()) + list(trainer.model.buffers())
-    tensors += [p.grad for p in trainer.model.parameters() if p.grad is not None]
+    for param in trainer.model.parameters():
+        yield param, "weights"
+        if param.grad is not None:
+            yield param.grad, "gradients"
+    for buffer in trainer.model.buffers():
+        yield buffer, "weights"
     optimizer, visited = trainer.optimizer, set()
     while optimizer is not None and id(optimizer) not in visited:
         visited.add(id(optimizer))
         for group in getattr(optimizer, "param_groups", []):
             for param in group.get("params", []):
-                tensors += [param] + ([param.grad] if param.grad is not None else [])
+                yield param, "optimizer"  # a master copy, where the optimizer keeps one
+                if param.grad is not None:
+                    yield param.grad, "gradients"
         for state in getattr(optimizer, "state", {}).values():
             if isinstance(state, dict):
-                tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
+                yield from ((v, "optimizer") for v in state.values() if isinstance(v, torch.Tensor))
         optimizer = getattr(optimizer, "optimizer", None)
-    for tensor in tensors:
-        storage = tensor.untyped_storage()
-        if storage._cdata not in seen:
-            seen.add(storage._cdata)
-            total += storage.nbytes()
-    return total

@@ -210,11 +210,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _train(config_path: Path, tmp_path: Path, *extra: str) -> dict:
+def _train(config_path: Path, tmp_path: Path, *extra: str, width: int = 64) -> dict:
     # A one-rank launch, as `deepspeed --num_gpus 1` would set it up.
     env = os.environ | {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
                         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
-                        "PYTHONWARNINGS": "ignore"}
+                        "PYTHONWARNINGS": "ignore", "TINY_WIDTH": str(width)}
     proc = subprocess.run(
         [sys.executable, str(TRAIN_SCRIPT), "--config", str(config_path), "--output-dir", str(tmp_path / "out"), *extra],
         env=env, cwd=REPO, capture_output=True, text=True, timeout=900,  # first run builds C++ ops
@@ -237,10 +237,28 @@ def test_trainer_zero2(tmp_path):
 @pytest.mark.slow
 def test_trainer_zero3_cpu_offload(tmp_path):
     path = write_deepspeed_config(deepspeed_config(**TEMPLATES["zero3_offload"]), tmp_path / "zero3_offload.json")
-    result = _train(path, tmp_path, "--bf16")
+    result = _train(path, tmp_path, "--bf16", "--memfit", width=256)  # through MemFitTrainer
     assert result["zero_stage"] == 3 and result["bf16"] is True
     assert result["partitioned_at_init"]  # the model was built under zero.Init
     assert result["basic_optimizer"] == "DeepSpeedCPUAdam"
     assert result["offload_optimizer"] == "cpu" and result["offload_param"] == "cpu"
     assert len(result["losses"]) == 3 and result["finite"]
     assert result["params_changed"] == result["params"] > 0
+    _check_memfit_plan(result, zero_stage=3, offload="cpu")
+
+
+@pytest.mark.slow
+def test_memfit_trainer_zero2_plans_for_the_users_config(tmp_path):
+    path = write_deepspeed_config(deepspeed_config(**TEMPLATES["zero2"]), tmp_path / "zero2.json")
+    result = _train(path, tmp_path, "--memfit", width=256)
+    assert result["optimizer"] == "DeepSpeedZeroOptimizer" and len(result["losses"]) == 3 and result["finite"]
+    _check_memfit_plan(result, zero_stage=2, offload="none")
+
+
+def _check_memfit_plan(result: dict, zero_stage: int, offload: str) -> None:
+    """MemFitTrainer planned around the user's DeepSpeed config, DeepSpeed ran the plan, and the memory agreed."""
+    plan = result["plan"]
+    assert plan["zero_stage"] == zero_stage and plan["offload_optimizer"] == offload
+    assert (result["micro_batch"], result["accumulation"]) == (plan["micro_batch"], plan["accumulation"])
+    # measured on the CPU, where DeepSpeed's device and host buffers share one memory
+    assert abs(result["check"]["memfit/relative_error"]) < 0.10, result["check"]

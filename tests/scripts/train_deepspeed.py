@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import json
 import math
+import os
 
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
@@ -49,11 +50,20 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, default=3)
     parser.add_argument("--local_rank", type=int, default=0)  # passed by the `deepspeed` launcher
     parser.add_argument("--bf16", action="store_true", help="fills the configs' bf16.enabled \"auto\"")
+    parser.add_argument("--memfit", action="store_true", help="train with MemFitTrainer (budget 1GiB) instead")
     args = parser.parse_args()
 
     torch.manual_seed(0)
-    config = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=VOCAB, n_positions=SEQ, bos_token_id=0, eos_token_id=0)
-    training_args = TrainingArguments(
+    width = int(os.environ.get("TINY_WIDTH", 64))  # the memory check needs a model larger than DeepSpeed's fixed buffers
+    config = GPT2Config(n_layer=2, n_embd=width, n_head=2, vocab_size=VOCAB, n_positions=SEQ, bos_token_id=0, eos_token_id=0)
+    arguments_class = TrainingArguments
+    extra = {}
+    if args.memfit:
+        from hf_memfit import MemFitArguments
+
+        arguments_class, extra = MemFitArguments, {"memory_budget": "1GiB"}
+    training_args = arguments_class(
+        **extra,
         output_dir=args.output_dir,
         max_steps=args.max_steps,
         per_device_train_batch_size=2,
@@ -70,7 +80,12 @@ def main() -> None:
     # build under deepspeed.zero.Init, so parameters are partitioned from the start.
     model = GPT2LMHeadModel._from_config(config)
     partitioned_at_init = any(hasattr(p, "ds_id") for p in model.parameters())
-    trainer = Trainer(model=model, args=training_args, train_dataset=RandomTokens())
+    if args.memfit:
+        from hf_memfit import MemFitTrainer
+
+        trainer = MemFitTrainer(model=model, args=training_args, train_dataset=RandomTokens())
+    else:
+        trainer = Trainer(model=model, args=training_args, train_dataset=RandomTokens())
 
     before = _snapshot(model)
     trainer.train()
@@ -91,7 +106,16 @@ def main() -> None:
         "offload_optimizer": str(engine.zero_offload_optimizer().device) if engine.zero_offload_optimizer() else None,
         "offload_param": str(engine.zero_offload_param().device) if engine.zero_offload_param() else None,
         "world_size": training_args.world_size,
+        "micro_batch": engine.train_micro_batch_size_per_gpu(),
+        "accumulation": engine.gradient_accumulation_steps(),
     }
+    if args.memfit:
+        plan = trainer.memfit_plan
+        result["plan"] = {"micro_batch": plan.per_device_train_batch_size,
+                          "accumulation": plan.gradient_accumulation_steps, "zero_stage": plan.settings.zero_stage,
+                          "offload_optimizer": plan.settings.offload_optimizer,
+                          "offload_param": plan.settings.offload_param}
+        result["check"] = next((h for h in trainer.state.log_history if "memfit/relative_error" in h), None)
     print("RESULT " + json.dumps(result), flush=True)
 
 
