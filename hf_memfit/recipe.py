@@ -163,11 +163,6 @@ def _train(recipe: Recipe, model, tokenizer, dataset, train_args):
     collator = DataCollatorWithPadding(tokenizer) if recipe.task == "seq-cls" else default_data_collator
     trainer = MemFitTrainer(model=model, args=train_args, train_dataset=dataset, data_collator=collator,
                             processing_class=tokenizer)
-    if recipe.task == "seq-cls":
-        # transformers 5.23 hands BERT `num_items_in_batch`, which its classification loss (a mean)
-        # ignores; the Trainer then skips dividing by the accumulation steps, and the loss and
-        # gradients grow with them (measured: loss 0.68, 1.38, 2.77 at 1, 2, 4 steps).
-        trainer.model_accepts_loss_kwargs = False
     trainer.train()
     return trainer
 

@@ -81,6 +81,12 @@ class MemFitTrainer(Trainer):
         self.memfit_plan = self.memfit_result.plan
         args = _apply(self.memfit_plan, args)
         super().__init__(model, args, *positional, **kwargs)
+        if self.memfit_result.estimate.settings.task != "causal-lm" and self.compute_loss_func is None:
+            # The Trainer skips dividing the loss by the accumulation steps when the model's forward
+            # takes **kwargs, trusting it to normalise by `num_items_in_batch`. In transformers 5 only
+            # the token-level LM losses do; classification losses and T5's are means that ignore it,
+            # so with the accumulation a plan adds, loss and gradients would grow with the steps.
+            self.model_accepts_loss_kwargs = False
         self.add_callback(MemoryCheckCallback(self))
         self.add_callback(PlanCheckpointCallback(self))
         self._memfit_chunk: int | None = None  # micro-batch split after an OOM; None = whole micro-batch
@@ -290,13 +296,16 @@ class MemFitTrainer(Trainer):
             return super().training_step(model, inputs, num_items_in_batch)
         chunks = [_slice(inputs, start, min(start + self._memfit_chunk, size)) for start in range(0, size, self._memfit_chunk)]
         saved = self.current_gradient_accumulation_steps
+        # The Trainer's own test: is the loss normalised by the token count of the whole batch?
+        normalised = (self.model_accepts_loss_kwargs and num_items_in_batch is not None) or \
+            self.compute_loss_func is not None
         total = None
         try:
-            if num_items_in_batch is None:
-                # Without a token count the loss is a per-micro-batch mean divided by the
-                # accumulation steps; dividing by the chunk count as well keeps the sum equal.
-                self.current_gradient_accumulation_steps = saved * len(chunks)
             for index, chunk in enumerate(chunks):
+                if not normalised:
+                    # A mean over the micro-batch, divided by the accumulation steps: weight each
+                    # chunk's mean by its share of the micro-batch, so that the sum is the same.
+                    self.current_gradient_accumulation_steps = saved * size / _batch_size(chunk)
                 last = index == len(chunks) - 1
                 self.memfit_backward_syncs, self._memfit_forward_agreed = syncs and last, False
                 hold = contextlib.nullcontext() if last or not self._distributed else self.accelerator.no_sync(model)

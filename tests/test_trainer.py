@@ -1,6 +1,7 @@
 """MemFitTrainer on the CPU: planning, applying, verifying and recovering from an injected OOM."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -255,3 +256,55 @@ def test_planned_checkpointing_is_applied_to_the_run(tmp_path):
     assert trainer.args.gradient_checkpointing and getattr(trainer.args, "activation_checkpointing", True)
     trainer.train()
     assert trainer.model.is_gradient_checkpointing
+
+
+class LabelledDataset(torch.utils.data.Dataset):
+    def __init__(self, n=32):
+        generator = torch.Generator().manual_seed(2)
+        self.ids = torch.randint(0, 128, (n, SEQ), generator=generator)
+        self.labels = torch.randint(0, 2, (n,), generator=generator)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.labels[i]}
+
+
+def tiny_classifier():
+    from transformers import AutoModelForSequenceClassification
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("bert", num_hidden_layers=2, hidden_size=32, intermediate_size=64,
+                                  num_attention_heads=2, vocab_size=128, max_position_embeddings=64,
+                                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return AutoModelForSequenceClassification.from_config(config)
+
+
+def _train_classifier(tmp_path, fail_above: int | None = None):
+    model = tiny_classifier()
+    if fail_above is not None:
+        def fake_oom(module, args):
+            if args[0].shape[0] > fail_above:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+        model.bert.encoder.layer[1].register_forward_pre_hook(fake_oom)
+    # SGD: its update scales with the gradient, so a mis-scaled loss shows in the weights (Adam would hide it)
+    args = make_args(tmp_path, per_device_train_batch_size=8, gradient_accumulation_steps=1, max_grad_norm=0.0,
+                     optim="sgd", keep_optimizer=True, learning_rate=0.1)
+    trainer = MemFitTrainer(model=model, args=args, train_dataset=LabelledDataset())
+    trainer.train()
+    return trainer, _weights(model)
+
+
+def test_classification_loss_is_a_mean_through_oom_chunks(tmp_path):
+    # transformers 5 skips dividing the loss by the accumulation steps for any model whose forward
+    # takes **kwargs; BERT's classification loss is a plain mean, so accumulation (or the chunks of
+    # an OOM recovery) would multiply loss and gradients. MemFitTrainer keeps them a mean.
+    _, clean = _train_classifier(tmp_path / "clean")
+    trainer, recovered = _train_classifier(tmp_path / "faulty", fail_above=2)
+    assert trainer._memfit_chunk == 2  # the step ran as 4 chunks of 2
+    first = next(h["loss"] for h in trainer.state.log_history if "loss" in h)
+    assert abs(first - math.log(2)) < 0.15  # an untrained 2-way head: about ln 2, not 4 x ln 2
+    for name, value in clean.items():
+        torch.testing.assert_close(recovered[name], value, rtol=0, atol=2e-5, msg=name)
