@@ -497,7 +497,9 @@ def _make_plan(best: Candidate, candidates, usable: int, budget: int, ideal_seco
 
         deepspeed = deepspeed_config(s.zero_stage, s.offload_optimizer, s.offload_param, nvme_path=nvme_path,
                                      precision=s.precision, largest_param_numel=largest_param_numel)
-    torch_dtype = "float32" if not s.load_in_4bit else ("bfloat16" if s.precision.startswith("bf16") else "float16")
+    # The dtype to load the weights in: the stored dtype (fp32 under *-mixed autocast), and the
+    # compute dtype for the parts of a 4-bit model bitsandbytes does not pack.
+    torch_dtype = s.weights_dtype if not s.load_in_4bit else ("bfloat16" if s.precision.startswith("bf16") else "float16")
     return Plan(
         per_device_train_batch_size=s.batch_size,
         gradient_accumulation_steps=s.gradient_accumulation_steps,

@@ -423,11 +423,13 @@ def _plan_for(model, args: MemFitArguments, train_dataset, data_collator, proces
             gpu_name = find_gpu(gpu_name).name
         except MemFitError:
             gpu_name = None
-    layout = _user_deepspeed_layout(args)
+    layout = _fixed_layout(args)
+    # Launchers set LOCAL_WORLD_SIZE (processes per node); the rest of the world is other nodes.
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world)) or world
     return plan(
         spec, seq_len=_longest_sequence(spec, train_dataset, data_collator, processing_class),
         global_batch_size=global_batch, gpu_memory=budget, gpu=gpu_name, task=task,
-        num_labels=getattr(base.config, "num_labels", 2), num_gpus=max(1, world), num_nodes=1,
+        num_labels=getattr(base.config, "num_labels", 2), num_gpus=per_node, num_nodes=max(1, world // per_node),
         lora_r=lora.get("r"), lora_alpha=lora.get("lora_alpha"), lora_target_modules=lora.get("target_modules"),
         load_in_4bit=quantized, allow_offload=args.allow_offload if on_gpu else "none",
         headroom=args.headroom, keep_optimizer=args.keep_optimizer, optim=str(getattr(args.optim, "value", args.optim)),
@@ -435,20 +437,33 @@ def _plan_for(model, args: MemFitArguments, train_dataset, data_collator, proces
     )
 
 
-def _user_deepspeed_layout(args) -> tuple[int, str, str] | None:
-    """(ZeRO stage, optimizer offload, parameter offload) of a DeepSpeed config the run already has.
+def _uses_fsdp(args) -> bool:
+    return bool(getattr(args, "fsdp", None)) or _env_true("ACCELERATE_USE_FSDP")
 
-    From `TrainingArguments.deepspeed` (a path or dict, parsed by the Trainer's
-    integration) or from accelerate's DeepSpeed plugin (`accelerate launch` with
-    a DeepSpeed config sets ACCELERATE_DEEPSPEED_* variables). None: no DeepSpeed,
-    so the planner may choose a layout itself.
+
+def _env_true(name: str) -> bool:
+    return os.environ.get(name, "false").lower() in ("1", "true", "yes")
+
+
+def _fixed_layout(args) -> tuple[int, str, str] | None:
+    """(ZeRO stage, optimizer offload, parameter offload) the run's own sharding already fixes.
+
+    A DeepSpeed config from `TrainingArguments.deepspeed` (parsed by the Trainer's
+    integration) or from accelerate's DeepSpeed plugin (`accelerate launch` with a
+    DeepSpeed config sets ACCELERATE_DEEPSPEED_*); or FSDP full sharding (`--fsdp`
+    or accelerate's FSDP plugin), which is estimated like ZeRO-3. None: the planner
+    may choose a layout itself.
     """
+    if _uses_fsdp(args):
+        fsdp_config = args.fsdp_config if isinstance(args.fsdp_config, dict) else {}
+        offload = bool(fsdp_config.get("cpu_offload")) or _env_true("FSDP_OFFLOAD_PARAMS")
+        return 3, "none", "cpu" if offload else "none"
     hf_config = getattr(args, "hf_deepspeed_config", None)
     if hf_config is not None:
         zero = hf_config.config.get("zero_optimization", {})
         device = lambda key: str((zero.get(key) or {}).get("device", "none") or "none").lower()  # noqa: E731
         return int(zero.get("stage", 0)), device("offload_optimizer"), device("offload_param")
-    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() in ("1", "true", "yes"):
+    if _env_true("ACCELERATE_USE_DEEPSPEED"):
         return (int(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", 2)),
                 os.environ.get("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "none"),
                 os.environ.get("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "none"))
@@ -493,7 +508,7 @@ def _apply(plan, args: MemFitArguments) -> MemFitArguments:
     values from the new batch sizes and prepares accelerate for it.
     """
     changes = _with_checkpointing_aliases(args, plan.training_arguments())
-    if plan.deepspeed is not None and args.deepspeed is None:  # a config the user gave stays theirs
+    if plan.deepspeed is not None and args.deepspeed is None and not _uses_fsdp(args):  # the user's sharding stays
         changes["deepspeed"] = plan.deepspeed
     return dataclasses.replace(args, **changes)
 

@@ -309,3 +309,28 @@ def test_classification_loss_is_a_mean_through_oom_chunks(tmp_path):
     assert abs(first - math.log(2)) < 0.15  # an untrained 2-way head: about ln 2, not 4 x ln 2
     for name, value in clean.items():
         torch.testing.assert_close(recovered[name], value, rtol=0, atol=2e-5, msg=name)
+
+
+@pytest.mark.parametrize("env, layout", [
+    ({"ACCELERATE_USE_FSDP": "true"}, (3, "none", "none")),  # FSDP full shard, estimated like ZeRO-3
+    ({"ACCELERATE_USE_FSDP": "true", "FSDP_OFFLOAD_PARAMS": "true"}, (3, "none", "cpu")),
+    ({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2",
+      "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "cpu"}, (2, "cpu", "none")),
+    ({}, None),
+])
+def test_the_launchers_sharding_fixes_the_layout(tmp_path, monkeypatch, env, layout):
+    from hf_memfit.trainer import _fixed_layout
+
+    for name in ("ACCELERATE_USE_FSDP", "FSDP_OFFLOAD_PARAMS", "ACCELERATE_USE_DEEPSPEED"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert _fixed_layout(make_args(tmp_path)) == layout
+
+
+def test_a_bf16_lora_plan_loads_in_bf16():
+    from hf_memfit.planner import plan
+
+    result = plan("gpt2", gpu_memory="8GiB", seq_len=256, global_batch_size=8, lora_r=8, precision="bf16")
+    assert result.plan.torch_dtype == "bfloat16"
+    assert plan("gpt2", gpu_memory="8GiB", seq_len=256, global_batch_size=8).plan.torch_dtype == "float32"  # autocast
