@@ -452,7 +452,7 @@ _OPTIMIZERS: dict[str, str] = {
 def optimizer_step_temporary_bytes(optim: str, trainable_params: int, state_dtype_bytes: int = 4,
                                    largest_param_numel: int = 0, device: str = "cuda", *,
                                    param_dtype_bytes: int | None = None,
-                                   weight_decay: bool = False) -> int:
+                                   weight_decay: bool = False, one_flat_tensor: bool = False) -> int:
     """Most bytes of temporaries alive at once inside `optimizer.step()`, beyond states and grads.
 
     `optim` is an HF `TrainingArguments.optim` name. `largest_param_numel` is the
@@ -461,6 +461,8 @@ def optimizer_step_temporary_bytes(optim: str, trainable_params: int, state_dtyp
     `param_dtype_bytes` (default: `state_dtype_bytes`) matters for Adafactor,
     whose states are always fp32. `weight_decay` is for SGD, Adagrad and RMSprop,
     which copy the gradients to add it (HF's default weight_decay is 0.0).
+    `one_flat_tensor`: the parameters are a single flat tensor (DeepSpeed ZeRO's
+    master partition), so no previous tensor's temporaries are still bound.
     """
     kind = _OPTIMIZERS.get(optim.strip().lower())
     if kind is None:
@@ -492,8 +494,9 @@ def optimizer_step_temporary_bytes(optim: str, trainable_params: int, state_dtyp
             return group
         # _single_tensor_adam: denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
         # holds sqrt and quotient at once, while the previous param's denom is
-        # still bound: at most 3 x the largest tensor.
-        return 3 * largest
+        # still bound: at most 3 x the largest tensor (2 x for one flat tensor, as
+        # measured under DeepSpeed on the CPU: benchmarks/zero.py).
+        return (2 if one_flat_tensor else 3) * largest
     if kind == _SGD:
         # _multi_tensor_sgd: momentum buffers update in place and nesterov adds into
         # the grads in place; only weight decay makes device_grads = _foreach_add(

@@ -92,9 +92,11 @@ def _zero(rank: RankMemory, step: StepMemory, settings: TrainSettings, hidden_si
       reduced gradient out through `temp_grad_buffer_for_gpu_offload`, the largest parameter);
     - reduce buckets of `reduce_bucket_size` ("auto" = h^2) elements: two under ZeRO-1/2 with
       overlap_comm (`setup_buckets` double-buffers them), one under ZeRO-3;
-    - at the step, without offload, the fp32 copy of the gradient partition: whole under
-      ZeRO-1/2, one `sub_group_size` group at a time under ZeRO-3.
+    - at the step, without offload, the fp32 copy of the gradient partition (whole under
+      ZeRO-1/2, one `sub_group_size` group at a time under ZeRO-3) and the wrapped optimizer's
+      temporaries over that flat tensor (measured on real DeepSpeed: benchmarks/zero.py).
     """
+    from hf_memfit.cuda_overhead import optimizer_step_temporary_bytes
     from hf_memfit.formulas import flat_partition_state_bytes
 
     dp = settings.world_size
@@ -119,7 +121,11 @@ def _zero(rank: RankMemory, step: StepMemory, settings: TrainSettings, hidden_si
         weights = total * w_bytes
     grads = trainable * w_bytes if stage == 1 else trainable_part * w_bytes  # where gradients exist
     optimizer = master + states
-    step_temp = 4 * (min(SUB_GROUP_SIZE, trainable_part) if stage == 3 else trainable_part)
+    # The step, one flat fp32 tensor at a time (the whole partition; ZeRO-3: one sub-group): its
+    # fp32 gradient copy, and the wrapped optimizer's own temporaries on the path torch takes.
+    flat = min(SUB_GROUP_SIZE, trainable_part) if stage == 3 else trainable_part
+    step_temp = 4 * flat + optimizer_step_temporary_bytes(settings.optim, flat, 4, largest_param_numel=flat,
+                                                          device=settings.device, one_flat_tensor=True)
 
     cpu = nvme = 0
     if settings.offload_optimizer != "none":
@@ -143,19 +149,20 @@ def _zero(rank: RankMemory, step: StepMemory, settings: TrainSettings, hidden_si
             nvme += partition
         weights -= partition
 
+    gathered = weights - (0 if settings.offload_param != "none" else total * w_bytes // dp) if stage == 3 else 0
     for region, b in rank.candidates.items():
         b["weights"] = weights
-        if stage == 3 or not b["gradients"]:
-            # ZeRO-3's flat buffer is allocated at init. ZeRO-1 keeps the traced gradients; ZeRO-2
-            # allocates its partition at the first reduction in the backward and drops it after the
-            # step, so it exists where the trace has gradients (later micro-batches, layer backward).
-            b["gradients"] = grads if stage == 3 else 0
-        else:
-            b["gradients"] = grads
+        # ZeRO-3's flat gradient buffer is allocated at init. ZeRO-1/2 allocate their partition at
+        # the first reduction in the backward, so it exists where the trace has gradients (layer
+        # backward, later micro-batches).
+        b["gradients"] = grads if stage == 3 or b["gradients"] else 0
         b["optimizer"] = optimizer
         b["overhead"] += buckets
         if is_optimizer_region(region):
             b["temporary"] = step_temp  # DeepSpeed's step replaces torch's step temporaries
+            b["weights"] -= gathered  # ZeRO-3 gathers no layer for the step
+            if stage < 3 and settings.offload_optimizer == "none":
+                b["gradients"] = 0  # ZeRO-1/2 free the low-precision partition once its fp32 copy exists
     rank.cpu_bytes += cpu
     rank.nvme_bytes += nvme
     shards = {1: "optimizer states", 2: "optimizer states and gradients", 3: "optimizer states, gradients and parameters"}

@@ -34,11 +34,14 @@ def test_zero_model_states_per_stage():
     # fp32 master + AdamW's two fp32 states on a flat partition: 12 B per param / 4 ranks
     for est in (stage1, stage2, stage3):
         assert est.breakdown["optimizer"] == pytest.approx(12 * params / 4, rel=1e-3)
-    assert stage1.breakdown["gradients"] == 2 * params  # whole bf16 grads until the boundary
-    assert stage2.breakdown["gradients"] == pytest.approx(2 * params / 4, rel=1e-3)  # grads_in_partition
-    assert stage3.breakdown["gradients"] == pytest.approx(2 * params / 4, rel=1e-3)  # grad_partitions_flat_buffer
+    # in the backward (ZeRO-1/2 free the low-precision partition once the step's fp32 copy exists)
+    assert backward(stage1)["gradients"] == 2 * params  # whole bf16 grads until the boundary
+    assert backward(stage2)["gradients"] == pytest.approx(2 * params / 4, rel=1e-3)  # grads_in_partition
+    assert backward(stage3)["gradients"] == pytest.approx(2 * params / 4, rel=1e-3)  # grad_partitions_flat_buffer
+    assert step(stage2)["gradients"] == 0 and step(stage3)["gradients"] == backward(stage3)["gradients"]
     assert stage2.breakdown["weights"] == 2 * params  # bf16 model, whole
-    assert 2 * params / 4 < stage3.breakdown["weights"] < stage2.breakdown["weights"]  # partition + gathered layers
+    assert 2 * params / 4 < backward(stage3)["weights"] < backward(stage2)["weights"]  # partition + gathered layers
+    assert step(stage3)["weights"] == 2 * params // 4  # nothing is gathered for the optimizer step
 
 
 def test_fp32_master_copy_is_counted_for_fp32_models_too():
@@ -53,8 +56,8 @@ def test_optimizer_offload_keeps_gradients_on_the_host():
     # ZeRO-2 + offload: reduced grads go to pinned host buffers through one staging
     # buffer the size of the largest parameter (temp_grad_buffer_for_gpu_offload).
     assert offloaded.breakdown["optimizer"] == 0
-    assert offloaded.breakdown["gradients"] == 2 * 50257 * 1600  # the largest tensor (wte) in bf16
-    assert on_device.breakdown["gradients"] == 2 * on_device.trainable_params  # one rank: the whole partition
+    assert backward(offloaded)["gradients"] == 2 * 50257 * 1600  # the largest tensor (wte) in bf16
+    assert backward(on_device)["gradients"] == 2 * on_device.trainable_params  # one rank: the whole partition
     # Host: fp32 master + CPU-Adam states + fp32 grads + the bf16 accumulation buffer = 18 B/param.
     assert offloaded.cpu_bytes == pytest.approx(18 * offloaded.trainable_params, rel=1e-3)
     # ZeRO-3 + offload: self.device is the CPU, so the flat gradient buffer lives there.
@@ -73,11 +76,23 @@ def test_parameter_offload_moves_the_partition_to_the_host():
 
 
 def test_zero3_step_converts_one_sub_group_at_a_time():
-    # _prepare_fp32_grad_for_sub_group: the fp32 copy of one sub_group_size group, not the whole partition.
-    big = estimate("meta-llama/Llama-2-70b-hf", batch_size=1, seq_len=512, precision="bf16-mixed", num_gpus=2,
-                   zero_stage=3, gradient_checkpointing=True, gpu="h100")
-    opt = [c for r, c in _candidates(big).items() if r.endswith("|opt")][0]
-    assert opt["temporary"] == 4 * SUB_GROUP_SIZE
+    # _prepare_fp32_grad_for_sub_group: the fp32 copy of one sub_group_size group, not the whole partition;
+    # fused AdamW adds no temporaries, foreach AdamW (torch's CUDA default) one state-sized _foreach_sqrt.
+    request = dict(batch_size=1, seq_len=512, precision="bf16-mixed", num_gpus=2, zero_stage=3,
+                   gradient_checkpointing=True, gpu="h100")
+    for optim, temporaries in (("adamw_torch_fused", 0), ("adamw_torch", 4 * SUB_GROUP_SIZE)):
+        est = estimate("meta-llama/Llama-2-70b-hf", optim=optim, **request)
+        opt = [c for r, c in _candidates(est).items() if r.endswith("|opt")][0]
+        assert opt["temporary"] == 4 * SUB_GROUP_SIZE + temporaries, optim
+
+
+def backward(est) -> dict:
+    """Bytes by category in the backward of the first layer, once gradient partitions exist."""
+    return next(c for r, c in _candidates(est).items() if r.endswith("|bwd|s0.first"))
+
+
+def step(est) -> dict:
+    return next(c for r, c in _candidates(est).items() if r.endswith("|opt"))
 
 
 def _candidates(est):
