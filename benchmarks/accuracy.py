@@ -44,6 +44,8 @@ import warnings
 from contextlib import redirect_stderr, redirect_stdout
 from dataclasses import dataclass, field
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/common.py
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 warnings.filterwarnings("ignore")
@@ -299,47 +301,14 @@ def run_row(row: Row, *, with_baselines: bool = True, isolate: bool = True, meas
         result: dict = {}
         run_row_stages(row, result.update, with_baselines=with_baselines, measured=measured)
         return _finish(result)
-    import multiprocessing as mp
+    from common import run_forked
 
-    ctx = mp.get_context("fork")
-    queue = ctx.Queue()
+    def work(emit):
+        run_row_stages(row, emit, with_baselines=with_baselines, measured=measured)
 
-    def child():
-        try:
-            run_row_stages(row, queue.put, with_baselines=with_baselines, measured=measured)
-        except BaseException as exc:  # noqa: BLE001
-            queue.put({"row_error": f"{type(exc).__name__}: {exc}"[:300], "traceback": traceback.format_exc()[-2000:]})
-        queue.put(None)
-        queue.close()
-        queue.join_thread()
-
-    proc = ctx.Process(target=child, daemon=True)
-    proc.start()
-    result = {"name": row.name}
-    import queue as queue_module
-
-    while True:
-        try:
-            item = queue.get(timeout=1.0)
-        except queue_module.Empty:
-            if not proc.is_alive():
-                # Drain anything left, then record how the child ended.
-                while True:
-                    try:
-                        item = queue.get(timeout=0.5)
-                    except queue_module.Empty:
-                        break
-                    if item is not None:
-                        result.update(item)
-                break
-            continue
-        if item is None:
-            break
-        result.update(item)
-    proc.join()
-    if proc.exitcode:
-        why = f"process died with exit code {proc.exitcode}" + (
-            f" (signal {-proc.exitcode})" if proc.exitcode < 0 else "")
+    result, why = run_forked(work)
+    result = {"name": row.name, **result}
+    if why:
         result["crash"] = why
         for mode in ("fast", "exact"):
             if result.get(f"{mode}_error") == "crashed the process (see the run log)":

@@ -48,6 +48,39 @@ INTER_NODE_BYTES_PER_S = 25e9
 # Share of data-parallel communication hidden behind compute (bucketed overlap).
 COMM_OVERLAP = 0.5
 
+# --- CPU speed model (device="cpu") -------------------------------------------
+# Measured with `python benchmarks/planner.py --calibrate` on a 2-core AMD EPYC VM (AVX-512), torch 2.13 CPU,
+# 1 torch thread: microbenchmarks on plain tensors and a generic nn.TransformerEncoderLayer, none of them a model
+# of the planner benchmark. Each figure is the median over 6-9 calibration runs of the best of each run's repeats
+# (other jobs shared the CPU; they only add time). Only relative costs matter for the ranking. The GPU figures
+# above do not carry over: see docs/benchmarks.md, "Planner choice vs real CPU runs".
+# fp32 training FLOP rate of nn.TransformerEncoderLayer(256, 4 heads, FFN 1024, GELU, dropout 0.1), batch 8 x
+# seq 128, forward + backward, FLOPs counted as `_cpu_step_seconds` counts them: 45-67 GFLOP/s, median 58.5.
+CPU_FLOPS_PER_S = 6e10
+# Tokens per micro-batch at which a 256 -> 1024 -> 256 MLP block's forward + backward runs at half its best FLOP
+# rate: least-squares fit of t / (t + T) over 16-4096 rows gave T = 14-26, median 22 (the GPU figure above is 512).
+CPU_TOKENS_FOR_HALF_UTILISATION = 22
+# That transformer layer under non-reentrant checkpointing (as `gradient_checkpointing_enable` wraps each block),
+# timed interleaved with the plain layer: 1.48-1.54x its plain forward + backward time (1.39-1.57x over all runs).
+# FLOPs alone say 8/6 = 1.33x; the recomputed dropout, softmax and norms cost more on a CPU than their FLOPs say.
+CPU_CHECKPOINTED_LAYER_FACTOR = 1.5
+# Optimizer step throughput in parameters per second, each optimizer built as the HF Trainer builds it, over
+# 4.2M fp32 parameters in 16 tensors. torch's fused AdamW: 0.75-1.65e9 (median 1.2e9); bitsandbytes' 8-bit AdamW,
+# paged or not: 4.1-5.0e7 (median 4.6e7), about 25x slower: its CPU path dequantizes both states to fp32 tensors
+# and runs the update in separate torch ops (the GPU figures charge it only 1.25x). Paging means nothing on the CPU
+# (bitsandbytes falls back to the non-paged optimizer): paged 8-bit measured the same as 8-bit. adamw_torch (the
+# single-tensor loop torch picks for CPU tensors): 3.0-5.6e8; adafactor: 3.8-5.2e8; sgd: 1.8-4.3e9 (median 3.8e9).
+# Optimizers not listed fall back to adamw_torch's figure.
+CPU_OPTIMIZER_PARAMS_PER_S = {
+    "adamw_torch_fused": 1.2e9,
+    "adamw_torch": 5e8,
+    "adamw_bnb_8bit": 4.5e7,
+    "adamw_8bit": 4.5e7,
+    "paged_adamw_8bit": 4.5e7,
+    "adafactor": 4.5e8,
+    "sgd": 3.8e9,
+}
+
 
 @dataclass
 class Plan:
@@ -327,11 +360,11 @@ def step_seconds(spec: ModelSpec, settings: TrainSettings, est: MemoryEstimate, 
     Kaplan et al. 2020: 2 per parameter per token forward, 4 backward (2 when
     the weights are frozen, as with LoRA: only input gradients), plus attention.
     """
+    if settings.device == "cpu":
+        return _cpu_step_seconds(spec, settings, est)
     tflops = (gpu_info.matmul_tflops("bf16" if settings.precision.startswith("bf16") else
                                      "fp16" if settings.precision.startswith("fp16") else "tf32")
               if gpu_info else 100.0) * 1e12  # 100 TFLOP/s: a generic Ampere-class figure when no GPU is named
-    if settings.device == "cpu":
-        tflops = 1e11  # a many-core CPU does ~0.1 TFLOP/s fp32; only relative costs matter here
     hbm = gpu_info.hbm_bandwidth_bytes_per_s if gpu_info else 1.5e12
     pcie = gpu_info.pcie_bandwidth_bytes_per_s if gpu_info else 25e9
     nvlink = gpu_info.nvlink_bandwidth_bytes_per_s if gpu_info else 0.0
@@ -378,6 +411,33 @@ def step_seconds(spec: ModelSpec, settings: TrainSettings, est: MemoryEstimate, 
             comm = 2 * grad_bytes * ring / link  # DDP all-reduce once per optimizer step (no_sync while accumulating)
         comm *= 1 - COMM_OVERLAP
     return compute + optimizer + offload_param + comm
+
+
+def _cpu_step_seconds(spec: ModelSpec, settings: TrainSettings, est: MemoryEstimate) -> float:
+    """`step_seconds` for device="cpu": one process, measured CPU constants (above).
+
+    Compute counts the FLOPs of the matmuls only (the linear modules, the tied
+    LM head included, and attention): embedding lookups cost no FLOPs, which
+    matters for models whose parameters are mostly a vocabulary table (BERT).
+    Checkpointing recomputes the repeated blocks only, not the head. The
+    optimizer step costs trainable parameters / the optimizer's measured
+    throughput, which on the CPU separates 8-bit AdamW from fused AdamW by ~25x.
+    """
+    linears = spec.linear_modules(settings.task, settings.num_labels)
+    layer_params = sum(m.weight_numel * m.count for m in linears if m.scope == "layer")
+    other_params = sum(m.weight_numel * m.count for m in linears if m.scope != "layer")
+    backward = 4 if est.trainable_params >= 0.5 * est.total_params else 2
+    tokens_micro = settings.batch_size * settings.seq_len
+    layers = spec.num_layers + (spec.num_decoder_layers or 0)
+    attention = 12 * layers * spec.hidden_size * settings.seq_len  # per token, fwd+bwd (Kaplan)
+    layer_flops = ((2 + backward) * layer_params + attention) * tokens_micro
+    if settings.gradient_checkpointing:
+        layer_flops *= CPU_CHECKPOINTED_LAYER_FACTOR
+    other_flops = (2 + backward) * other_params * tokens_micro
+    utilisation = tokens_micro / (tokens_micro + CPU_TOKENS_FOR_HALF_UTILISATION)
+    compute = settings.gradient_accumulation_steps * (layer_flops + other_flops) / (CPU_FLOPS_PER_S * utilisation)
+    rate = CPU_OPTIMIZER_PARAMS_PER_S.get(settings.optim, CPU_OPTIMIZER_PARAMS_PER_S["adamw_torch"])
+    return compute + est.trainable_params / rate
 
 
 def _ideal_seconds(spec: ModelSpec, settings: TrainSettings, est: MemoryEstimate, gpu_info) -> float:
