@@ -476,9 +476,19 @@ def optimizer_step_temporary_bytes(optim: str, trainable_params: int, state_dtyp
     largest = (largest_param_numel or trainable_params) * s  # one copy of the largest tensor
     foreach = device == "cuda"  # the default path on each device, see above
 
+    if kind == _BNB and device == "cpu":
+        # bitsandbytes' CPU kernels (backends/cpu/ops.py, _optimizer_update_8bit_blockwise_cpu
+        # and _optimizer_update_32bit_cpu) work one tensor at a time in fp32 temporaries: the
+        # dequantized state1 and state2 (8-bit only), grad.float() * gnorm_scale, p.data.float()
+        # (a copy for half params) and denom = state2.sqrt() / correction2, with the sqrt alive.
+        # Measured (profiler, bitsandbytes 0.50): 20 / 24 B per element of the tensor for 8-bit
+        # with fp32 / half params, 12 / 16 for 32-bit. Paged optimizers fall back to these on the CPU.
+        numel = largest_param_numel or trainable_params
+        half = (param_dtype_bytes if param_dtype_bytes is not None else s) < 4
+        return ((20 if "8bit" in optim else 12) + (4 if half else 0)) * numel
     if kind in (_FUSED, _BNB):
         # fused: one kernel updates params and states in place (torch._fused_adamw_;
-        # apex multi_tensor_adam). bitsandbytes: Optimizer2State/1State.update_step
+        # apex multi_tensor_adam). bitsandbytes on CUDA: Optimizer2State/1State.update_step
         # launches F.optimizer_update_8bit_blockwise / optimizer_update_32bit once
         # per parameter, in place; paged states live in managed memory, not here.
         return 0

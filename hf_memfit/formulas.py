@@ -1040,9 +1040,15 @@ def _optimizer_temporary_bytes(params: list[_Param], settings, cuda: bool) -> in
         return 0
     optim = settings.optim
     family = settings.optimizer_family
+    if family == "adam8bit" or optim == "paged_adamw_32bit":
+        # bitsandbytes: in place on CUDA; on the CPU fp32 temporaries of one tensor at a time
+        # (tensors under 4096 elements keep fp32 states and take the 32-bit kernel).
+        return max(optimizer_step_temporary_bytes(optim if p.numel >= _BNB_MIN_8BIT_SIZE else "paged_adamw_32bit",
+                                                  p.numel, largest_param_numel=p.numel, device=settings.device,
+                                                  param_dtype_bytes=_SIZE[p.dtype]) for p in trainable)
     if family == "adam" and optim != "adamw_torch":
-        return 0  # fused AdamW and bitsandbytes 32-bit update params and states in place
-    if family in ("adam8bit", "sgd"):
+        return 0  # fused AdamW updates params and states in place
+    if family == "sgd":
         return optimizer_step_temporary_bytes(optim, sum(p.numel * p.count for p in trainable), device=settings.device)
     if family == "adafactor":
         # transformers' Adafactor works one tensor at a time in fp32: grad**2 and grad**2 + eps

@@ -38,7 +38,7 @@ def shard(step: StepMemory, settings: TrainSettings, hidden_size: int) -> RankMe
     rank = RankMemory(candidates)
     if settings.load_in_4bit:
         _pack_4bit(rank, step, settings)
-    if settings.optim.startswith("paged_"):
+    if settings.optim.startswith("paged_") and settings.device == "cuda":  # the CPU falls back to non-paged
         # Paged optimizers keep their states in CUDA managed memory, outside
         # torch's counters, and the driver pages them to the host under
         # pressure (bitsandbytes paged optimizers). Count them as host memory.

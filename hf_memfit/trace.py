@@ -243,40 +243,53 @@ class _Bnb8bitStateLayout(torch.optim.Optimizer):
     its state exactly as `Optimizer8bit.init_state` does (bitsandbytes 0.50):
     tensors with at least `min_8bit_size` (4096) elements get uint8 `state1`,
     `state2` and fp32 `absmax1`, `absmax2` per 256-element block; smaller ones
-    keep fp32 states. The step itself runs one fused kernel per tensor and keeps
-    no temporaries.
+    keep fp32 states. On CUDA the step runs one fused kernel per tensor and
+    keeps no temporaries; on the CPU (backends/cpu/ops.py) it computes in fp32
+    temporaries, one tensor at a time, which `step` allocates the same way.
     """
 
     min_8bit_size = 4096
     block_size = 256
 
-    def __init__(self, params, state_bits: int = 8, **_):
+    def __init__(self, params, state_bits: int = 8, cuda_semantics: bool = True, **_):
         super().__init__(params, {})
         self.state_bits = state_bits
+        self.cuda_semantics = cuda_semantics
 
     @torch.no_grad()
     def step(self, closure=None):
         for group in self.param_groups:
             for p in group["params"]:
-                if p.grad is None or self.state[p]:
+                if p.grad is None:
                     continue
                 state = self.state[p]
-                if self.state_bits == 8 and p.numel() >= self.min_8bit_size:
-                    blocks = -(-p.numel() // self.block_size)
-                    state["state1"] = torch.zeros_like(p, dtype=torch.uint8)
-                    state["state2"] = torch.zeros_like(p, dtype=torch.uint8)
-                    state["absmax1"] = torch.zeros(blocks, dtype=torch.float32)
-                    state["absmax2"] = torch.zeros(blocks, dtype=torch.float32)
-                else:
-                    state["state1"] = torch.zeros_like(p, dtype=torch.float32)
-                    state["state2"] = torch.zeros_like(p, dtype=torch.float32)
+                eight_bit = self.state_bits == 8 and p.numel() >= self.min_8bit_size
+                if not state:
+                    if eight_bit:
+                        blocks = -(-p.numel() // self.block_size)
+                        state["state1"] = torch.zeros_like(p, dtype=torch.uint8)
+                        state["state2"] = torch.zeros_like(p, dtype=torch.uint8)
+                        state["absmax1"] = torch.zeros(blocks, dtype=torch.float32)
+                        state["absmax2"] = torch.zeros(blocks, dtype=torch.float32)
+                    else:
+                        state["state1"] = torch.zeros_like(p, dtype=torch.float32)
+                        state["state2"] = torch.zeros_like(p, dtype=torch.float32)
+                if not self.cuda_semantics:
+                    # _optimizer_update_{8bit_blockwise,32bit}_cpu: dequantized states (8-bit),
+                    # grad.float() * gnorm_scale, p.data.float() (a copy unless fp32), and
+                    # denom = state2.sqrt() / correction2 beside its sqrt.
+                    fp32 = lambda: torch.empty_like(p, dtype=torch.float32)  # noqa: E731
+                    temporaries = [fp32(), fp32()] if eight_bit else []
+                    temporaries += [fp32(), fp32(), fp32()] + ([fp32()] if p.dtype != torch.float32 else [])
+                    del temporaries
 
 
 def _make_traced_optimizer(model, settings: TrainSettings, cuda_semantics: bool):
     if settings.optimizer_family == "adam8bit":
-        return _Bnb8bitStateLayout([p for p in model.parameters() if p.requires_grad])
+        return _Bnb8bitStateLayout([p for p in model.parameters() if p.requires_grad], cuda_semantics=cuda_semantics)
     if settings.optim == "paged_adamw_32bit":
-        return _Bnb8bitStateLayout([p for p in model.parameters() if p.requires_grad], state_bits=32)
+        return _Bnb8bitStateLayout([p for p in model.parameters() if p.requires_grad], state_bits=32,
+                                   cuda_semantics=cuda_semantics)
     return training.make_optimizer(model, settings, cuda_semantics=cuda_semantics)
 
 

@@ -127,3 +127,23 @@ def test_repeated_lora_seq_cls_estimates_in_one_process(tiny_specs):
         assert len(predicted) == 3
         for peak in predicted:
             assert abs(peak - measured) / measured < 0.01, (name, predicted, measured)
+
+
+@pytest.mark.parametrize("optim", ["adamw_bnb_8bit", "paged_adamw_32bit"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_bitsandbytes_cpu_step_temporaries(optim, precision):
+    """bitsandbytes' CPU kernels keep fp32 temporaries of the tensor being updated (20-24 B/element for
+    8-bit, 12-16 for 32-bit); with a wide vocabulary the embedding's update is the peak of the step."""
+    from conftest import TINY_BERT
+    from hf_memfit.formulas import fast_step_memory
+    from hf_memfit.spec import ModelSpec
+
+    spec = ModelSpec.from_config("tiny-bert-wide-vocab", dict(TINY_BERT, vocab_size=4000))
+    settings = TrainSettings(batch_size=2, seq_len=32, device="cpu", task="seq-cls", optim=optim,
+                             precision=precision).validate(spec)
+    exact = exact_candidates(spec, settings.replace(mode="exact"))
+    fast = fast_step_memory(spec, settings)
+    measured = measure_cpu_peak(spec.config, settings)
+    assert exact.peak_region.endswith("|opt") and fast.peak_region.endswith("|opt")  # the case under test
+    for predicted in (exact.peak_bytes, fast.peak_bytes):
+        assert abs(predicted - measured) / measured < 0.01, (predicted, measured)

@@ -111,3 +111,12 @@ def test_reduce_buckets_double_buffered_only_for_zero_1_and_2():
     stage3 = _candidates(zero(num_gpus=2, zero_stage=3))
     assert max(c["overhead"] for c in stage2.values()) == 2 * h * h * 2  # setup_buckets: buf_0 + buf_1
     assert max(c["overhead"] for c in stage3.values()) == 1 * h * h * 2  # one ipg buffer per dtype
+
+
+def test_paged_optimizer_states_leave_the_device_only_on_cuda():
+    # bitsandbytes falls back to non-paged states on the CPU ("Paged optimizers are not supported on CPU").
+    cuda = estimate(MODEL, batch_size=1, seq_len=256, optim="paged_adamw_8bit")
+    cpu = estimate(MODEL, batch_size=1, seq_len=256, optim="paged_adamw_8bit", device="cpu")
+    plain = estimate(MODEL, batch_size=1, seq_len=256, optim="adamw_bnb_8bit", device="cpu")
+    assert cuda.cpu_bytes > 0 and cuda.breakdown["optimizer"] == 0
+    assert cpu.cpu_bytes == 0 and cpu.device_total_bytes == plain.device_total_bytes
