@@ -356,9 +356,8 @@ def _confirm_exact(spec, fitting: list[Candidate], usable: int, cpu_limit) -> li
 def step_seconds(spec: ModelSpec, settings: TrainSettings, est: MemoryEstimate, gpu_info) -> float:
     """Predicted seconds per optimizer step: compute, optimizer, offload traffic and communication.
 
-    A ranking model with documented constants, not a benchmark. FLOPs follow
-    Kaplan et al. 2020: 2 per parameter per token forward, 4 backward (2 when
-    the weights are frozen, as with LoRA: only input gradients), plus attention.
+    A ranking model with documented constants, not a benchmark; FLOPs are
+    counted by `_micro_batch_flops`.
     """
     if settings.device == "cpu":
         return _cpu_step_seconds(spec, settings, est)
@@ -371,11 +370,10 @@ def step_seconds(spec: ModelSpec, settings: TrainSettings, est: MemoryEstimate, 
     params, trainable = est.total_params, est.trainable_params
     tokens_micro = settings.batch_size * settings.seq_len
     micro_steps = settings.gradient_accumulation_steps
-    attention = 12 * spec.num_layers * spec.hidden_size * settings.seq_len  # per token, fwd+bwd (Kaplan)
     backward = 4 if trainable >= 0.5 * params else 2
-    # Non-reentrant checkpointing re-runs each layer's forward inside the backward: +2 (6 -> 8, +33%).
-    recompute = 2 if settings.gradient_checkpointing else 0
-    flops = (2 + recompute + backward) * params * tokens_micro + attention * tokens_micro
+    # Non-reentrant checkpointing re-runs each layer's forward inside the backward: 6 -> 8 FLOPs per weight
+    # per token (+33%) for a full fine-tune, 4 -> 6 with frozen weights.
+    flops = _micro_batch_flops(spec, settings, est, checkpointed_layer_factor=(4 + backward) / (2 + backward))
     utilisation = tokens_micro / (tokens_micro + TOKENS_FOR_HALF_UTILISATION)
     compute = micro_steps * flops / (tflops * utilisation)
 
@@ -413,15 +411,15 @@ def step_seconds(spec: ModelSpec, settings: TrainSettings, est: MemoryEstimate, 
     return compute + optimizer + offload_param + comm
 
 
-def _cpu_step_seconds(spec: ModelSpec, settings: TrainSettings, est: MemoryEstimate) -> float:
-    """`step_seconds` for device="cpu": one process, measured CPU constants (above).
+def _micro_batch_flops(spec: ModelSpec, settings: TrainSettings, est: MemoryEstimate,
+                       checkpointed_layer_factor: float) -> float:
+    """FLOPs of one micro-batch's forward and backward: the matmuls only.
 
-    Compute counts the FLOPs of the matmuls only (the linear modules, the tied
-    LM head included, and attention): embedding lookups cost no FLOPs, which
-    matters for models whose parameters are mostly a vocabulary table (BERT).
-    Checkpointing recomputes the repeated blocks only, not the head. The
-    optimizer step costs trainable parameters / the optimizer's measured
-    throughput, which on the CPU separates 8-bit AdamW from fused AdamW by ~25x.
+    Kaplan et al. 2020: 2 per weight per token forward, 4 backward (2 when the
+    weights are frozen, as with LoRA: only input gradients), plus attention. Only
+    linear modules count (the tied LM head included): embedding lookups cost no
+    FLOPs, which matters for models whose parameters are mostly a vocabulary
+    table (BERT). Checkpointing re-runs the repeated layers, not the head.
     """
     linears = spec.linear_modules(settings.task, settings.num_labels)
     layer_params = sum(m.weight_numel * m.count for m in linears if m.scope == "layer")
@@ -432,10 +430,20 @@ def _cpu_step_seconds(spec: ModelSpec, settings: TrainSettings, est: MemoryEstim
     attention = 12 * layers * spec.hidden_size * settings.seq_len  # per token, fwd+bwd (Kaplan)
     layer_flops = ((2 + backward) * layer_params + attention) * tokens_micro
     if settings.gradient_checkpointing:
-        layer_flops *= CPU_CHECKPOINTED_LAYER_FACTOR
-    other_flops = (2 + backward) * other_params * tokens_micro
+        layer_flops *= checkpointed_layer_factor
+    return layer_flops + (2 + backward) * other_params * tokens_micro
+
+
+def _cpu_step_seconds(spec: ModelSpec, settings: TrainSettings, est: MemoryEstimate) -> float:
+    """`step_seconds` for device="cpu": one process, measured CPU constants (above).
+
+    The optimizer step costs trainable parameters / the optimizer's measured
+    throughput, which on the CPU separates 8-bit AdamW from fused AdamW by ~25x.
+    """
+    tokens_micro = settings.batch_size * settings.seq_len
+    flops = _micro_batch_flops(spec, settings, est, checkpointed_layer_factor=CPU_CHECKPOINTED_LAYER_FACTOR)
     utilisation = tokens_micro / (tokens_micro + CPU_TOKENS_FOR_HALF_UTILISATION)
-    compute = settings.gradient_accumulation_steps * (layer_flops + other_flops) / (CPU_FLOPS_PER_S * utilisation)
+    compute = settings.gradient_accumulation_steps * flops / (CPU_FLOPS_PER_S * utilisation)
     rate = CPU_OPTIMIZER_PARAMS_PER_S.get(settings.optim, CPU_OPTIMIZER_PARAMS_PER_S["adamw_torch"])
     return compute + est.trainable_params / rate
 
