@@ -73,6 +73,7 @@ from common import run_forked  # noqa: E402
 MiB = 2**20
 BUDGET_FRACTIONS = (0.25, 0.5, 0.75)
 WITHIN = 0.10  # target from the issue: the plan within 10% of the fastest fitting configuration
+HEADROOM = 0.05  # the planner's default; --headroom changes it
 CONFIRM_WINDOW = 0.30  # re-time fitting configurations within 30% of the fastest fitting one
 STEPS = 3  # optimizer steps per run, as the issue asks; the first is not timed
 METRICS = ("cpu", "wall")  # process CPU time and wall time of each step
@@ -183,7 +184,7 @@ def ask_planner(spec, model: Model, budget: int) -> dict:
         # allow_offload="none": offload layouts are not candidates for device cpu anyway, and the default
         # ("cpu") made plan(device="cpu") raise in the tree this was written against.
         result = planner_module().plan(spec, seq_len=model.seq_len, global_batch_size=model.global_batch,
-                                gpu_memory=budget, device="cpu", allow_offload="none")
+                                gpu_memory=budget, device="cpu", allow_offload="none", headroom=HEADROOM)
     except MemFitError as exc:
         return {"error": str(exc), "plan_s": time.perf_counter() - t0}
     s = result.plan.settings
@@ -334,6 +335,14 @@ def score(case: dict, runs: dict) -> dict:
     # Where the planner's ranking and the measured one disagree: the measured rank of the plan among fitting configs.
     order = sorted((k for k in fitting if _best(runs[k]) is not None), key=lambda k: _best(runs[k]))
     out["plan_measured_rank"] = order.index(p) + 1 if p in order else None
+    # The same verdict against the fastest configuration that fits the budget less the planner's headroom,
+    # which is all the planner was allowed to use.
+    usable = int(budget * (1 - HEADROOM))
+    fastest_usable = _fastest_fitting(runs, usable)
+    if fastest_usable and out["plan_step_s"]:
+        out["fastest_fitting_usable"] = fastest_usable
+        out["ratio_to_fastest_usable"] = out["plan_step_s"] / _best(runs[fastest_usable])
+        out["plan_within_usable"] = out["ratio_to_fastest_usable"] <= 1 + WITHIN
     for m in METRICS:  # the verdict by each clock (the table uses METRIC)
         fastest_m = _fastest_fitting(runs, budget, m)
         if fastest_m and _best(run, m):
@@ -437,6 +446,8 @@ def summarize(cases: list) -> dict:
         "failures": [f"{c['model']} @ {_mib(c['budget_bytes'])} MiB" for c in cases
                      if not (c.get("plan_fits") and c.get("plan_within"))],
         "metric": METRIC,
+        "headroom": HEADROOM,
+        "plan_within_10pct_of_usable": sum(1 for c in cases if c.get("plan_within_usable")),
         **{f"plan_within_10pct_by_{m}": sum(1 for c in cases if c.get(f"within_{m}")) for m in METRICS},
     }
 
@@ -450,6 +461,8 @@ def print_summary(s: dict, out=sys.stdout) -> None:
     if s["median_ratio"] is not None:
         print(f"plan step / fastest fitting step: median {s['median_ratio']:.2f}, max {s['max_ratio']:.2f} "
               f"(step time = {'process CPU time' if s['metric'] == 'cpu' else 'wall time'}, best timed step)", file=out)
+    print(f"  against the fastest configuration that fits the budget less the planner's {100 * s['headroom']:.0f}% "
+          f"headroom: plan within 10%: {s['plan_within_10pct_of_usable']}/{s['cases']}", file=out)
     other = [m for m in METRICS if m != s["metric"]]
     for m in other:
         print(f"  by {'wall' if m == 'wall' else 'process CPU'} time instead: plan within 10% of fastest fitting: "
@@ -565,6 +578,7 @@ def _load_saved(path: str) -> dict:
 
 
 def main(argv=None) -> int:
+    global METRIC, HEADROOM
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="one model (GPT-2), 3 budgets")
     parser.add_argument("--only", help="only models whose name contains this text")
@@ -583,9 +597,11 @@ def main(argv=None) -> int:
     parser.add_argument("--planner", metavar="FILE",
                         help="score plan() from this copy of planner.py instead of hf_memfit.planner "
                              "(e.g. `git show e8a6e43:hf_memfit/planner.py > /tmp/old_planner.py`)")
+    parser.add_argument("--headroom", type=float, default=HEADROOM,
+                        help="the planner's headroom (default 0.05, its own default)")
     args = parser.parse_args(argv)
-    global METRIC
     METRIC = args.metric or ("cpu" if args.threads == 1 else "wall")
+    HEADROOM = args.headroom
     if args.planner:
         load_planner(args.planner)
 
