@@ -221,20 +221,6 @@ def baselines(config: dict, settings) -> dict:
     return {"accelerate": int(accelerate_bytes), "ds_zero2": int(z2), "ds_zero3": int(z3)}
 
 
-def _estimator_module():
-    """hf_memfit's estimator module (`estimator.py`; `estimate.py` in older trees)."""
-    import importlib
-
-    for name in ("hf_memfit.estimator", "hf_memfit.estimate"):
-        try:
-            module = importlib.import_module(name)
-        except ImportError:
-            continue
-        if hasattr(module, "estimate_settings"):
-            return module
-    raise ImportError("no hf_memfit estimator module with estimate_settings()")
-
-
 def run_row_stages(row: Row, emit, *, with_baselines: bool = True, measured: int | None = None) -> None:
     """Measure, then fast, baselines and exact; `emit(dict)` after each stage so a crash keeps what was done.
 
@@ -253,7 +239,8 @@ def run_row_stages(row: Row, emit, *, with_baselines: bool = True, measured: int
         emit({"measured": measured, "measure_s": time.perf_counter() - t0})
     else:
         emit({"measured": measured, "measure_s": 0.0, "measured_reused": True})
-    estimate_settings = _estimator_module().estimate_settings
+    from hf_memfit.estimator import estimate_settings
+
     for mode in ("fast", "baselines", "exact"):
         if mode == "baselines":
             if with_baselines:
@@ -451,7 +438,7 @@ def _preload() -> None:
             importlib.import_module(name)
         except Exception:  # noqa: BLE001 - a missing optional module is reported by its stage
             pass
-    _estimator_module()
+    importlib.import_module("hf_memfit.estimator")
 
 
 def main(argv=None) -> int:

@@ -40,20 +40,6 @@ GPT2_XL = "gpt2-xl"
 XL_SETTINGS = dict(batch_size=1, seq_len=1024, precision="fp32", optim="adamw_torch")
 
 
-def _estimator_module():
-    """hf_memfit's estimator module (`estimator.py`; `estimate.py` in older trees)."""
-    import importlib
-
-    for name in ("hf_memfit.estimator", "hf_memfit.estimate"):
-        try:
-            module = importlib.import_module(name)
-        except ImportError:
-            continue
-        if hasattr(module, "estimate_settings"):
-            return module
-    raise ImportError("no hf_memfit estimator module with estimate_settings()")
-
-
 def _quiet(fn, *args, **kwargs):
     sink = io.StringIO()
     with redirect_stdout(sink), redirect_stderr(sink):
@@ -179,7 +165,8 @@ def memtracker_peak(config: dict, settings, *, steps: int = 2) -> tuple[int, dic
 
 
 def check_memtracker(results: dict) -> None:
-    estimate_settings = _estimator_module().estimate_settings
+    from hf_memfit.estimator import estimate_settings
+
     from hf_memfit.settings import TrainSettings
     from hf_memfit.spec import resolve_model
 
@@ -223,7 +210,7 @@ def check_memtracker(results: dict) -> None:
 
 
 def check_extrapolation(results: dict) -> None:
-    assemble = _estimator_module().assemble
+    from hf_memfit.estimator import assemble
     from hf_memfit.settings import TrainSettings
     from hf_memfit.spec import resolve_model
     from hf_memfit.trace import exact_candidates
