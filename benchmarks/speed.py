@@ -166,7 +166,6 @@ def memtracker_peak(config: dict, settings, *, steps: int = 2) -> tuple[int, dic
 
 def check_memtracker(results: dict) -> None:
     from hf_memfit.estimator import estimate_settings
-
     from hf_memfit.settings import TrainSettings
     from hf_memfit.spec import resolve_model
 

@@ -109,6 +109,8 @@ def _zero(rank: RankMemory, step: StepMemory, settings: TrainSettings, hidden_si
     states = flat_partition_state_bytes(settings.optim, settings.optimizer_family, trainable_part)
     buckets = (2 if stage in (1, 2) else 1) * hidden_size * hidden_size * w_bytes
 
+    partition = total * w_bytes // dp
+    gathered = 0
     if settings.load_in_4bit:  # packed 4-bit base (never partitioned: validate() forbids ZeRO-3)
         weights = max(b["weights"] for b in rank.candidates.values())
     elif stage == 3:
@@ -116,7 +118,8 @@ def _zero(rank: RankMemory, step: StepMemory, settings: TrainSettings, hidden_si
         # the prefetch bucket ("auto" = 0.9 h^2), counted twice for the overlap of one
         # module's release with the next one's fetch. Parameters under the persistence
         # threshold ("auto" = 10 h elements: biases, norms) stay whole; they are negligible.
-        weights = total * w_bytes // dp + 2 * (largest + int(0.9 * hidden_size * hidden_size)) * w_bytes
+        gathered = 2 * (largest + int(0.9 * hidden_size * hidden_size)) * w_bytes
+        weights = partition + gathered
     else:
         weights = total * w_bytes
     grads = trainable * w_bytes if stage == 1 else trainable_part * w_bytes  # where gradients exist
@@ -142,14 +145,12 @@ def _zero(rank: RankMemory, step: StepMemory, settings: TrainSettings, hidden_si
         grads = largest * w_bytes if stage < 3 else 0  # ZeRO-2's device staging buffer
         step_temp = largest * w_bytes  # one updated parameter copied back at a time
     if settings.offload_param != "none":
-        partition = total * w_bytes // dp
         if settings.offload_param == "cpu":
             cpu += partition
         else:
             nvme += partition
         weights -= partition
 
-    gathered = weights - (0 if settings.offload_param != "none" else total * w_bytes // dp) if stage == 3 else 0
     for region, b in rank.candidates.items():
         b["weights"] = weights
         # ZeRO-3's flat gradient buffer is allocated at init. ZeRO-1/2 allocate their partition at
@@ -166,5 +167,7 @@ def _zero(rank: RankMemory, step: StepMemory, settings: TrainSettings, hidden_si
     rank.cpu_bytes += cpu
     rank.nvme_bytes += nvme
     shards = {1: "optimizer states", 2: "optimizer states and gradients", 3: "optimizer states, gradients and parameters"}
+    optimizer_text = ("DeepSpeedCPUAdam on the host" if settings.offload_optimizer != "none"
+                      else f"fp32 master + {settings.optim} state on a flat fp32 partition")
     rank.notes.append(f"ZeRO-{stage} partitions {shards[stage]} over {dp} rank(s); {total - trainable:,} frozen "
-                      f"params; optimizer: fp32 master + {settings.optim} state on a flat fp32 partition")
+                      f"params; optimizer: {optimizer_text}")
