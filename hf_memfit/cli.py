@@ -151,7 +151,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.explain is not None:
         from hf_memfit.spec import resolve_model
 
-        timelines = _trace(resolve_model(args.model), [("the plan", result.plan.settings)], args.explain)
+        timelines = _trace(resolve_model(args.model), [("the plan", result.plan.settings)], args.explain, "--explain")
         if args.json:
             output["explain"] = _timeline_dict(timelines[0])
         else:
@@ -184,10 +184,12 @@ def cmd_explain(args: argparse.Namespace) -> int:
     return 0
 
 
-def _trace(spec, configs, plot: str | None) -> list:
+def _trace(spec, configs, plot: str | None, flag: str = "--plot") -> list:
     """Trace each (label, settings) at full depth in exact mode, with progress on stderr; draw them to `plot` if given."""
     from hf_memfit.timeline import trace_timeline
 
+    if plot:
+        _check_writable(plot, flag)  # before the (long) traces, not after
     timelines = []
     for label, settings in configs:
         settings = settings.replace(mode="exact").validate(spec)
@@ -199,6 +201,19 @@ def _trace(spec, configs, plot: str | None) -> list:
         plot_timelines(timelines, plot, title=f"{spec.name}: memory over one training step")
         print(f"hf-memfit: wrote {plot}", file=sys.stderr)
     return timelines
+
+
+def _check_writable(path: str, flag: str) -> None:
+    """Make `path`'s folder if needed and check that a file can be written there; one-line error otherwise."""
+    import os
+
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as error:
+        raise MemFitError(f"`{flag} {path}`: cannot create the folder {folder} ({error.strerror})") from None
+    if os.path.isdir(path) or not os.access(folder, os.W_OK):
+        raise MemFitError(f"`{flag} {path}`: not a writable file path; give a file such as where.png in a writable folder")
 
 
 def _timeline_dict(t) -> dict:

@@ -51,6 +51,8 @@ def test_offload_moves_bytes_to_the_host(capsys):
 
 
 BAD_INPUTS = [
+    # checked before the trace, not after it: /proc takes no new folders
+    (["explain", "gpt2", "--batch-size", "1", "--seq-len", "8", "--plot", "/proc/nonexistent/x.png"], "--plot"),
     (["estimate", "gpt2-xxl", "--batch-size", "1", "--seq-len", "8"], "gpt2-xl"),  # unknown model: suggests close names
     (["estimate", "gpt2", "--batch-size", "1", "--seq-len", "4096"], "--seq-len"),
     (["estimate", "gpt2", "--batch-size", "1", "--seq-len", "8", "--optim", "adamw_magic"], "--optim"),
