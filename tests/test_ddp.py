@@ -32,8 +32,9 @@ def ddp_runs(tmp_path_factory):
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                "--main_process_port", str(_free_port()), str(SCRIPT), str(out)]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    results = [json.loads(line.split("RESULT ", 1)[1]) for line in proc.stdout.splitlines() if "RESULT " in line]
-    assert proc.returncode == 0 and len(results) == 6, f"launch failed:\n{(proc.stdout + proc.stderr)[-5000:]}"
+    files = sorted(out.glob("*-rank*.json"))
+    assert proc.returncode == 0 and len(files) == 6, f"launch failed:\n{(proc.stdout + proc.stderr)[-5000:]}"
+    results = [json.loads(path.read_text()) for path in files]
     return out, {(r["run"], r["rank"]): r for r in results}
 
 

@@ -9,7 +9,7 @@ MULTI_CPU run.) Three runs of the same tiny GPT-2, dropout off:
 - backward: rank 1 runs out of memory in the forward of any micro-batch over 4 samples
   (so micro-batches then run in chunks of 4), and rank 0 once in the backward of a chunk
   that does not all-reduce.
-Each rank saves its final weights to OUT_DIR/<run>-rank<r>.pt and prints one RESULT line.
+Each rank saves its final weights to OUT_DIR/<run>-rank<r>.pt and its result to OUT_DIR/<run>-rank<r>.json.
 """
 
 import json
@@ -77,17 +77,21 @@ def run(name: str, out_dir: str) -> dict:
             model.transformer.h[0].register_full_backward_pre_hook(fail_backward)
     trainer.train()
     torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, f"{out_dir}/{name}-rank{rank}.pt")
-    return {"run": name, "rank": rank, "world_size": trainer.args.world_size,
+    result = {"run": name, "rank": rank, "world_size": trainer.args.world_size,
             "micro_batch": trainer.args.per_device_train_batch_size,
             "accumulation": trainer.args.gradient_accumulation_steps, "recoveries": trainer._memfit_recoveries,
             "chunk": trainer._memfit_chunk, "global_step": trainer.state.global_step,
             "switches": [h["memfit/change"] for h in trainer.state.log_history if "memfit/change" in h]}
+    # One file per rank: the ranks share stdout, where their lines can interleave.
+    with open(f"{out_dir}/{name}-rank{rank}.json", "w") as handle:
+        json.dump(result, handle)
+    return result
 
 
 def main() -> None:
     out_dir = sys.argv[1]
     for name in ("clean", "forward", "backward"):
-        print("RESULT " + json.dumps(run(name, out_dir)), flush=True)
+        run(name, out_dir)
 
 
 if __name__ == "__main__":
