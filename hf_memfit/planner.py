@@ -302,9 +302,9 @@ def _grid(base: TrainSettings, per_rank: int, allow_offload: str, keep_optimizer
     micro_batches = [m for m in range(1, per_rank + 1) if per_rank % m == 0]
     optims = (base.optim,) if keep_optimizer or base.optim not in ADAM_LADDER else ADAM_LADDER
     if fixed_layout is not None:  # the user's own DeepSpeed config: its optimizer section, if any, wins anyway
+        stage, off_opt, off_param = fixed_layout
         for micro in micro_batches:
             for checkpointing in (False, True):
-                stage, off_opt, off_param = fixed_layout
                 yield base.replace(batch_size=micro, gradient_accumulation_steps=per_rank // micro,
                                    gradient_checkpointing=checkpointing, zero_stage=stage,
                                    offload_optimizer=off_opt, offload_param=off_param)
@@ -370,10 +370,7 @@ def step_seconds(spec: ModelSpec, settings: TrainSettings, est: MemoryEstimate, 
     params, trainable = est.total_params, est.trainable_params
     tokens_micro = settings.batch_size * settings.seq_len
     micro_steps = settings.gradient_accumulation_steps
-    backward = 4 if trainable >= 0.5 * params else 2
-    # Non-reentrant checkpointing re-runs each layer's forward inside the backward: 6 -> 8 FLOPs per weight
-    # per token (+33%) for a full fine-tune, 4 -> 6 with frozen weights.
-    flops = _micro_batch_flops(spec, settings, est, checkpointed_layer_factor=(4 + backward) / (2 + backward))
+    flops = _micro_batch_flops(spec, settings, est)
     utilisation = tokens_micro / (tokens_micro + TOKENS_FOR_HALF_UTILISATION)
     compute = micro_steps * flops / (tflops * utilisation)
 
@@ -412,14 +409,17 @@ def step_seconds(spec: ModelSpec, settings: TrainSettings, est: MemoryEstimate, 
 
 
 def _micro_batch_flops(spec: ModelSpec, settings: TrainSettings, est: MemoryEstimate,
-                       checkpointed_layer_factor: float) -> float:
+                       checkpointed_layer_factor: float | None = None) -> float:
     """FLOPs of one micro-batch's forward and backward: the matmuls only.
 
     Kaplan et al. 2020: 2 per weight per token forward, 4 backward (2 when the
     weights are frozen, as with LoRA: only input gradients), plus attention. Only
     linear modules count (the tied LM head included): embedding lookups cost no
     FLOPs, which matters for models whose parameters are mostly a vocabulary
-    table (BERT). Checkpointing re-runs the repeated layers, not the head.
+    table (BERT). Checkpointing re-runs the repeated layers, not the head: by
+    default one more forward of them (6 -> 8 FLOPs per weight per token, +33%,
+    for a full fine-tune; 4 -> 6 with frozen weights); the CPU passes its
+    measured factor.
     """
     linears = spec.linear_modules(settings.task, settings.num_labels)
     layer_params = sum(m.weight_numel * m.count for m in linears if m.scope == "layer")
@@ -430,7 +430,7 @@ def _micro_batch_flops(spec: ModelSpec, settings: TrainSettings, est: MemoryEsti
     attention = 12 * layers * spec.hidden_size * settings.seq_len  # per token, fwd+bwd (Kaplan)
     layer_flops = ((2 + backward) * layer_params + attention) * tokens_micro
     if settings.gradient_checkpointing:
-        layer_flops *= checkpointed_layer_factor
+        layer_flops *= checkpointed_layer_factor or (4 + backward) / (2 + backward)
     return layer_flops + (2 + backward) * other_params * tokens_micro
 
 

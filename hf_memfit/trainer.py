@@ -158,7 +158,8 @@ class MemFitTrainer(Trainer):
             raise MemFitError(f"the checkpoint {checkpoint} was trained with bf16={knobs['bf16']}, fp16={knobs['fp16']} "
                               f"but this run plans bf16={self.args.bf16}, fp16={self.args.fp16}; resume on a GPU "
                               "with the same precision support or start a new run")
-        changed = {name: value for name, value in knobs.items() if value != self.memfit_state()["knobs"][name]}
+        current = self.memfit_state()["knobs"]
+        changed = {name: value for name, value in knobs.items() if value != current[name]}
         for name, value in _with_checkpointing_aliases(self.args, changed).items():
             setattr(self.args, name, OptimizerNames(value) if name == "optim" else value)
         self._train_batch_size = self.args.train_batch_size
