@@ -139,7 +139,8 @@ def plan_recipe(recipe: Recipe, args=None):
     knobs = {}
     if args is not None:  # MemFitArguments: the same inputs MemFitTrainer gives the planner
         knobs = dict(allow_offload=args.allow_offload, headroom=args.headroom, keep_optimizer=args.keep_optimizer,
-                     optim=str(getattr(args.optim, "value", args.optim)), mode=args.memfit_mode)
+                     optim=str(getattr(args.optim, "value", args.optim)), mode=args.memfit_mode,
+                     allow_pure_bf16=args.allow_pure_bf16, allow_optimizers=args.allow_optimizers)
     return plan(recipe.model, seq_len=recipe.seq_len, global_batch_size=recipe.global_batch_size,
                 gpu_memory=recipe.memory_budget, task=recipe.task, num_labels=recipe.num_labels,
                 num_gpus=recipe.num_gpus, num_nodes=recipe.num_nodes, lora_r=recipe.lora_r,
