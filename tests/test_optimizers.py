@@ -86,7 +86,7 @@ def test_gpt2_xl_on_a_12_gb_card_with_16_gb_of_ram_needs_pure_bf16():
     with pytest.raises(MemFitError) as refused:
         plan("gpt2-xl", **GPT2XL_16GB_HOST)
     message = str(refused.value)
-    assert "host memory is the limit" in message and "`--cpu-memory` 16.00 GiB" in message
+    assert "host memory" in message and "16.00 GiB" in message
     assert "`--allow-pure-bf16` (" in message
 
     result = plan("gpt2-xl", allow_pure_bf16=True, **GPT2XL_16GB_HOST)
@@ -116,3 +116,13 @@ def test_low_rank_and_adafactor_need_allowing(tiny_specs):
     result = plan(spec, allow_optimizers="adafactor", **common)
     assert result.plan.optim == "adafactor"
     assert any("allowed by `--allow-optimizers`" in r for r in result.plan.reasons)
+
+
+def test_gpt2xl_recipe_plans_the_16_gb_ram_machine_with_the_flag():
+    from hf_memfit.recipe import REPO, execute, load_recipe_module
+
+    recipe = load_recipe_module(REPO / "recipes" / "gpt2xl_12gb.py").RECIPE
+    with pytest.raises(MemFitError, match="allow-pure-bf16"):
+        execute(recipe, ["--dry-run", "--cpu_memory", "16GiB"])
+    result = execute(recipe, ["--dry-run", "--cpu_memory", "16GiB", "--allow_pure_bf16"])
+    assert result.plan.settings.precision == "bf16" and result.estimate.cpu_bytes <= 16 * GiB
