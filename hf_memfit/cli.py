@@ -67,6 +67,8 @@ def add_step_arguments(parser: argparse.ArgumentParser, *, with_batch: bool = Tr
         parser.add_argument("--optim-target-modules",
                             help="GaLore / APOLLO: comma-separated linear module names, or all-linear")
         parser.add_argument("--gradient-checkpointing", action="store_true")
+        parser.add_argument("--use-liger-kernel", action="store_true",
+                            help="Liger's fused linear cross-entropy head (TrainingArguments.use_liger_kernel)")
         parser.add_argument("--attn-implementation", choices=ATTN_IMPLEMENTATIONS)
         parser.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=0)
         parser.add_argument("--offload-optimizer", choices=OFFLOAD_TARGETS, default="none")
@@ -84,7 +86,7 @@ def settings_from_args(args: argparse.Namespace):
     return TrainSettings(
         batch_size=args.batch_size, seq_len=args.seq_len, task=args.task, num_labels=args.num_labels,
         precision=args.precision, optim=args.optim, optim_args=args.optim_args, optim_target_modules=optim_targets,
-        gradient_checkpointing=args.gradient_checkpointing,
+        gradient_checkpointing=args.gradient_checkpointing, use_liger_kernel=args.use_liger_kernel,
         attn_implementation=args.attn_implementation, gradient_accumulation_steps=args.gradient_accumulation_steps,
         lora_r=args.lora_r, lora_alpha=args.lora_alpha, lora_target_modules=targets,
         load_in_4bit=args.load_in_4bit, num_gpus=args.num_gpus, num_nodes=args.num_nodes,
@@ -128,6 +130,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nvme-path", help="NVMe directory for ZeRO-Infinity (with --allow-offload nvme)")
     parser.add_argument("--headroom", type=float, default=0.05, help="fraction of the budget kept free (default 0.05)")
     parser.add_argument("--keep-optimizer", action="store_true", help="do not switch AdamW to 8-bit variants")
+    parser.add_argument("--use-liger-kernel", choices=("auto", "yes", "no"), default="auto",
+                        help="search Liger's fused linear cross-entropy: auto (when liger-kernel is installed), "
+                             "yes (it will be on the GPU machine), no")
     parser.add_argument("--allow-pure-bf16", action="store_true",
                         help="allow bf16 weights with no fp32 master copy (torchao low-bit AdamW with bf16 "
                              "stochastic rounding) when no mixed-precision plan fits; it changes the numerics")
@@ -152,6 +157,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         allow_offload=args.allow_offload, cpu_memory=args.cpu_memory, nvme_path=args.nvme_path,
         headroom=args.headroom, keep_optimizer=args.keep_optimizer, optim=args.optim, device=args.device,
         mode=args.mode, allow_pure_bf16=args.allow_pure_bf16, allow_optimizers=args.allow_optimizers,
+        use_liger_kernel={"auto": None, "yes": True, "no": False}[args.use_liger_kernel],
     )
     if args.deepspeed_config_out:
         if result.plan.deepspeed is None:

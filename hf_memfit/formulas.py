@@ -1063,6 +1063,7 @@ class _Head:
     held_w: int = 0
     bwd_peak_w: int = 0  # change in weight copies alive at the head's backward peak
     bwd_peak_acts: int = 0  # change in saved activations at that peak (log_softmax's output, ...)
+    fwd_grads: int = 0  # the head weight's gradient made inside the forward (Liger's fused loss)
 
 
 @dataclass
@@ -1251,6 +1252,8 @@ def _head(spec, settings, ctx: _Ctx, f: _Forward, head_in: _T) -> _Head:
         grad_in = nb(T * width, head_in.dtype)
         return _Head(saved, held, small, grad_in + small, 0, grad_in, saved_w, held_w)
     head_trainable = ctx.full_ft
+    if settings.use_liger_kernel:
+        return _liger_head(spec, settings, ctx, f, head_in, width, head_trainable)
     logits = f.linear(head_in, width, spec.vocab_size, "lm_head", False, trainable=head_trainable, lora=False)
     L = logits.numel
     cdt = logits.dtype
@@ -1307,6 +1310,56 @@ def _head(spec, settings, ctx: _Ctx, f: _Forward, head_in: _T) -> _Head:
         steps.append((0, cur + hidden_grad, 0))
     acts_extra, bwd_peak, peak_w = max(steps, key=lambda x: x[0] + x[1])
     return _Head(saved, held, fwd_extra, bwd_peak, grad_w, hidden_grad, saved_w, held_w, peak_w, acts_extra)
+
+
+def _liger_head(spec, settings, ctx: _Ctx, f: _Forward, head_in: _T, width: int, trainable: bool) -> _Head:
+    """The head and loss under Liger's fused linear cross-entropy (`use_liger_kernel=True`).
+
+    Modelled from its algorithm (liger_kernel/ops/fused_linear_cross_entropy.py,
+    `fused_linear_cross_entropy_forward`); the Triton kernel itself only writes the
+    loss and, in place, the logits' gradient. The causal-LM forward Liger patches in
+    never materialises the logits; inside the forward the loss function:
+    - pads and shifts the labels (two int64 copies), keeps a fp32 loss per token
+      and the ignore mask;
+    - allocates grad_input = zeros_like(hidden) and grad_weight = zeros_like(lm_head
+      weight) (the weight's dtype), both saved for backward, which only scales them;
+    - walks the tokens in chunks of next_pow2(ceil(T / ceil(V / H))) rows: the
+      chunk's logits (compute dtype) become their own gradient in place, then
+      grad_input's rows are a chunk x H matmul and grad_weight accumulates
+      grad_logits^T @ input. On CUDA sm80+ that accumulation is an in-place addmm;
+      elsewhere (older GPUs, the CPU) Liger's fallback makes a V x H product in the
+      compute dtype and its fp32 copy (`torch.mm(...).float()`), per chunk.
+    Under autocast the weight's compute-dtype copy is cached, as for an ordinary head.
+    """
+    T, V, H = ctx.tokens, spec.vocab_size, width
+    nb = lambda numel, dt: _nbytes(numel, _SIZE[dt], ctx.cuda)  # noqa: E731
+    cdt = ctx.ac or head_in.dtype
+    held = weight_copy = 0
+    if ctx.ac and ctx.wdt != ctx.ac:
+        weight_copy = nb(V * H, ctx.ac)
+        if trainable:
+            held = weight_copy  # autocast's cache of a trainable leaf's cast
+    grad_input = nb(T * H, head_in.dtype)
+    grad_weight = nb(V * H, ctx.wdt) if trainable else 0
+    inc = -(-V // H)
+    chunk = min(T, 1 << max(0, (-(-T // inc) - 1).bit_length()))
+    labels = nb(ctx.b * (ctx.s + 1), "i64") + nb(T, "i64")  # padded, then the shifted contiguous copy
+    per_token = nb(T, "f32") + nb(T, "bool")  # loss_1d and the ignore mask
+    in_chunk = nb(chunk * H, cdt) if cdt != head_in.dtype else 0  # autocast's cast of the chunk
+    logits = nb(chunk * V, cdt)
+    step_grad_in = nb(chunk * H, cdt)
+    sm80 = True
+    if settings.gpu is not None:
+        from hf_memfit.hardware import find_gpu
+
+        sm80 = find_gpu(settings.gpu).compute_capability >= (8, 0)
+    legacy = trainable and not (ctx.cuda and sm80 and cdt in ("bf16", "f16"))
+    legacy_w = (nb(V * H, cdt) + (nb(V * H, "f32") if cdt != "f32" else 0)) if legacy else 0
+    uncached = weight_copy if not held else 0  # a frozen head's weight is cast again for each matmul
+    loop = in_chunk + logits + max(step_grad_in + uncached, legacy_w + in_chunk)
+    fwd_extra = labels + per_token + loop
+    return _Head(saved=grad_input, held=held, fwd_extra=fwd_extra, bwd_peak=0, grad_bytes=grad_weight,
+                 bwd_after=grad_input, saved_w=0, held_w=held, fwd_grads=grad_weight)
 
 
 def _activations(spec, settings) -> _Activations:
@@ -1417,15 +1470,18 @@ def fast_step_memory(spec, settings) -> StepMemory:
             fwd, fwd_w = fwd + total, fwd_w + total_w
         end = fwd + acts.final_saved + acts.final_held + head.saved + head.held + head.fwd_extra
         end_w = fwd_w + acts.final_w + acts.final_held_w + head.saved_w + head.held_w
-        candidates[f"{tag}|fwd|{last}.post"] = _row(W, g_live, O, end, 0, end_w)
+        # Liger's head gradient exists from the loss on: the .grad-to-be in the first micro-batch,
+        # a buffer added into .grad by backward in the later ones.
+        head_g, head_a = (0, head.fwd_grads) if m else (head.fwd_grads, 0)
+        candidates[f"{tag}|fwd|{last}.post"] = _row(W, g_live + head_g, O, end + head_a, 0, end_w)
         # --- backward: the head, then each stack top-down, then the embeddings --------
         stacks_saved = [stack_saved(st) for st in acts.stacks]
         below = acts.pre_saved + acts.mid_saved + sum(x for x, _ in stacks_saved)
         below_w = acts.pre_w + acts.mid_w + sum(x for _, x in stacks_saved)
         saved = below + acts.final_saved + head.saved
         saved_w = below_w + acts.final_w + head.saved_w
-        candidates[f"{tag}|bwd|pre"] = _row(W, g_live, O, saved + head.bwd_peak_acts, head.bwd_peak,
-                                            saved_w + head.bwd_peak_w)
+        candidates[f"{tag}|bwd|pre"] = _row(W, g_live + head_g, O, saved + head.bwd_peak_acts + head_a,
+                                            head.bwd_peak, saved_w + head.bwd_peak_w)
         # A tied weight's two gradients (head, embedding) meet in the autograd engine's input
         # buffer of its AccumulateGrad node: the head's waits there, as a temporary, until the
         # embedding's arrives; then their sum (made out of place) becomes, or is added into, .grad.

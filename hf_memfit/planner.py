@@ -93,6 +93,7 @@ class Plan:
     settings: TrainSettings = field(repr=False)
     budget_bytes: int = 0
     optim_args: str | None = None  # TrainingArguments.optim_args ("bf16_stochastic_round=True" for pure bf16)
+    use_liger_kernel: bool = False
     optim_target_modules: list[str] | None = None  # GaLore / APOLLO
 
     def to_dict(self) -> dict:
@@ -107,6 +108,7 @@ class Plan:
             "torch_dtype": self.torch_dtype,
             "optim": self.optim,
             "optim_args": self.optim_args,
+            "use_liger_kernel": self.use_liger_kernel,
             "optim_target_modules": self.optim_target_modules,
             "attn_implementation": self.attn_implementation,
             "deepspeed": self.deepspeed,
@@ -132,6 +134,8 @@ class Plan:
         }
         if self.optim_args:
             kwargs["optim_args"] = self.optim_args
+        if self.use_liger_kernel:
+            kwargs["use_liger_kernel"] = True
         if self.optim_target_modules:
             kwargs["optim_target_modules"] = list(self.optim_target_modules)
         if self.gradient_checkpointing:
@@ -187,7 +191,7 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
          nvme_path: str | None = None, headroom: float = 0.05, keep_optimizer: bool = False,
          optim: str = "adamw_torch_fused", device: str = "cuda", mode: str = "fast",
          precision: str | None = None, deepspeed_layout: tuple[int, str, str] | None = None,
-         allow_pure_bf16: bool = False, allow_optimizers=()) -> PlanResult:
+         allow_pure_bf16: bool = False, allow_optimizers=(), use_liger_kernel: bool | None = None) -> PlanResult:
     """Pick the fastest configuration that trains `model` within the memory budget.
 
     The budget is `gpu_memory` (a size such as "12GiB", or "auto" for the local
@@ -203,6 +207,9 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
     gradients and torchao's low-bit AdamW with bf16 stochastic rounding) when no
     mixed-precision plan fits; `allow_optimizers` names optimizers the planner may
     switch to beyond the AdamW ladder (galore_adamw, apollo_adamw, adafactor, ...).
+    Liger's fused linear cross-entropy (same loss, no logits) is searched for the
+    causal-LM families it patches when `liger_kernel` is installed, or when
+    `use_liger_kernel` is True; False never searches it.
     Raises `MemFitError` when the request is invalid or nothing fits, saying what would.
     """
     spec = model if isinstance(model, ModelSpec) else resolve_model(model)
@@ -256,8 +263,9 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
         # stochastic-rounding optimizers as a pure-bf16 plan.
         base = base.replace(optim_args=optimizers.BF16_STOCHASTIC_ROUND_ARGS)
         optims = optimizers.PURE_BF16_LADDER
-    grid = _grid(base, per_rank, allow_offload, keep_optimizer, world, deepspeed_layout, optims,
-                 _low_rank_targets(spec, base))
+    liger = _liger_searched(spec, base, use_liger_kernel)
+    grid = _with_liger(_grid(base, per_rank, allow_offload, keep_optimizer, world, deepspeed_layout, optims,
+                             _low_rank_targets(spec, base)), liger)
     candidates = [_evaluate(spec, s, usable, cpu_limit, gpu_info) for s in grid]
     fitting = sorted((c for c in candidates if c.fits), key=lambda c: c.step_seconds)
     if mode == "exact":
@@ -265,7 +273,8 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
     pure_base = _pure_bf16_base(base, gpu_info, deepspeed_layout)
     if not fitting and allow_pure_bf16 and pure_base is not None:
         # Only once no mixed-precision plan fits: pure bf16 changes the numerics.
-        pure = [_evaluate(spec, s, usable, cpu_limit, gpu_info) for s in _pure_bf16_grid(pure_base, per_rank)]
+        pure = [_evaluate(spec, s, usable, cpu_limit, gpu_info)
+                for s in _with_liger(_pure_bf16_grid(pure_base, per_rank), liger)]
         candidates += pure
         fitting = sorted((c for c in pure if c.fits), key=lambda c: c.step_seconds)
         if mode == "exact":
@@ -325,6 +334,25 @@ def _attention(gpu_info, device: str) -> tuple[str, str]:
     if flash_ok:
         return "sdpa", "attention sdpa (its flash kernel): flash-attn is not installed, SDPA keeps the same O(s) memory"
     return "sdpa", "attention sdpa (memory-efficient kernel): this GPU predates flash attention (sm80+)"
+
+
+def _liger_searched(spec: ModelSpec, base: TrainSettings, use_liger_kernel: bool | None) -> bool:
+    """Whether to search Liger's fused loss: a causal LM of a family it patches, installed or asked for, on a GPU."""
+    from hf_memfit.settings import LIGER_MODEL_TYPES
+
+    if use_liger_kernel is False or base.device != "cuda" or base.task != "causal-lm":
+        return False
+    if spec.model_type not in LIGER_MODEL_TYPES:
+        return False
+    return bool(use_liger_kernel) or importlib.util.find_spec("liger_kernel") is not None
+
+
+def _with_liger(grid, liger: bool):
+    """Each configuration, and (when searched) the same with Liger's fused linear cross-entropy."""
+    for settings in grid:
+        yield settings
+        if liger:
+            yield settings.replace(use_liger_kernel=True)
 
 
 def _allowed_optimizers(base: TrainSettings, allowed: tuple[str, ...], keep_optimizer: bool) -> tuple[str, ...]:
@@ -569,7 +597,8 @@ def _runners_up(best: Candidate, fitting: list[Candidate], candidates: list[Cand
 
 
 def _knobs(s: TrainSettings) -> tuple:
-    return (s.gradient_checkpointing, s.optim, s.zero_stage, s.offload_optimizer, s.offload_param, s.precision)
+    return (s.gradient_checkpointing, s.optim, s.zero_stage, s.offload_optimizer, s.offload_param, s.precision,
+            s.use_liger_kernel)
 
 
 def _difference(chosen: TrainSettings, other: TrainSettings) -> str:
@@ -582,6 +611,8 @@ def _difference(chosen: TrainSettings, other: TrainSettings) -> str:
         parts.append(other.optim)
     if other.precision != chosen.precision:
         parts.append("pure bf16" if other.precision == "bf16" else other.precision)
+    if other.use_liger_kernel != chosen.use_liger_kernel:
+        parts.append("Liger " + ("on" if other.use_liger_kernel else "off"))
     if (other.zero_stage, other.offload_optimizer, other.offload_param) != \
             (chosen.zero_stage, chosen.offload_optimizer, chosen.offload_param):
         parts.append(_layout_text(other))
@@ -635,6 +666,14 @@ def _make_plan(best: Candidate, candidates, usable: int, budget: int, ideal_seco
     precision_reason, attn_reason = fixed_reasons
     reasons.append(precision_reason)
     reasons.append(_optimizer_reason(s, candidates, keep_optimizer))
+    if s.use_liger_kernel:
+        plain = _lookup(candidates, s.replace(use_liger_kernel=False))
+        detail = (f"; without it the peak would be {format_bytes(plain.estimate.device_total_bytes)}"
+                  if plain is not None and not plain.fits else
+                  "; it fits without it too, but only with a smaller micro-batch or more recompute"
+                  if plain is not None else "")
+        reasons.append("Liger fused linear cross-entropy (`use_liger_kernel=True`): the loss runs over chunks of "
+                       "tokens and never materialises the logits or their fp32 copies" + detail)
     reasons.append(attn_reason)
     if s.zero_stage:
         plain = _lookup(candidates, s.replace(zero_stage=0, offload_optimizer="none", offload_param="none"))
@@ -672,6 +711,7 @@ def _make_plan(best: Candidate, candidates, usable: int, budget: int, ideal_seco
         settings=s,
         budget_bytes=budget,
         optim_args=s.optim_args,
+        use_liger_kernel=s.use_liger_kernel,
         optim_target_modules=list(s.optim_target_modules) if s.optim_target_modules else None,
     )
 

@@ -15,6 +15,10 @@ PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16", "fp16")
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2")
 OFFLOAD_TARGETS = ("none", "cpu", "nvme")
 DEVICES = ("cuda", "cpu")
+# Model types whose causal-LM forward Liger replaces with its fused linear cross-entropy
+# (liger_kernel/transformers/monkey_patch.py, MODEL_TYPE_TO_APPLY_LIGER_FN; transformers'
+# `use_liger_kernel` calls `_apply_liger_kernel_to_instance`, a no-op for other types).
+LIGER_MODEL_TYPES = frozenset({"llama", "mistral", "mixtral", "gemma", "gemma2", "qwen2", "qwen3", "phi3"})
 MODES = ("fast", "exact")
 
 @dataclass(frozen=True)
@@ -33,6 +37,7 @@ class TrainSettings:
     optim_args: str | None = None  # TrainingArguments.optim_args: "bf16_stochastic_round=True", "rank=64", ...
     optim_target_modules: tuple[str, ...] | None = None  # GaLore / APOLLO: module names, or ("all-linear",)
     gradient_checkpointing: bool = False
+    use_liger_kernel: bool = False  # TrainingArguments.use_liger_kernel: Liger's fused linear cross-entropy head
     attn_implementation: str | None = None  # None: transformers' default (sdpa)
     gradient_accumulation_steps: int = 1
     lora_r: int | None = None
@@ -129,6 +134,8 @@ class TrainSettings:
                 problems.append(f"`--optim {self.optim}` is a full fine-tuning optimizer: drop `--lora-r`")
         if self.optim_target_modules and (self.optim not in OPTIMIZERS or not OPTIMIZERS[self.optim].low_rank):
             problems.append("`--optim-target-modules` is for GaLore / APOLLO optimizers (`--optim galore_adamw`, ...)")
+        if self.use_liger_kernel and self.task not in (None, "causal-lm"):
+            problems.append("`--use-liger-kernel` fuses the causal-LM head and loss: it needs `--task causal-lm`")
         if self.zero_stage not in (0, 1, 2, 3):
             problems.append(f"`--zero-stage` must be 0, 1, 2 or 3; got {self.zero_stage!r}")
         if self.lora_r is not None and (not isinstance(self.lora_r, int) or self.lora_r <= 0):
@@ -166,6 +173,11 @@ def _validate_against_model(settings: TrainSettings, spec) -> tuple[TrainSetting
     task = settings.task or spec.default_task
     if task not in spec.supported_tasks:
         problems.append(f"`--task {task}` is not available for {spec.model_type} models; use one of {', '.join(spec.supported_tasks)}")
+    if settings.use_liger_kernel and spec.model_type not in LIGER_MODEL_TYPES:
+        problems.append(f"`--use-liger-kernel` does nothing for {spec.model_type} models: Liger patches "
+                        f"{', '.join(sorted(LIGER_MODEL_TYPES))}")
+    if settings.use_liger_kernel and task != "causal-lm":
+        problems.append("`--use-liger-kernel` fuses the causal-LM head and loss: it needs `--task causal-lm`")
     limit = spec.max_position_embeddings
     if limit is not None and settings.seq_len > limit:
         problems.append(f"`--seq-len {settings.seq_len}` is over {spec.name}'s maximum of {limit} positions; use `--seq-len {limit}` or less")

@@ -91,6 +91,8 @@ def build_model(config: dict, settings: TrainSettings):
     )
     if settings.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if settings.use_liger_kernel:
+        model.forward = _liger_causal_lm_forward(model, _liger_in_place_accumulation(settings))
     if settings.uses_lora:
         model = _add_lora(model, settings)
     model.train()
@@ -111,6 +113,89 @@ def _add_lora(model, settings: TrainSettings):
             param.requires_grad_(False)
     with _swap_tensors_falls_back_to_set_data():
         return get_peft_model(model, LoraConfig(**kwargs))
+
+
+# --- Liger's fused linear cross-entropy, on the CPU ----------------------------------------
+# Liger's kernels are Triton (GPU only). What `use_liger_kernel` does to memory is its algorithm
+# (liger_kernel/ops/fused_linear_cross_entropy.py), which these functions run with torch ops: the
+# same tensors, in the same order; the per-row cross-entropy Triton kernel becomes in-place ops on
+# the chunk's logits (plus a few chunk-length vectors the kernel keeps in registers).
+
+def _liger_in_place_accumulation(settings: TrainSettings) -> bool:
+    """Liger accumulates grad_weight with an in-place addmm on CUDA sm80+; elsewhere it makes a V x H product."""
+    if settings.device != "cuda":
+        return False
+    if settings.gpu is None:
+        return True
+    from hf_memfit.hardware import find_gpu
+
+    return find_gpu(settings.gpu).compute_capability >= (8, 0)
+
+
+class LigerFusedLinearCrossEntropy(torch.autograd.Function):
+    """`LigerFusedLinearCrossEntropyFunction` (reduction mean, ignore_index -100), with torch ops."""
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cpu")
+    def forward(ctx, hidden, weight, target, in_place_accumulation):
+        rows, width = hidden.shape
+        vocab = weight.shape[0]
+        factor = -(-vocab // width)
+        chunk = min(rows, 1 << max(0, (-(-rows // factor) - 1).bit_length()))
+        grad_input = torch.zeros_like(hidden)
+        grad_weight = torch.zeros_like(weight) if weight.requires_grad else None
+        loss_1d = torch.zeros(rows, dtype=torch.float32, device=hidden.device)
+        target_mask = target != -100
+        non_ignored = target_mask.sum()  # Liger reads it with .item(); a 0-d tensor here (fake tensors)
+        for start in range(0, rows, chunk):
+            end = min(start + chunk, rows)
+            x = hidden[start:end]
+            logits = x @ weight.t()
+            # The cross-entropy kernel: loss per row, and the logits' gradient written over the logits.
+            t, keep = target[start:end].clamp(min=0), target_mask[start:end]
+            logits.sub_(logits.amax(-1, keepdim=True)).exp_()
+            logits.div_(logits.sum(-1, keepdim=True))
+            picked = logits.gather(1, t[:, None])[:, 0]
+            loss_1d[start:end] = -picked.float().clamp(min=1e-30).log() * keep / non_ignored
+            logits.scatter_add_(1, t[:, None], -torch.ones_like(picked)[:, None])
+            logits.mul_((keep / non_ignored).to(logits.dtype)[:, None])
+            grad_input[start:end] = logits @ weight
+            if grad_weight is not None:
+                if in_place_accumulation:
+                    pass  # CUDA sm80+: torch.addmm(..., out=grad_weight), no temporary
+                else:
+                    grad_weight += torch.mm(logits.t(), x).float()
+            del logits
+        ctx.save_for_backward(grad_input.detach(), grad_weight.detach() if grad_weight is not None else None)
+        return loss_1d.sum()
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad_input, grad_weight = ctx.saved_tensors
+        grad_input.mul_(grad_output)  # Liger's element_mul_kernel, in place
+        if grad_weight is not None:
+            grad_weight.mul_(grad_output)
+        return grad_input, grad_weight, None, None
+
+
+def _liger_causal_lm_forward(model, in_place_accumulation: bool):
+    """The causal-LM forward Liger patches in for training: the body's hidden states straight into the fused loss."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    body = getattr(model, model.base_model_prefix)
+    original = model.forward
+
+    def forward(input_ids=None, labels=None, **kwargs):
+        if labels is None:
+            return original(input_ids=input_ids, **kwargs)
+        hidden = body(input_ids=input_ids, **kwargs)[0]
+        shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:].contiguous()
+        loss = LigerFusedLinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]),
+                                                  model.get_output_embeddings().weight, shifted.view(-1),
+                                                  in_place_accumulation)
+        return CausalLMOutputWithPast(loss=loss)
+
+    return forward
 
 
 def make_batch(settings: TrainSettings, config: dict, device: str = "cpu") -> dict:
