@@ -67,6 +67,9 @@ def add_step_arguments(parser: argparse.ArgumentParser, *, with_batch: bool = Tr
         parser.add_argument("--optim-target-modules",
                             help="GaLore / APOLLO: comma-separated linear module names, or all-linear")
         parser.add_argument("--gradient-checkpointing", action="store_true")
+        parser.add_argument("--offload-activations", action="store_true",
+                            help="with --gradient-checkpointing: the checkpoints' inputs in pinned host memory "
+                                 '(activation_checkpointing_kwargs={"offload": True})')
         parser.add_argument("--use-liger-kernel", action="store_true",
                             help="Liger's fused linear cross-entropy head (TrainingArguments.use_liger_kernel)")
         parser.add_argument("--attn-implementation", choices=ATTN_IMPLEMENTATIONS)
@@ -87,6 +90,7 @@ def settings_from_args(args: argparse.Namespace):
         batch_size=args.batch_size, seq_len=args.seq_len, task=args.task, num_labels=args.num_labels,
         precision=args.precision, optim=args.optim, optim_args=args.optim_args, optim_target_modules=optim_targets,
         gradient_checkpointing=args.gradient_checkpointing, use_liger_kernel=args.use_liger_kernel,
+        offload_activations=args.offload_activations,
         attn_implementation=args.attn_implementation, gradient_accumulation_steps=args.gradient_accumulation_steps,
         lora_r=args.lora_r, lora_alpha=args.lora_alpha, lora_target_modules=targets,
         load_in_4bit=args.load_in_4bit, num_gpus=args.num_gpus, num_nodes=args.num_nodes,

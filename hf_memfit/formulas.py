@@ -1436,16 +1436,20 @@ def fast_step_memory(spec, settings) -> StepMemory:
     emb_grads = [_param_bytes(p, cuda) for p in params if p.trainable and p.kind == "embedding"]
     gc = settings.gradient_checkpointing
 
+    # Offloaded checkpoints (activation_checkpointing_kwargs={"offload": True}): each layer's saved
+    # input is copied to pinned host memory in the forward and back for the layer's recompute.
+    kept_inputs = 0 if settings.offload_activations else 1
+
     def stack_fwd(st: _Stack) -> tuple[int, int]:
         """Bytes (and weight copies among them) a whole stack holds at the end of its forward."""
         if gc:  # each checkpointed layer keeps its input; autocast still caches its weight copies
-            return st.first_held + st.depth * (st.carry + st.gc_held), st.depth * st.gc_held
+            return st.first_held + st.depth * (kept_inputs * st.carry + st.gc_held), st.depth * st.gc_held
         return st.total(True), st.total_w(True)
 
     def stack_saved(st: _Stack) -> tuple[int, int]:
         """Bytes (and weight copies) a stack keeps for backward once the forward is over."""
         if gc:  # the checkpoints keep each layer's input, and what layer 0 passes on (T5's bias)
-            return max(0, st.first_held) + st.depth * st.carry, 0
+            return max(0, st.first_held) + kept_inputs * st.depth * st.carry, 0
         return st.first_saved + st.depth * st.saved, st.first_saved_w + st.depth * st.saved_w
 
     candidates: dict[str, dict[str, int]] = {}
@@ -1504,7 +1508,7 @@ def fast_step_memory(spec, settings) -> StepMemory:
                 inner, new_g = ((recompute_end, 0) if recompute_end >= lb.acts + lb.grads + lb.temp
                                 else (lb.acts + lb.temp, lb.grads))
                 kept = max(0, st.first_held)
-                top = below + kept + st.depth * st.carry
+                top = below + kept + (st.depth if kept_inputs else 1) * st.carry
                 candidates[f"{tag}|bwd|{st.name}.first"] = _row(W, grads + new_g, O, top, inner + tied_tmp)
                 candidates[f"{tag}|bwd|{st.name}.last"] = _row(
                     W, grads + (st.depth - 1) * lb.layer_grads + new_g, O, below + kept + st.carry,
@@ -1544,7 +1548,22 @@ def fast_step_memory(spec, settings) -> StepMemory:
         largest_param_numel=max(p.numel for p in params),
         quantizable_linear_params=_quantizable(spec, settings)[0],
         largest_linear_numel=_quantizable(spec, settings)[1],
+        host_bytes=_offloaded_checkpoint_bytes(acts, settings),
     )
+
+
+def _offloaded_checkpoint_bytes(acts: _Activations, settings) -> int:
+    """Pinned host memory for one micro-batch's offloaded checkpoint inputs (one hidden state per layer),
+    each allocation rounded to a power of two by the CUDA host allocator."""
+    if not (settings.offload_activations and settings.gradient_checkpointing):
+        return 0
+    return sum(st.depth * pinned_host_bytes(st.carry) for st in acts.stacks)
+
+
+def pinned_host_bytes(nbytes: int) -> int:
+    """What a pinned host allocation takes: CachingHostAllocator rounds it up to a power of two
+    (ATen/core/CachingHostAllocator.h, `PowerOf2Ceil`, below `pinned_max_round_threshold`, unlimited by default)."""
+    return 1 << max(0, (nbytes - 1).bit_length()) if nbytes > 0 else 0
 
 
 def _quantizable(spec, settings) -> tuple[int, int]:

@@ -94,6 +94,7 @@ class Plan:
     budget_bytes: int = 0
     optim_args: str | None = None  # TrainingArguments.optim_args ("bf16_stochastic_round=True" for pure bf16)
     use_liger_kernel: bool = False
+    offload_activations: bool = False  # gradient_checkpointing_kwargs={"offload": True}
     optim_target_modules: list[str] | None = None  # GaLore / APOLLO
 
     def to_dict(self) -> dict:
@@ -109,6 +110,7 @@ class Plan:
             "optim": self.optim,
             "optim_args": self.optim_args,
             "use_liger_kernel": self.use_liger_kernel,
+            "offload_activations": self.offload_activations,
             "optim_target_modules": self.optim_target_modules,
             "attn_implementation": self.attn_implementation,
             "deepspeed": self.deepspeed,
@@ -140,6 +142,8 @@ class Plan:
             kwargs["optim_target_modules"] = list(self.optim_target_modules)
         if self.gradient_checkpointing:
             kwargs["gradient_checkpointing_kwargs"] = {"use_reentrant": False}
+            if self.offload_activations:
+                kwargs["gradient_checkpointing_kwargs"]["offload"] = True
         return kwargs
 
 
@@ -264,8 +268,11 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
         base = base.replace(optim_args=optimizers.BF16_STOCHASTIC_ROUND_ARGS)
         optims = optimizers.PURE_BF16_LADDER
     liger = _liger_searched(spec, base, use_liger_kernel)
-    grid = _with_liger(_grid(base, per_rank, allow_offload, keep_optimizer, world, deepspeed_layout, optims,
-                             _low_rank_targets(spec, base)), liger)
+    # Offloading activation checkpoints is host offload too: searched on GPUs unless `--allow-offload none`.
+    offload_acts = base.device == "cuda" and allow_offload != "none"
+    grid = _with_activation_offload(_with_liger(_grid(base, per_rank, allow_offload, keep_optimizer, world,
+                                                      deepspeed_layout, optims, _low_rank_targets(spec, base)),
+                                                liger), offload_acts)
     candidates = [_evaluate(spec, s, usable, cpu_limit, gpu_info) for s in grid]
     fitting = sorted((c for c in candidates if c.fits), key=lambda c: c.step_seconds)
     if mode == "exact":
@@ -274,7 +281,8 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
     if not fitting and allow_pure_bf16 and pure_base is not None:
         # Only once no mixed-precision plan fits: pure bf16 changes the numerics.
         pure = [_evaluate(spec, s, usable, cpu_limit, gpu_info)
-                for s in _with_liger(_pure_bf16_grid(pure_base, per_rank), liger)]
+                for s in _with_activation_offload(_with_liger(_pure_bf16_grid(pure_base, per_rank), liger),
+                                                  offload_acts)]
         candidates += pure
         fitting = sorted((c for c in pure if c.fits), key=lambda c: c.step_seconds)
         if mode == "exact":
@@ -345,6 +353,14 @@ def _liger_searched(spec: ModelSpec, base: TrainSettings, use_liger_kernel: bool
     if spec.model_type not in LIGER_MODEL_TYPES:
         return False
     return bool(use_liger_kernel) or importlib.util.find_spec("liger_kernel") is not None
+
+
+def _with_activation_offload(grid, searched: bool):
+    """Each configuration, and (when searched) its checkpointed ones with the checkpoints offloaded to the host."""
+    for settings in grid:
+        yield settings
+        if searched and settings.gradient_checkpointing:
+            yield settings.replace(offload_activations=True)
 
 
 def _with_liger(grid, liger: bool):
@@ -508,6 +524,9 @@ def step_seconds(spec: ModelSpec, settings: TrainSettings, est: MemoryEstimate, 
         # Each micro-batch fetches every parameter for forward and again for backward.
         rate = pcie if settings.offload_param == "cpu" else min(pcie, NVME_BYTES_PER_S)
         offload_param = micro_steps * 2 * w_bytes * params / rate
+    # Offloaded activation checkpoints: each micro-batch copies every layer's input to the host and back,
+    # on the compute stream (transformers' save_on_cpu), so nothing overlaps them.
+    offload_activations = micro_steps * 2 * offloaded_activation_bytes(spec, settings) / pcie
 
     comm = 0.0
     if world > 1:
@@ -524,7 +543,16 @@ def step_seconds(spec: ModelSpec, settings: TrainSettings, est: MemoryEstimate, 
         else:
             comm = 2 * grad_bytes * ring / link  # DDP all-reduce once per optimizer step (no_sync while accumulating)
         comm *= 1 - COMM_OVERLAP
-    return compute + optimizer + offload_param + comm
+    return compute + optimizer + offload_param + offload_activations + comm
+
+
+def offloaded_activation_bytes(spec: ModelSpec, settings: TrainSettings) -> int:
+    """Bytes of checkpoint inputs one micro-batch offloads: one hidden state per checkpointed layer."""
+    if not settings.offload_activations:
+        return 0
+    layers = spec.num_layers + (spec.num_decoder_layers or 0)
+    act_bytes = 4 if settings.weights_dtype == "float32" else 2  # the residual stream stays fp32 under autocast
+    return layers * settings.batch_size * settings.seq_len * spec.hidden_size * act_bytes
 
 
 def _micro_batch_flops(spec: ModelSpec, settings: TrainSettings, est: MemoryEstimate,
@@ -598,7 +626,7 @@ def _runners_up(best: Candidate, fitting: list[Candidate], candidates: list[Cand
 
 def _knobs(s: TrainSettings) -> tuple:
     return (s.gradient_checkpointing, s.optim, s.zero_stage, s.offload_optimizer, s.offload_param, s.precision,
-            s.use_liger_kernel)
+            s.use_liger_kernel, s.offload_activations)
 
 
 def _difference(chosen: TrainSettings, other: TrainSettings) -> str:
@@ -613,6 +641,8 @@ def _difference(chosen: TrainSettings, other: TrainSettings) -> str:
         parts.append("pure bf16" if other.precision == "bf16" else other.precision)
     if other.use_liger_kernel != chosen.use_liger_kernel:
         parts.append("Liger " + ("on" if other.use_liger_kernel else "off"))
+    if other.offload_activations != chosen.offload_activations:
+        parts.append("activation offload " + ("on" if other.offload_activations else "off"))
     if (other.zero_stage, other.offload_optimizer, other.offload_param) != \
             (chosen.zero_stage, chosen.offload_optimizer, chosen.offload_param):
         parts.append(_layout_text(other))
@@ -666,6 +696,9 @@ def _make_plan(best: Candidate, candidates, usable: int, budget: int, ideal_seco
     precision_reason, attn_reason = fixed_reasons
     reasons.append(precision_reason)
     reasons.append(_optimizer_reason(s, candidates, keep_optimizer))
+    activation_reason = _activation_offload_reason(best, candidates)
+    if activation_reason:
+        reasons.append(activation_reason)
     if s.use_liger_kernel:
         plain = _lookup(candidates, s.replace(use_liger_kernel=False))
         detail = (f"; without it the peak would be {format_bytes(plain.estimate.device_total_bytes)}"
@@ -712,8 +745,33 @@ def _make_plan(best: Candidate, candidates, usable: int, budget: int, ideal_seco
         budget_bytes=budget,
         optim_args=s.optim_args,
         use_liger_kernel=s.use_liger_kernel,
+        offload_activations=s.offload_activations,
         optim_target_modules=list(s.optim_target_modules) if s.optim_target_modules else None,
     )
+
+
+def _activation_offload_reason(best: Candidate, candidates) -> str:
+    """Why the checkpoints are (or are not) offloaded to the host: what it frees on the GPU and what the copies cost."""
+    s = best.settings
+    if not s.gradient_checkpointing:
+        return ""
+    other = _lookup(candidates, s.replace(offload_activations=not s.offload_activations))
+    if other is None:
+        return ""
+    on, off = (best, other) if s.offload_activations else (other, best)
+    freed = off.estimate.device_total_bytes - on.estimate.device_total_bytes
+    copy_s = on.step_seconds - off.step_seconds
+    share = f"{100 * copy_s / on.step_seconds:.0f}% of the step"
+    if s.offload_activations:
+        why = (f"without it the peak would be {format_bytes(off.estimate.device_total_bytes)}" if not off.fits else
+               "it lets this micro-batch fit")
+        return (f"activation checkpoints offloaded to pinned host memory (`activation_checkpointing_kwargs="
+                f"{{\"offload\": True}}`): {why}; it frees {format_bytes(freed)} on the GPU and costs "
+                f"{copy_s:.2f} s of PCIe copies per step ({share})")
+    if freed <= 0:
+        return ""
+    return (f"activation checkpoints stay on the GPU: offloading them would free {format_bytes(freed)} but add "
+            f"{copy_s:.2f} s of PCIe copies per step ({share}), on the compute stream, and nothing needs the room")
 
 
 def _optimizer_reason(s: TrainSettings, candidates, keep_optimizer: bool) -> str:
@@ -785,7 +843,7 @@ def _nothing_fits(spec, base: TrainSettings, candidates, usable: int, budget: in
     remedies: list[tuple[str, dict]] = []
     if on_gpu and allow_offload == "none" and not base.load_in_4bit:
         remedies.append(("`--allow-offload cpu`", offload))
-    if on_gpu and base.num_nodes == 1:
+    if on_gpu and base.num_nodes == 1 and not base.load_in_4bit:  # 4-bit weights are not partitioned by ZeRO-3
         for gpus in (2 * world, 4 * world, 8 * world):
             if gpus <= 8 and per_rank * world % gpus == 0:
                 layout = offload if allow_offload != "none" else dict(zero_stage=3, optim="adamw_torch_fused")

@@ -95,6 +95,7 @@ def format_plan(result) -> str:
         ("optim", p.optim + (f" ({p.optim_args})" if p.optim_args else "")),
         ("attn_implementation", p.attn_implementation),
         *([("use_liger_kernel", "True")] if p.use_liger_kernel else []),
+        *([("activation checkpoints", "offloaded to the host")] if p.offload_activations else []),
         ("sharding", _layout_text(s)),
         ("predicted peak (nvidia-smi)", format_bytes(est.device_total_bytes)),
         ("predicted throughput", f"{100 * p.predicted_tokens_per_second_relative:.0f}% of the unconstrained step"),
@@ -144,7 +145,7 @@ def explain_command(model: str, s) -> str:
         flags.append(f'--optim-args "{s.optim_args}"')
     if s.optim_target_modules:
         flags.append(f"--optim-target-modules {','.join(s.optim_target_modules)}")
-    for name in ("gradient_checkpointing", "load_in_4bit", "use_liger_kernel"):
+    for name in ("gradient_checkpointing", "offload_activations", "load_in_4bit", "use_liger_kernel"):
         if getattr(s, name):
             flags.append(f"--{name.replace('_', '-')}")
     for name in ("num_gpus", "num_nodes", "zero_stage", "offload_optimizer", "offload_param", "device"):

@@ -38,6 +38,8 @@ class TrainSettings:
     optim_target_modules: tuple[str, ...] | None = None  # GaLore / APOLLO: module names, or ("all-linear",)
     gradient_checkpointing: bool = False
     use_liger_kernel: bool = False  # TrainingArguments.use_liger_kernel: Liger's fused linear cross-entropy head
+    # activation_checkpointing_kwargs={"offload": True}: each checkpointed layer's saved input goes to pinned host memory
+    offload_activations: bool = False
     attn_implementation: str | None = None  # None: transformers' default (sdpa)
     gradient_accumulation_steps: int = 1
     lora_r: int | None = None
@@ -134,6 +136,11 @@ class TrainSettings:
                 problems.append(f"`--optim {self.optim}` is a full fine-tuning optimizer: drop `--lora-r`")
         if self.optim_target_modules and (self.optim not in OPTIMIZERS or not OPTIMIZERS[self.optim].low_rank):
             problems.append("`--optim-target-modules` is for GaLore / APOLLO optimizers (`--optim galore_adamw`, ...)")
+        if self.offload_activations and not self.gradient_checkpointing:
+            problems.append("`--offload-activations` moves the checkpoints' saved inputs to the host: add "
+                            "`--gradient-checkpointing`")
+        if self.offload_activations and self.device != "cuda":
+            problems.append("`--offload-activations` copies activations from a GPU to the host: it needs `--device cuda`")
         if self.use_liger_kernel and self.task not in (None, "causal-lm"):
             problems.append("`--use-liger-kernel` fuses the causal-LM head and loss: it needs `--task causal-lm`")
         if self.zero_stage not in (0, 1, 2, 3):

@@ -91,6 +91,8 @@ def build_model(config: dict, settings: TrainSettings):
     )
     if settings.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if settings.offload_activations:
+            _offload_checkpoint_inputs(model)
     if settings.use_liger_kernel:
         model.forward = _liger_causal_lm_forward(model, _liger_in_place_accumulation(settings))
     if settings.uses_lora:
@@ -113,6 +115,56 @@ def _add_lora(model, settings: TrainSettings):
             param.requires_grad_(False)
     with _swap_tensors_falls_back_to_set_data():
         return get_peft_model(model, LoraConfig(**kwargs))
+
+
+# --- activation checkpoints offloaded to the host -------------------------------------------
+
+class HostStash:
+    """Pinned host memory held by offloaded checkpoint inputs: live bytes and their peak."""
+
+    def __init__(self):
+        self.live = self.peak = 0
+
+
+def _offload_checkpoint_inputs(model) -> None:
+    """transformers' `activation_checkpointing_enable(offload=True)`, with the copies emulated for the trace.
+
+    transformers 5.23 (`_activation_checkpointing_enable`) wraps each checkpoint call in
+    `torch.autograd.graph.save_on_cpu(pin_memory=True)`: the tensors the checkpoint
+    saves, its positional inputs (the layer's hidden state; keyword arguments such as
+    the rotary tables stay referenced as they are), are copied to pinned host memory
+    in the forward and back to the device when backward recomputes the layer. Here the
+    pack hook counts the host copy in `model.memfit_host_stash` and keeps no device
+    tensor; the unpack hook allocates the device copy, as `tensor.to(device)` does.
+    """
+    from torch.autograd.graph import saved_tensors_hooks
+
+    from hf_memfit.formulas import pinned_host_bytes
+
+    stash = HostStash()
+    model.memfit_host_stash = stash
+
+    def pack(tensor):
+        nbytes = pinned_host_bytes(tensor.untyped_storage().nbytes())
+        stash.live += nbytes
+        stash.peak = max(stash.peak, stash.live)
+        return tensor.size(), tensor.stride(), tensor.dtype, tensor.requires_grad, nbytes
+
+    def unpack(packed):
+        size, stride, dtype, requires_grad, nbytes = packed
+        stash.live -= nbytes
+        return torch.empty_strided(size, stride, dtype=dtype).requires_grad_(requires_grad)
+
+    for module in model.modules():
+        checkpoint = getattr(module, "_gradient_checkpointing_func", None)
+        if checkpoint is None:
+            continue
+
+        def offloaded(function, *args, _checkpoint=checkpoint, **kwargs):
+            with saved_tensors_hooks(pack, unpack):
+                return _checkpoint(function, *args, **kwargs)
+
+        module._gradient_checkpointing_func = offloaded
 
 
 # --- Liger's fused linear cross-entropy, on the CPU ----------------------------------------

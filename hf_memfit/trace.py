@@ -489,6 +489,7 @@ class TraceResult:
     param_bytes: int
     quantizable_linear_params: int = 0
     largest_linear_numel: int = 0
+    host_bytes: int = 0  # offloaded activation checkpoints: the most pinned host memory held
 
 
 def _install_region_hooks(tracker: StorageTracker, stacks, step_tag) -> list:
@@ -612,6 +613,9 @@ def trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], *
         )
         if settings.load_in_4bit:
             result.quantizable_linear_params, result.largest_linear_numel = _quantizable_linear_params(model)
+        stash = getattr(model, "memfit_host_stash", None) or getattr(getattr(model, "base_model", None),
+                                                                     "memfit_host_stash", None)
+        result.host_bytes = stash.peak if stash is not None else 0
         del model, optimizer
     last_step = f"{steps - 1}."
     for region, (live, clock) in tracker.region_peaks.items():
@@ -725,13 +729,14 @@ def exact_candidates(spec, settings: TrainSettings, *, extrapolate: bool = True)
     result.trainable_params = grow("trainable_params")
     result.total_params = grow("total_params")
     result.quantizable_linear_params = grow("quantizable_linear_params")
+    result.host_bytes = grow("host_bytes")
     return result
 
 
 def _exact_result(candidates, traces, real, base, trace, settings) -> StepMemory:
     gap = _reserved_gap(trace) if settings.device == "cuda" else None
     return StepMemory(candidates, trace.trainable_params, trace.total_params, trace.largest_param_numel,
-                      trace.quantizable_linear_params, trace.largest_linear_numel, gap)
+                      trace.quantizable_linear_params, trace.largest_linear_numel, gap, host_bytes=trace.host_bytes)
 
 
 def _depth_of(stack: str, depths: tuple[int, ...]) -> int:

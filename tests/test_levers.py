@@ -60,3 +60,37 @@ def test_planner_uses_liger_when_it_is_what_fits():
     assert with_liger.plan.predicted_step_seconds < without.plan.predicted_step_seconds
     assert any("Liger" in r and "without it the peak would be" in r for r in with_liger.plan.reasons)
     assert not without.plan.use_liger_kernel
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "fp32"])
+def test_offloaded_checkpoints_leave_the_gpu_in_both_modes(tiny_specs, precision):
+    spec = tiny_specs["llama"]
+    base = TrainSettings(batch_size=4, seq_len=64, device="cuda", precision=precision, gradient_checkpointing=True)
+    plain, offloaded = base.validate(spec), base.replace(offload_activations=True).validate(spec)
+    fast, exact = fast_step_memory(spec, offloaded), exact_candidates(spec, offloaded)
+    assert abs(fast.peak_bytes - exact.peak_bytes) <= 0.02 * exact.peak_bytes
+    # one hidden state per layer (4 x 64 x 64, fp32: autocast leaves the residual stream in the weights'
+    # dtype) on the host, each a power of two already
+    hidden = 4 * 64 * 64 * 4
+    assert fast.host_bytes == exact.host_bytes == spec.num_layers * hidden
+    assert exact.peak_bytes <= exact_candidates(spec, plain).peak_bytes
+
+
+def test_offload_needs_checkpointing_and_a_gpu(tiny_specs):
+    with pytest.raises(MemFitError, match="add `--gradient-checkpointing`"):
+        TrainSettings(offload_activations=True).validate(tiny_specs["llama"])
+    with pytest.raises(MemFitError, match="needs `--device cuda`"):
+        TrainSettings(offload_activations=True, gradient_checkpointing=True, device="cpu").validate(tiny_specs["llama"])
+
+
+def test_planner_offloads_activations_only_when_it_pays():
+    common = dict(gpu="a10g", global_batch_size=4, load_in_4bit=True, lora_r=16, use_liger_kernel=True)
+    long = plan("meta-llama/Llama-3.1-8B", seq_len=32768, **common).plan
+    assert long.offload_activations and long.training_arguments()["gradient_checkpointing_kwargs"]["offload"]
+    assert any(r.startswith("activation checkpoints offloaded") and "without it the peak would be" in r
+               for r in long.reasons)
+    short = plan("meta-llama/Llama-3.1-8B", seq_len=16384, **common).plan
+    assert short.gradient_checkpointing and not short.offload_activations
+    assert any(r.startswith("activation checkpoints stay on the GPU") for r in short.reasons)
+    never = plan("meta-llama/Llama-3.1-8B", seq_len=16384, allow_offload="none", **common)
+    assert not never.plan.offload_activations
