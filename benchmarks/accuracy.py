@@ -108,6 +108,7 @@ def neox(layers, hidden=256, heads=4, inter=1024, **extra):
             "intermediate_size": inter, **extra}
 
 
+LLAMA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 GPT2, LLAMA, QWEN = "openai-community/gpt2", "meta-llama/Llama-3.2-1B", "Qwen/Qwen2.5-0.5B"
 BERT, T5, OPT, NEOX = "google-bert/bert-base-uncased", "google-t5/t5-small", "facebook/opt-125m", "EleutherAI/pythia-160m"
 
@@ -155,6 +156,27 @@ ROWS = [
     Row("pythia-L4 fp32 adamw", NEOX, neox(4), dict(batch_size=2, seq_len=256), quick=True),
     Row("pythia-L6 bf16 adafactor s512", NEOX, neox(6), dict(batch_size=1, seq_len=512, precision="bf16", optim="adafactor")),
     Row("pythia-L6 fp32 lora r8 8bit", NEOX, neox(6), dict(batch_size=2, seq_len=128, lora_r=8, optim="adamw_bnb_8bit")),
+    # --- the levers of issue 13 (run alone with `--only lever`) ------------------------------------
+    # torchao's low-bit AdamW, as the Trainer builds it (compiled on the CPU: minutes per row).
+    Row("lever llama-gqa-L4 fp32 torchao 8bit", LLAMA, llama(4), dict(batch_size=2, seq_len=256,
+                                                                       optim="adamw_torch_8bit")),
+    Row("lever llama-gqa-L4 bf16 torchao 4bit sr", LLAMA, llama(4), dict(batch_size=2, seq_len=256, precision="bf16",
+                                                                          optim="adamw_torch_4bit",
+                                                                          optim_args="bf16_stochastic_round=True")),
+    # pure bf16 weights with bitsandbytes' 8-bit AdamW (no fp32 master, no stochastic rounding)
+    Row("lever llama-gqa-L4 bf16 bnb 8bit", LLAMA, llama(4), dict(batch_size=2, seq_len=256, precision="bf16",
+                                                                   optim="adamw_bnb_8bit")),
+    # GaLore / APOLLO on the layers' linears (the planner's targets), rank 128 of 256
+    Row("lever llama-gqa-L4 fp32 galore", LLAMA, llama(4), dict(batch_size=2, seq_len=256, optim="galore_adamw",
+                                                                 optim_target_modules=LLAMA_LINEARS)),
+    Row("lever llama-gqa-L4 bf16 galore", LLAMA, llama(4), dict(batch_size=2, seq_len=256, precision="bf16",
+                                                                 optim="galore_adamw",
+                                                                 optim_target_modules=LLAMA_LINEARS)),
+    Row("lever llama-gqa-L4 fp32 apollo", LLAMA, llama(4), dict(batch_size=2, seq_len=256, optim="apollo_adamw",
+                                                                 optim_target_modules=LLAMA_LINEARS)),
+    # Liger's fused linear cross-entropy: its algorithm with torch ops (the Triton kernel needs a GPU)
+    Row("lever llama-gqa-L4 fp32 liger-algorithm", LLAMA, llama(4), dict(batch_size=2, seq_len=256,
+                                                                          use_liger_kernel=True)),
 ]
 
 

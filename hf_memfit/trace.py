@@ -355,11 +355,12 @@ def _make_traced_optimizer(model, settings: TrainSettings, cuda_semantics: bool)
                                                     **kwargs)
         made.cuda_semantics = cuda_semantics
         return made
-    if optimizer.low_rank and optimizer.state_bits == 8:
+    if optimizer.low_rank and (optimizer.state_bits == 8 or optimizer.family == "apollo"):
         from hf_memfit.errors import MemFitError
 
-        raise MemFitError(f"exact mode cannot trace `--optim {settings.optim}` (bitsandbytes' 8-bit kernels do not "
-                          "run on fake tensors); use `--mode fast`")
+        why = ("bitsandbytes' 8-bit kernels do not run on fake tensors" if optimizer.state_bits == 8 else
+               "APOLLO draws its projection seeds with `.tolist()` and compares its norm limiter as a Python number")
+        raise MemFitError(f"exact mode cannot trace `--optim {settings.optim}` ({why}); use `--mode fast`")
     made = training.make_optimizer(model, settings, cuda_semantics=cuda_semantics)
     if optimizer.family == "galore":
         # The projector's SVD runs every `update_proj_gap` steps; trace it in the measured step too, with
