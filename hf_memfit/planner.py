@@ -274,7 +274,7 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
                                                       deepspeed_layout, optims, _low_rank_targets(spec, base)),
                                                 liger), offload_acts)
     candidates = [_evaluate(spec, s, usable, cpu_limit, gpu_info) for s in grid]
-    fitting = sorted((c for c in candidates if c.fits), key=lambda c: c.step_seconds)
+    fitting = _fitting_last_resort_last(candidates)
     if mode == "exact":
         fitting = _confirm_exact(spec, fitting, usable, cpu_limit)
     pure_base = _pure_bf16_base(base, gpu_info, deepspeed_layout)
@@ -284,7 +284,7 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
                 for s in _with_activation_offload(_with_liger(_pure_bf16_grid(pure_base, per_rank), liger),
                                                   offload_acts)]
         candidates += pure
-        fitting = sorted((c for c in pure if c.fits), key=lambda c: c.step_seconds)
+        fitting = _fitting_last_resort_last(pure)
         if mode == "exact":
             fitting = _confirm_exact(spec, fitting, usable, cpu_limit)
     if not fitting:
@@ -353,6 +353,18 @@ def _liger_searched(spec: ModelSpec, base: TrainSettings, use_liger_kernel: bool
     if spec.model_type not in LIGER_MODEL_TYPES:
         return False
     return bool(use_liger_kernel) or importlib.util.find_spec("liger_kernel") is not None
+
+
+def _fitting_last_resort_last(candidates: list[Candidate]) -> list[Candidate]:
+    """The fitting candidates, fastest first; offloaded activation checkpoints only when nothing else fits.
+
+    Offloaded checkpoints hold pinned host memory (one hidden state per layer per rank, which host RAM that is
+    not checked may not have) and slow every step by copies on the compute stream; the speed model can rank
+    them first on a bigger micro-batch, but the plan keeps them as a last resort and says what they would do.
+    """
+    fitting = sorted((c for c in candidates if c.fits), key=lambda c: c.step_seconds)
+    on_device = [c for c in fitting if not c.settings.offload_activations]
+    return on_device or fitting
 
 
 def _with_activation_offload(grid, searched: bool):
@@ -771,7 +783,8 @@ def _activation_offload_reason(best: Candidate, candidates) -> str:
     if freed <= 0:
         return ""
     return (f"activation checkpoints stay on the GPU: offloading them would free {format_bytes(freed)} but add "
-            f"{copy_s:.2f} s of PCIe copies per step ({share}), on the compute stream, and nothing needs the room")
+            f"{copy_s:.2f} s of PCIe copies per step ({share}) on the compute stream and pin host memory, and a "
+            "plan fits without it")
 
 
 def _optimizer_reason(s: TrainSettings, candidates, keep_optimizer: bool) -> str:
