@@ -228,6 +228,11 @@ def _check_writable(path: str, flag: str) -> None:
     hint = "give a file path in a writable folder"
     if os.path.isdir(path):
         raise MemFitError(f"`{flag} {path}` is a folder; {hint}")
+    ancestor = folder
+    while not os.path.exists(ancestor) and os.path.dirname(ancestor) != ancestor:
+        ancestor = os.path.dirname(ancestor)
+    if not os.path.isdir(ancestor):
+        raise MemFitError(f"`{flag} {path}`: {ancestor} is a file, not a folder; {hint}")
     try:
         os.makedirs(folder, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=folder, prefix=".hf-memfit-", suffix=".tmp"):
