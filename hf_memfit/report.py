@@ -91,8 +91,8 @@ def format_plan(result) -> str:
         ("gradient_accumulation_steps", str(p.gradient_accumulation_steps)),
         ("GPUs", f"{p.num_gpus} x {p.num_nodes} node(s)"),
         ("gradient_checkpointing", str(p.gradient_checkpointing)),
-        ("precision", "bf16 mixed" if p.bf16 else "fp16 mixed" if p.fp16 else "fp32"),
-        ("optim", p.optim if s.offload_optimizer == "none"
+        ("precision", _precision_text(s.precision)),
+        ("optim", p.optim + (f" ({p.optim_args})" if p.optim_args else "") if s.offload_optimizer == "none"
          else f"{OFFLOADED_OPTIMIZER} on the host (DeepSpeed's optimizer section)"),
         ("attn_implementation", p.attn_implementation),
         ("sharding", _layout_text(s)),
@@ -122,6 +122,11 @@ def format_plan(result) -> str:
     return "\n".join(lines)
 
 
+def _precision_text(precision: str) -> str:
+    return {"bf16-mixed": "bf16 mixed", "fp16-mixed": "fp16 mixed", "bf16": "bf16 weights (no fp32 master)",
+            "fp16": "fp16 weights (no fp32 master)"}.get(precision, precision)
+
+
 def explain_command(model: str, s) -> str:
     """The `hf-memfit explain` command line that traces the step `s` describes (flags left at their defaults are omitted)."""
     return step_command("explain", model, s)
@@ -143,6 +148,10 @@ def step_command(command: str, model: str, s) -> str:
         flags.append(f"--num-labels {s.num_labels}")
     if s.lora_target_modules:
         flags.append(f"--lora-target-modules {','.join(s.lora_target_modules)}")
+    if s.optim_args:
+        flags.append(f'--optim-args "{s.optim_args}"')
+    if s.optim_target_modules:
+        flags.append(f"--optim-target-modules {','.join(s.optim_target_modules)}")
     for name in ("gradient_checkpointing", "load_in_4bit", "expandable_segments"):
         if getattr(s, name):
             flags.append(f"--{name.replace('_', '-')}")
