@@ -936,14 +936,17 @@ def _nothing_fits(spec, base: TrainSettings, candidates, usable: int, budget: in
         settings = base.replace(**{**lean, **changes})
         ranks = settings.world_size
         choices = (settings.optim,) if "optim" in changes else optims
+        # The plan also offloads activation checkpoints as a last resort wherever host offload is allowed.
+        offloads = (False, True) if on_gpu and (allow_offload != "none" or "offload_optimizer" in changes) else (False,)
         fitting = []
         for optim in choices:
             for micro in sorted({1, global_batch // ranks}):
-                trial = settings.replace(optim=optim, batch_size=micro,
-                                         gradient_accumulation_steps=global_batch // ranks // micro)
-                est = estimate_settings(spec, trial)
-                if not _why_not(est, usable, host):
-                    fitting.append(est)
+                for offload_activations in offloads:
+                    trial = settings.replace(optim=optim, batch_size=micro, offload_activations=offload_activations,
+                                             gradient_accumulation_steps=global_batch // ranks // micro)
+                    est = estimate_settings(spec, trial)
+                    if not _why_not(est, usable, host):
+                        fitting.append(est)
         return min(fitting, key=lambda e: e.device_total_bytes, default=None)
 
     if on_device:  # the GPU could hold some of them: host memory is what binds
