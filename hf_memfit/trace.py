@@ -19,7 +19,7 @@ the trace runs on fake CPU tensors, and what differs on a GPU is applied
 explicitly, each item sourced in `shared/CUDA_MEMORY_FACTS.md`:
 - the SDPA backend a GPU picks (flash / memory-efficient) and what its kernels
   keep for backward, by `_GpuAttentionMemory`;
-- CUDA autocast's fp32 op list (layer_norm, softmax, ...) by `_CudaAutocastPolicy`;
+- CUDA autocast's fp32 op list (layer_norm, softmax, ...) by `_cuda_autocast_policy`;
 - torch's default foreach optimizer path on CUDA (`step.make_optimizer`);
 - the caching allocator's 512-byte rounding, and its reserved memory, by replaying
   the allocation sequence through `cuda_overhead.CachingAllocatorSimulator`.
@@ -27,6 +27,7 @@ explicitly, each item sourced in `shared/CUDA_MEMORY_FACTS.md`:
 
 import contextlib
 import copy
+import functools
 import math
 import weakref
 from dataclasses import dataclass, field
@@ -212,26 +213,50 @@ def _gpu_sdpa(flash_supported: bool):
     return sdpa
 
 
-class _CudaAutocastPolicy(torch.overrides.TorchFunctionMode):
-    """CUDA autocast runs these in fp32; CPU autocast does not (autocast_mode.cpp fp32 lists).
+# What CUDA autocast runs in fp32 and CPU autocast does not (autocast_mode.cpp
+# fp32 lists), as (namespace, attribute) pairs the model code calls through.
+_CUDA_FP32_OPS = (
+    (torch.nn.functional, "layer_norm"), (torch, "layer_norm"), (torch.nn.functional, "group_norm"),
+    (torch.nn.functional, "softmax"), (torch, "softmax"), (torch.Tensor, "softmax"),
+    (torch.nn.functional, "log_softmax"), (torch, "log_softmax"), (torch.Tensor, "log_softmax"),
+)
+
+
+@contextlib.contextmanager
+def _cuda_autocast_policy():
+    """While autocast is on, run CUDA autocast's fp32 ops in fp32 (CPU autocast leaves them in fp16/bf16).
 
     Casting the inputs to fp32 above autograd reproduces what CUDA autocast
-    saves for backward (the fp32 copy of the input) and what it outputs.
+    saves for backward (the fp32 copy of the input) and what it outputs. The
+    functions themselves are wrapped, and each call asks torch's autocast state,
+    so the policy holds wherever the model code runs: in the forward, and in the
+    recompute of a checkpointed layer inside backward, where checkpoint restores
+    the forward's autocast state. (A TorchFunctionMode does not reach that
+    recompute: torch pops a mode while its handler runs, and `Tensor.backward`
+    is itself dispatched through the handler, so a mode-based policy upcast in
+    the forward but not in the recompute, and checkpoint refused the mismatch:
+    "recomputed ... dtype float16 vs float32".)
     """
 
-    _FP32_FUNCTIONS = {
-        torch.nn.functional.layer_norm, torch.layer_norm, torch.nn.functional.group_norm,
-        torch.nn.functional.softmax, torch.softmax, torch.Tensor.softmax,
-        torch.nn.functional.log_softmax, torch.log_softmax, torch.Tensor.log_softmax,
-    }
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in self._FP32_FUNCTIONS and torch.is_autocast_enabled("cpu"):
+    def fp32_when_autocast(original):
+        @functools.wraps(original)
+        def upcast(*args, **kwargs):
+            if not torch.is_autocast_enabled("cpu"):
+                return original(*args, **kwargs)
             args = tuple(a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
             with torch.autocast("cpu", enabled=False):
-                return func(*args, **kwargs)
-        return func(*args, **kwargs)
+                return original(*args, **kwargs)
+
+        return upcast
+
+    originals = [(owner, name, getattr(owner, name)) for owner, name in _CUDA_FP32_OPS]
+    try:
+        for owner, name, original in originals:
+            setattr(owner, name, fp32_when_autocast(original))
+        yield
+    finally:
+        for owner, name, original in originals:
+            setattr(owner, name, original)
 
 
 # --- optimizers that cannot run on fake tensors -----------------------------
@@ -496,7 +521,7 @@ def trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], *
         step_tag = lambda: f"{position['step']}.{min(position['micro'], 1)}"  # noqa: E731
         handles = _install_region_hooks(tracker, stacks, step_tag)
         if cuda and settings.autocast_dtype:
-            patches.enter_context(_CudaAutocastPolicy())
+            patches.enter_context(_cuda_autocast_policy())
         patches.enter_context(_module_names(tracker, model))
         micro_batches = min(settings.gradient_accumulation_steps, 2)  # later micro-batches repeat the second
         for step_index in range(steps):
