@@ -28,6 +28,7 @@ explicitly, each item sourced in `shared/CUDA_MEMORY_FACTS.md`:
 import contextlib
 import copy
 import functools
+import logging
 import math
 import weakref
 from dataclasses import dataclass, field
@@ -40,6 +41,10 @@ from torch.utils._pytree import tree_flatten
 from hf_memfit import step as training
 from hf_memfit.breakdown import CATEGORIES, StepMemory
 from hf_memfit.settings import TrainSettings
+
+# Progress of the traces ("tracing 2 of 3 ..."), at INFO: the CLI shows it on stderr; a library
+# user sees it only by enabling the "hf_memfit" logger.
+progress = logging.getLogger("hf_memfit.progress")
 
 # What an allocation is, by the phase that made it, until it is recognised as a
 # parameter, a gradient or optimizer state.
@@ -644,15 +649,18 @@ def exact_candidates(spec, settings: TrainSettings, *, extrapolate: bool = True)
     # and the last layer are distinct and only ordinary layers are added.
     base_depth, grown_depth = 2 * period, 3 * period
     if not extrapolate or max(real) <= grown_depth:
+        progress.info("exact mode: tracing %s at its full depth %s", spec.name, _depth_text(real))
         trace = trace_step(_config_with_depths(spec, real), settings, real)
         candidates = {r: b for r, (_, b) in _by_class(trace, lambda s: _depth_of(s, real)).items()}
         return _exact_result(candidates, [trace], real, real[0], trace, settings)
 
     base = tuple(min(base_depth, d) for d in real)
-    traces = [trace_step(_config_with_depths(spec, base), settings, base)]
-    for i in range(len(real)):
-        grown = tuple(grown_depth if j == i else base[j] for j in range(len(real)))
-        traces.append(trace_step(_config_with_depths(spec, grown), settings, grown))
+    depth_sets = [base] + [tuple(grown_depth if j == i else base[j] for j in range(len(real))) for i in range(len(real))]
+    traces = []
+    for number, depths in enumerate(depth_sets, 1):
+        progress.info("exact mode: tracing %s at depth %s (%d of %d), extrapolated to %s", spec.name,
+                      _depth_text(depths), number, len(depth_sets), _depth_text(real))
+        traces.append(trace_step(_config_with_depths(spec, depths), settings, depths))
     base_classes = _by_class(traces[0], lambda s: _depth_of(s, base))
     grown_classes = [_by_class(t, lambda s, t=t: _depth_of(s, t.depths)) for t in traces[1:]]
     candidates = {}
@@ -682,6 +690,10 @@ def _exact_result(candidates, traces, real, base, trace, settings) -> StepMemory
     gap = _reserved_gap(trace) if settings.device == "cuda" else None
     return StepMemory(candidates, trace.trainable_params, trace.total_params, trace.largest_param_numel,
                       trace.quantizable_linear_params, trace.largest_linear_numel, gap)
+
+
+def _depth_text(depths: tuple[int, ...]) -> str:
+    return "+".join(map(str, depths))
 
 
 def _depth_of(stack: str, depths: tuple[int, ...]) -> int:
