@@ -218,7 +218,8 @@ def _check_writable(path: str, flag: str) -> None:
 
 
 def _timeline_dict(t) -> dict:
-    return {"label": t.label, "peak_bytes": t.peak_bytes, "peak_breakdown": t.peak_breakdown,
+    return {"label": t.label, "peak_bytes": t.peak_bytes, "device_total_bytes": t.device_total_bytes,
+            "layout": t.layout, "peak_breakdown": t.peak_breakdown,
             "phases": [vars(p) for p in t.phases], "top_modules": t.top_modules}
 
 

@@ -77,6 +77,7 @@ class StorageTracker(TorchDispatchMode):
         self.phase = "build"
         self.region = "build"
         self.region_peaks: dict[str, tuple[int, int]] = {}  # region -> (live bytes, clock)
+        self.region_starts: list[tuple[int, str]] = []  # (clock, region) as regions begin, for timelines
         self.module_stack: list[str] = [""]
         self.events: list[tuple[int, int]] = []  # (+alloc index+1 | -(alloc index+1), bytes) for replay
         self.markers: list[tuple[int, str]] = []  # (clock, label) phase boundaries, for timelines
@@ -128,6 +129,7 @@ class StorageTracker(TorchDispatchMode):
 
     def set_region(self, region: str) -> None:
         self.region = region
+        self.region_starts.append((self.clock, region))
         # A region starts with what is already live, so its maximum is at least that.
         best = self.region_peaks.get(region)
         if best is None or self.live_bytes > best[0]:
@@ -650,9 +652,7 @@ def exact_candidates(spec, settings: TrainSettings, *, extrapolate: bool = True)
     base_depth, grown_depth = 2 * period, 3 * period
     if not extrapolate or max(real) <= grown_depth:
         progress.info("exact mode: tracing %s at its full depth %s", spec.name, _depth_text(real))
-        trace = trace_step(_config_with_depths(spec, real), settings, real)
-        candidates = {r: b for r, (_, b) in _by_class(trace, lambda s: _depth_of(s, real)).items()}
-        return _exact_result(candidates, [trace], real, real[0], trace, settings)
+        return full_depth_step_memory(trace_step(_config_with_depths(spec, real), settings, real), settings)
 
     base = tuple(min(base_depth, d) for d in real)
     depth_sets = [base] + [tuple(grown_depth if j == i else base[j] for j in range(len(real))) for i in range(len(real))]
@@ -684,6 +684,12 @@ def exact_candidates(spec, settings: TrainSettings, *, extrapolate: bool = True)
     result.total_params = grow("total_params")
     result.quantizable_linear_params = grow("quantizable_linear_params")
     return result
+
+
+def full_depth_step_memory(trace: TraceResult, settings: TrainSettings) -> StepMemory:
+    """Exact mode's candidates from a trace at the model's real depth (nothing to extrapolate)."""
+    candidates = {r: b for r, (_, b) in _by_class(trace, lambda s: _depth_of(s, trace.depths)).items()}
+    return _exact_result(candidates, [trace], trace.depths, trace.depths[0], trace, settings)
 
 
 def _exact_result(candidates, traces, real, base, trace, settings) -> StepMemory:
