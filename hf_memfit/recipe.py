@@ -57,7 +57,9 @@ class RecipeArguments:
                                                                   "Default: wikitext-2 (SST-2 for classification)."})
     dry_run: bool = field(default=False, metadata={"help": "Print the plan for the real model (offline) and exit."})
     smoke: bool = field(default=False, metadata={"help": "The same code path on the CPU: a tiny model, local data "
-                                                         "and tokenizer, a few steps."})
+                                                         "and tokenizer, a few steps (at learning rate 1e-3 unless "
+                                                         "--learning_rate is given); fails unless the loss on a "
+                                                         "fixed batch decreases."})
     cpu_memory: str | None = field(default=None, metadata={"help": "Host RAM per node `--dry-run` plans for "
                                                                    "(e.g. 16GiB), checked against offloaded state."})
     num_nodes: int = field(default=1, metadata={"help": "Nodes to plan `--dry-run` for. A launched run plans for "
@@ -93,6 +95,7 @@ def execute(recipe: Recipe, argv: list[str] | None = None):
         result = plan_recipe(recipe, train_args)
         print(format_plan(result))
         return result
+    _datasets()  # training needs it: say so before a model is built or a file is written
     if recipe_args.smoke:
         with tempfile.TemporaryDirectory(prefix="hf-memfit-smoke-") as scratch:
             return _smoke(recipe, train_args, recipe_args, Path(scratch))
@@ -163,16 +166,19 @@ def _half_precision_base(recipe: Recipe) -> bool:
 
 
 def _train(recipe: Recipe, model, tokenizer, dataset, train_args):
-    from transformers import DataCollatorWithPadding, default_data_collator
-
     from hf_memfit.trainer import MemFitTrainer
 
-    # Classification pads each batch to its longest line; language-model blocks all have `seq_len` tokens.
-    collator = DataCollatorWithPadding(tokenizer) if recipe.task == "seq-cls" else default_data_collator
-    trainer = MemFitTrainer(model=model, args=train_args, train_dataset=dataset, data_collator=collator,
-                            processing_class=tokenizer)
+    trainer = MemFitTrainer(model=model, args=train_args, train_dataset=dataset,
+                            data_collator=_collator(recipe, tokenizer), processing_class=tokenizer)
     trainer.train()
     return trainer
+
+
+def _collator(recipe: Recipe, tokenizer):
+    from transformers import DataCollatorWithPadding, default_data_collator
+
+    # Classification pads each batch to its longest line; language-model blocks all have `seq_len` tokens.
+    return DataCollatorWithPadding(tokenizer) if recipe.task == "seq-cls" else default_data_collator
 
 
 # --- model and data (the real run and the smoke run) -----------------------------------
@@ -242,8 +248,7 @@ def read_lines(recipe: Recipe, train_file: str | None) -> list[str]:
                                   f"an integer label below {recipe.num_labels}; not so: {', '.join(bad[:3])}"
                                   + (f" and {len(bad) - 3} more" if bad[3:] else ""))
         return lines
-    from datasets import load_dataset
-
+    load_dataset = _datasets().load_dataset
     try:
         if recipe.task == "seq-cls":
             return [f"{row['label']}\t{row['sentence']}" for row in load_dataset("nyu-mll/glue", "sst2", split="train")]
@@ -262,8 +267,7 @@ def _label(line: str, recipe: Recipe) -> int | None:
 
 def encode_lines(recipe: Recipe, tokenizer, lines: list[str], seq_len: int, source: str = "the text"):
     """Blocks of `seq_len` tokens (language modelling) or labelled, truncated lines (classification)."""
-    from datasets import Dataset
-
+    Dataset = _datasets().Dataset  # noqa: N806 (the class)
     if recipe.task == "seq-cls":  # lines were checked by read_lines
         encoded = tokenizer([line.partition("\t")[2] for line in lines], truncation=True, max_length=seq_len)
         return Dataset.from_dict({**encoded, "labels": [_label(line, recipe) for line in lines]})
@@ -275,6 +279,16 @@ def encode_lines(recipe: Recipe, tokenizer, lines: list[str], seq_len: int, sour
     if recipe.task == "seq2seq":  # predict the next block from this one
         return Dataset.from_dict({"input_ids": blocks[:-1], "labels": blocks[1:]})
     return Dataset.from_dict({"input_ids": blocks, "labels": blocks})
+
+
+def _datasets():
+    """The `datasets` package, which only the recipes need (the `recipes` extra)."""
+    try:
+        import datasets
+    except ImportError:
+        raise MemFitError("recipes need the `datasets` package: pip install \"hf-memfit[recipes]\" "
+                          "(or pip install datasets)") from None
+    return datasets
 
 
 def _source(train_file: str | None, default: str) -> str:
@@ -291,6 +305,9 @@ def _first_line(error: BaseException) -> str:
 SMOKE_SEQ_LEN = 64
 SMOKE_GLOBAL_BATCH = 8
 SMOKE_STEPS = 3
+# A few steps at the Trainer's default 5e-5 barely move a freshly initialised model, so a smoke run could not
+# tell training from doing nothing; unless `--learning_rate` is given it trains at 1e-3, enough to show learning.
+SMOKE_LEARNING_RATE = 1e-3
 
 _WORDS = ("the model memory budget gradient layer token batch step optimizer adapter checkpoint "
           "attention sequence weight fits plan device peak train loss data small large fast").split()
@@ -381,10 +398,37 @@ def _smoke(recipe: Recipe, train_args, recipe_args, scratch: Path):
         train_args, use_cpu=True, output_dir=output_dir, global_batch_size=SMOKE_GLOBAL_BATCH,
         memory_budget=_smoke_budget(recipe, model, max(map(len, dataset["input_ids"])), train_args.headroom),
         max_steps=train_args.max_steps if train_args.max_steps > 0 else SMOKE_STEPS,
+        learning_rate=SMOKE_LEARNING_RATE if train_args.learning_rate == _default("learning_rate", train_args)
+        else train_args.learning_rate,
         report_to=[], save_strategy="no", logging_steps=1, disable_tqdm=True)
+    probe = _collator(recipe, tokenizer)([dataset[i] for i in range(min(SMOKE_GLOBAL_BATCH, len(dataset)))])
+    before = _probe_loss(model, probe)
     trainer = _train(recipe, model, tokenizer, dataset, train_args)
-    print(_smoke_summary(trainer) + (" (removed)" if removed else ""))
+    print(_smoke_summary(trainer, before, _probe_loss(trainer.model, probe)) + (" (removed)" if removed else ""))
     return trainer
+
+
+def _default(name: str, args):
+    return next(f.default for f in dataclasses.fields(args) if f.name == name)
+
+
+def _probe_loss(model, batch) -> float:
+    """The loss on a fixed batch, before and after training: it shows whether the run learned.
+
+    In training mode with a fixed seed (the same dropout masks both times), not eval mode: on CPUs
+    with AVX512-BF16, an eval-mode forward makes bitsandbytes repack 4-bit weights for inference
+    (`Linear4bit.forward`, `_convert_weight_packed_for_cpu`), and training afterwards gets no gradients.
+    """
+    import torch
+
+    training = model.training
+    model.train()
+    try:
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            torch.manual_seed(0)
+            return float(model(**batch).loss)
+    finally:
+        model.train(training)
 
 
 def _smoke_budget(recipe: Recipe, model, seq_len: int, headroom: float) -> str:
@@ -406,19 +450,24 @@ def _smoke_budget(recipe: Recipe, model, seq_len: int, headroom: float) -> str:
     return f"{math.ceil(peak * 1.02 / (1 - headroom))}B"
 
 
-def _smoke_summary(trainer) -> str:
+def _smoke_summary(trainer, probe_before: float, probe_after: float) -> str:
     plan, history = trainer.memfit_plan, trainer.state.log_history
     losses = [h["loss"] for h in history if "loss" in h]
     if trainer.state.global_step < trainer.args.max_steps or not losses:
         raise SmokeFailure(f"{trainer.state.global_step} of {trainer.args.max_steps} steps ran")
-    if not all(math.isfinite(loss) for loss in losses):
-        raise SmokeFailure(f"non-finite loss: {losses}")
+    if not all(math.isfinite(loss) for loss in losses + [probe_before, probe_after]):
+        raise SmokeFailure(f"non-finite loss: {losses}, probe {probe_before} -> {probe_after}")
+    # The logged losses are of different batches; a fixed batch before and after says whether it learned.
+    if not probe_after < probe_before:
+        raise SmokeFailure(f"the loss on a fixed batch did not decrease: {probe_before:.4f} -> {probe_after:.4f} "
+                           f"(logged losses {', '.join(f'{loss:.3f}' for loss in losses)})")
     check = next((h for h in history if "memfit/measured_peak_bytes" in h), None)
     measured = (f"; measured peak {format_bytes(check['memfit/measured_peak_bytes'])}, predicted "
                 f"{format_bytes(check['memfit/predicted_peak_bytes'])}" if check else "")
     return (f"smoke run passed: {trainer.state.global_step} steps of micro-batch {plan.per_device_train_batch_size} x "
             f"accumulation {plan.gradient_accumulation_steps}, gradient checkpointing "
-            f"{'on' if plan.gradient_checkpointing else 'off'}, loss {losses[0]:.3f} -> {losses[-1]:.3f}{measured}; "
+            f"{'on' if plan.gradient_checkpointing else 'off'}, loss on a fixed batch {probe_before:.4f} -> "
+            f"{probe_after:.4f}{measured}; "
             f"output in {trainer.args.output_dir}")
 
 
