@@ -101,7 +101,7 @@ def format_plan(result) -> str:
         ("predicted throughput", f"{100 * p.predicted_tokens_per_second_relative:.0f}% of the unconstrained step"),
     ]
     if est.cpu_bytes:
-        rows.append(("host memory", format_bytes(est.cpu_bytes)))
+        rows.append(("host memory per GPU", format_bytes(est.cpu_bytes)))
     lines.append(_table(rows))
     lines += ["", "Memory at the peak:"]
     total = sum(est.breakdown.values()) or 1

@@ -293,26 +293,30 @@ def _fsdp(rank: RankMemory, step: StepMemory, settings: TrainSettings, units: Wr
         gathered_fwd_bwd = units.root_params * compute + layers_held * layer
     grad_full = max(b["gradients"] for b in rank.candidates.values())
     grad_shard = grad_full // dp
-    unsharded_grads = (units.root_trainable + units.layer_trainable) * compute if gathers else 0
+    # At most the root's and one layer's unsharded gradients, in the compute dtype, exist at once; the
+    # step's own gradients (as traced) say how far the backward has got.
+    unsharded_cap = (units.root_trainable + units.layer_trainable) * compute if gathers else 0
+    to_compute = compute * step.trainable_params / grad_full if grad_full else 0.0
     optimizer_full = max(b["optimizer"] for b in rank.candidates.values())
 
+    # On the CPU the "host" is the device: offloaded shards stay in the same memory, at the same times.
+    offload = settings.fsdp_offload and settings.device == "cuda"
     cpu = 0
-    if settings.fsdp_offload:
+    if offload:
         cpu = shard + grad_shard + optimizer_full // dp
     for region, b in rank.candidates.items():
         phase = region.split("|")[1] if region.count("|") == 2 else ""
         in_model = phase in ("fwd", "bwd")
-        b["weights"] = quant + (0 if settings.fsdp_offload else shard) + (gathered_fwd_bwd if in_model else 0)
-        has_grads = b["gradients"] > 0
-        if dp == 1 and not settings.fsdp_offload:
-            b["gradients"] = b["gradients"]  # a whole replica, as traced
-        else:
-            b["gradients"] = (grad_shard if has_grads and not settings.fsdp_offload else 0)
+        b["weights"] = quant + (0 if offload else shard) + (gathered_fwd_bwd if in_model else 0)
+        traced_grads = b["gradients"]
+        if dp > 1 or offload:  # else a whole replica's gradients, as traced
+            # sharded gradients appear unit by unit as the backward reduces them
+            b["gradients"] = 0 if offload else traced_grads // dp
         if phase == "bwd":
-            b["gradients"] += unsharded_grads
-        b["optimizer"] = 0 if settings.fsdp_offload else b["optimizer"] // dp
+            b["gradients"] += min(unsharded_cap, int(traced_grads * to_compute))
+        b["optimizer"] = 0 if offload else b["optimizer"] // dp
         if is_optimizer_region(region):
-            if settings.fsdp_offload:
+            if offload:
                 cpu_step = b["temporary"] // dp
                 b["temporary"] = 0
                 cpu = max(cpu, shard + grad_shard + optimizer_full // dp + cpu_step)

@@ -426,6 +426,9 @@ def _plan_for(model, args: MemFitArguments, train_dataset, data_collator, proces
             gpu_name = None
     layout = _fixed_layout(args)
     fsdp_layout = _fsdp_layout(args)
+    quant_config = getattr(base.config, "quantization_config", None) if quantized else None
+    quant = quant_config.to_dict() if hasattr(quant_config, "to_dict") else dict(quant_config or {})
+    quant_storage = str(quant.get("bnb_4bit_quant_storage") or "uint8").removeprefix("torch.")
     # Launchers set LOCAL_WORLD_SIZE (processes per node); the rest of the world is other nodes.
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world)) or world
     return plan(
@@ -436,7 +439,8 @@ def _plan_for(model, args: MemFitArguments, train_dataset, data_collator, proces
         load_in_4bit=quantized, allow_offload=args.allow_offload if on_gpu else "none",
         headroom=args.headroom, keep_optimizer=args.keep_optimizer, optim=str(getattr(args.optim, "value", args.optim)),
         device="cuda" if on_gpu else "cpu", mode=args.memfit_mode, precision=precision, deepspeed_layout=layout,
-        fsdp_layout=fsdp_layout,
+        fsdp_layout=fsdp_layout, bnb_4bit_use_double_quant=bool(quant.get("bnb_4bit_use_double_quant", True)),
+        bnb_4bit_quant_storage=quant_storage if quantized else None,
     )
 
 
