@@ -50,7 +50,10 @@ def accelerate_fsdp_config(settings: TrainSettings) -> dict:
     if settings.fsdp_version == 2:
         fsdp["fsdp_reshard_after_forward"] = settings.fsdp != "shard_grad_op"
     else:
-        fsdp["fsdp_reshard_after_forward"] = settings.fsdp.upper()  # FSDP1 reads the strategy name here
+        # FSDP1's plugin reads the strategy from fsdp_sharding_strategy (the launcher always passes one,
+        # FULL_SHARD by default); `accelerate config` writes it as fsdp_reshard_after_forward too.
+        fsdp["fsdp_sharding_strategy"] = settings.fsdp.upper()
+        fsdp["fsdp_reshard_after_forward"] = settings.fsdp.upper()
         fsdp["fsdp_backward_prefetch"] = "BACKWARD_PRE"
         fsdp["fsdp_forward_prefetch"] = False
         fsdp["fsdp_use_orig_params"] = True  # required for LoRA's frozen/trainable mix in one unit

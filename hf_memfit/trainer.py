@@ -468,8 +468,10 @@ def _fsdp_layout(args) -> tuple[str, int, bool] | None:
         offload = str(config.get("cpu_offload", False)).lower() in ("1", "true", "yes")
     elif _env_true("ACCELERATE_USE_FSDP"):
         version = int(os.environ.get("FSDP_VERSION", "1"))  # FullyShardedDataParallelPlugin's default when unset
-        raw = (os.environ.get("FSDP_RESHARD_AFTER_FORWARD") or os.environ.get("FSDP_SHARDING_STRATEGY")
-               or ("true" if version == 2 else "FULL_SHARD"))
+        # As FullyShardedDataParallelPlugin reads them: FSDP1 takes FSDP_SHARDING_STRATEGY (which
+        # `accelerate launch` always sets), FSDP2 FSDP_RESHARD_AFTER_FORWARD.
+        raw = (os.environ.get("FSDP_RESHARD_AFTER_FORWARD", "true") if version == 2
+               else os.environ.get("FSDP_SHARDING_STRATEGY", "FULL_SHARD"))
         offload = _env_true("FSDP_OFFLOAD_PARAMS")
     else:
         return None
