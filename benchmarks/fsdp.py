@@ -51,11 +51,13 @@ ROWS = [
     ("llama-L4 bf16 weights FSDP2 full_shard", "llama", "bf16", "full_shard", 2, False, None),
     ("llama-L4 fp32 FSDP2 full_shard + LoRA r16", "llama", "fp32", "full_shard", 2, False, 16),
     ("gpt2-L4 fp32 FSDP2 full_shard", "gpt2", "fp32", "full_shard", 2, False, None),
+    ("llama-L4 QLoRA r16 (NF4, bf16 quant storage) FSDP2 full_shard", "llama", "bf16-mixed", "full_shard", 2, False, 16),
     ("llama-L4 fp32 FSDP1 full_shard", "llama", "fp32", "full_shard", 1, False, None),
     ("llama-L4 fp32 FSDP1 shard_grad_op", "llama", "fp32", "shard_grad_op", 1, False, None),
     ("llama-L4 fp32 FSDP1 no_shard", "llama", "fp32", "no_shard", 1, False, None),
-    ("llama-L4 fp32 FSDP1 full_shard + CPU offload", "llama", "fp32", "full_shard", 1, True, None),
 ]
+# FSDP1 with CPU offload does not run on a CPU-only torch: FlatParamHandle pins the host shard
+# (`_local_shard.pin_memory()`), which needs an accelerator; FSDP2 takes CPUOffloadPolicy(pin_memory=False).
 CONFIGS = {
     "gpt2": dict(model_type="gpt2", n_layer=4, n_embd=256, n_head=4, vocab_size=8192, n_positions=256,
                  bos_token_id=0, eos_token_id=0),
@@ -71,9 +73,30 @@ def settings_for(row: tuple, mode: str = "fast"):
     from hf_memfit.settings import TrainSettings
 
     name, family, precision, strategy, version, offload, lora_r = row
+    qlora = "QLoRA" in name
     return TrainSettings(batch_size=BATCH, seq_len=SEQ, precision=precision, optim="adamw_torch", device="cpu",
                          num_gpus=WORLD, fsdp=strategy, fsdp_version=version, fsdp_offload=offload, lora_r=lora_r,
-                         attn_implementation="sdpa", mode=mode, task="causal-lm")
+                         attn_implementation="sdpa", mode=mode, task="causal-lm", load_in_4bit=qlora,
+                         bnb_4bit_quant_storage="bfloat16" if qlora else None)
+
+
+def build_4bit(folder: str, settings):
+    """The QLoRA model as peft's FSDP recipe loads it: NF4 with double quantisation stored in bf16, LoRA on top.
+
+    bitsandbytes quantizes on load, so the tiny checkpoint in `folder` is loaded with its CPU backend.
+    """
+    import torch
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    quant = transformers.BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=settings.bnb_4bit_use_double_quant,
+        bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_quant_storage=torch.bfloat16)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, quantization_config=quant,
+                                                              attn_implementation="sdpa")
+    model = get_peft_model(model, LoraConfig(r=settings.lora_r, task_type="CAUSAL_LM"))
+    model.train()
+    return model
 
 
 def wrap(model, settings):
@@ -121,6 +144,13 @@ def measure(config: dict, settings) -> int:
 
     from hf_memfit import step as training
 
+    checkpoint = None
+    if settings.load_in_4bit:  # saved before the process group exists (transformers saves on the main rank only)
+        import transformers
+
+        checkpoint = tempfile.mkdtemp(prefix="fsdp-qlora-")
+        torch.manual_seed(0)
+        transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config)).save_pretrained(checkpoint)
     if os.environ["MEMFIT_BACKEND"] == "fake":
         from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -129,7 +159,8 @@ def measure(config: dict, settings) -> int:
         dist.init_process_group("gloo")
     torch.manual_seed(0)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        model = wrap(training.build_model(config, settings), settings)
+        built = build_4bit(checkpoint, settings) if checkpoint else training.build_model(config, settings)
+        model = wrap(built, settings)
         optimizer = training.make_optimizer(model, settings)
         marker = torch.empty(MARKER_BYTES, dtype=torch.uint8)  # allocated and freed: the steps start here
         del marker
