@@ -441,6 +441,7 @@ def _plan_for(model, args: MemFitArguments, train_dataset, data_collator, proces
         device="cuda" if on_gpu else "cpu", mode=args.memfit_mode, precision=precision, deepspeed_layout=layout,
         fsdp_layout=fsdp_layout, bnb_4bit_use_double_quant=bool(quant.get("bnb_4bit_use_double_quant", True)),
         bnb_4bit_quant_storage=quant_storage if quantized else None,
+        allow_pure_bf16=args.allow_pure_bf16, allow_optimizers=args.allow_optimizers,
     )
 
 
