@@ -175,7 +175,6 @@ class TrainSettings:
         check_all(problems)
         return settings
 
-
     def _fsdp_problems(self) -> list[str]:
         problems = []
         if self.fsdp is not None and self.fsdp not in FSDP_STRATEGIES:

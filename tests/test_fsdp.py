@@ -221,7 +221,7 @@ def test_planner_puts_70b_qlora_on_two_24gb_gpus_with_fsdp():
 
 @pytest.mark.slow
 def test_two_process_fsdp2_run_matches_the_estimate():
-    """2 gloo processes train a tiny Llama under FSDP2 full_shard; each rank's peak vs the estimate."""
+    """2 processes train a tiny Llama under FSDP2 full_shard, over gloo and over torch's fake process group."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import fsdp as bench
 
@@ -229,11 +229,12 @@ def test_two_process_fsdp2_run_matches_the_estimate():
                   tie_word_embeddings=False)
     settings = TrainSettings(batch_size=2, seq_len=64, precision="fp32", optim="adamw_torch", device="cpu", num_gpus=2,
                              fsdp="full_shard", task="causal-lm", attn_implementation="sdpa")
-    peaks = bench.run_row(config, settings, "gloo", timeout=300)
+    gloo = bench.run_row(config, settings, "gloo", timeout=300)  # real communication: the layout trains
+    fake = bench.run_row(config, settings, "fake", timeout=300)  # every free on the profiled thread
     spec = ModelSpec.from_config("tiny-llama-fsdp", dict(config))
     predicted = estimate_settings(spec, settings).device_total_bytes
     unsharded = estimate_settings(spec, settings.replace(fsdp=None)).device_total_bytes
-    # gloo may free a collective buffer on its worker thread, unseen by the profiler: the smaller rank is
-    # the one with nothing missing (benchmarks/fsdp.py measures with torch's fake process group too)
-    assert min(peaks) < 0.85 * unsharded  # sharding really happened
-    assert predicted == pytest.approx(min(peaks), rel=0.10)
+    assert fake[0] == fake[1] < 0.85 * unsharded  # sharding really happened, the same on both ranks
+    # gloo can only read higher: a buffer its worker thread frees is missing from the profiler's record
+    assert min(gloo) >= 0.99 * fake[0]
+    assert predicted == pytest.approx(fake[0], rel=0.05)
