@@ -94,9 +94,9 @@ def rows():
                      lora_target_modules=("q_proj", "v_proj"), attn_implementation="sdpa", gpu="l40s"),
                 21242, "MiB", "published: max_memory_reserved minus init, as above"))
     out.append(("Qwen2-7B (Qwen2.5-7B shapes) FSDP x4, gc, bf16, b32 s512", "Qwen/Qwen2.5-7B",
-                dict(batch_size=32, seq_len=512, precision="bf16", gradient_checkpointing=True, zero_stage=3,
+                dict(batch_size=32, seq_len=512, precision="bf16", gradient_checkpointing=True, fsdp="full_shard",
                      num_gpus=4, attn_implementation="sdpa", gpu="a100"),
-                51154, "MiB", "FSDP full_shard modelled as ZeRO-3; Qwen2.5-7B has Qwen2-7B's shapes; dynamic padding"))
+                51154, "MiB", "FSDP2 full_shard; Qwen2.5-7B has Qwen2-7B's shapes; dynamic padding up to 512"))
     out.append(("LitGPT Llama-2-7b LoRA r8 q,v, bf16, b1 s1304", "meta-llama/Llama-2-7b-hf",
                 dict(batch_size=1, seq_len=1304, precision="bf16", lora_r=8, lora_alpha=16,
                      lora_target_modules=("q_proj", "v_proj"), gpu="a100-40gb"),
@@ -105,6 +105,28 @@ def rows():
                 dict(batch_size=1, seq_len=1304, precision="bf16", lora_r=8, lora_alpha=16, load_in_4bit=True,
                      lora_target_modules=("q_proj", "v_proj"), optim="paged_adamw_32bit", gpu="a100-40gb"),
                 14.14, "GB", "NOT COMPARABLE (LitGPT); bnb PagedAdamW"))
+    # peft's docs, Llama-2-70B with QLoRA (NF4, double quantisation, quant storage bf16, r8 a16 on all linear
+    # layers), 2048 packed tokens, micro-batch 2 x accumulation 2, checkpointing, flash-attention-2, on 2 GPUs.
+    qlora_70b = dict(batch_size=2, seq_len=2048, gradient_accumulation_steps=2, precision="bf16-mixed",
+                     load_in_4bit=True, bnb_4bit_quant_storage="bfloat16", lora_r=8, lora_alpha=16,
+                     lora_target_modules=ALL_LINEAR_LLAMA, gradient_checkpointing=True,
+                     attn_implementation="flash_attention_2", num_gpus=2)
+    out.append(("Llama-2-70B QLoRA + ZeRO-3 x2, b2 s2048", "meta-llama/Llama-2-70b-hf",
+                dict(qlora_70b, zero_stage=3, gpu="a100-40gb"),
+                36.6, "GB", "per-GPU memory as nvidia-smi shows it; GPU assumed A100-40GB", "device_total"))
+    out.append(("Llama-2-70B QLoRA + FSDP x2, b2 s2048", "meta-llama/Llama-2-70b-hf",
+                dict(qlora_70b, fsdp="full_shard", fsdp_version=1, gpu="a100"),
+                35.6, "GB", "FSDP1 (use_orig_params false); nvidia-smi style; GPU not stated (over 24 GB)",
+                "device_total"))
+    out.append(("Llama-2-70B QLoRA + FSDP + CPU offload x2, b2 s2048", "meta-llama/Llama-2-70b-hf",
+                dict(qlora_70b, fsdp="full_shard", fsdp_version=1, fsdp_offload=True, gpu="rtx4090"),
+                19.6, "GB", "FSDP1; nvidia-smi style; 2 x 24 GB (RTX 4090 assumed); CPU RAM ~107 GB published",
+                "device_total"))
+    out.append(("Llama-2-70B LoRA + ZeRO-3 x8 H100, b8 s2048", "meta-llama/Llama-2-70b-hf",
+                dict(batch_size=8, seq_len=2048, gradient_accumulation_steps=4, precision="bf16", lora_r=8,
+                     lora_alpha=16, lora_target_modules=ALL_LINEAR_LLAMA, gradient_checkpointing=True,
+                     attn_implementation="flash_attention_2", num_gpus=8, zero_stage=3, gpu="h100"),
+                64, "GB", "screenshot reading (80% of 80 GB), rounded", "device_total"))
     return out
 
 
@@ -149,6 +171,8 @@ def lever_deltas(fast_only: bool = False) -> list[dict]:
               flush=True)
     return out
 
+ALL_LINEAR_LLAMA = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
 
 def _quiet(fn, *a, **k):
     sink = io.StringIO()
@@ -180,13 +204,13 @@ def main(argv=None) -> int:
     print("| reference row | published | fast alloc | fast reserved | exact alloc | exact reserved | "
           "exact nvidia-smi | exact vs published | notes |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
-    for label, model, kw, published, unit, notes in rows():
+    for label, model, kw, published, unit, notes, *metric in rows():
         if isinstance(model, tuple):
             spec = ModelSpec.from_config(model[0], copy.deepcopy(model[1]))
         else:
             spec = resolve_model(model)
         row = {"label": label, "model": spec.name, "settings": kw, "published": published, "unit": unit,
-               "notes": notes}
+               "notes": notes, "metric": metric[0] if metric else None}
         for mode in ("fast",) if args.fast_only else ("fast", "exact"):
             settings = TrainSettings(mode=mode, device="cuda", **kw)
             t0 = time.perf_counter()
@@ -208,7 +232,7 @@ def main(argv=None) -> int:
             return f"{value / GB:.2f} GB" if unit == "GB" else f"{value / 2**20:.0f} MiB"
 
         ref = _to_bytes(published, unit)
-        basis = "reserved" if unit == "MiB" and "reserved" in notes else "allocated"
+        basis = metric[0] if metric else "reserved" if unit == "MiB" and "reserved" in notes else "allocated"
         rel = f"{100 * (row['exact'][basis] - ref) / ref:+.0f}% ({basis})" if "exact" in row else "-"
         cpu = (f"; predicted CPU {row['exact']['cpu'] / GB:.1f} GB"
                if "exact" in row and row["exact"]["cpu"] >= 0.05 * GB else "")

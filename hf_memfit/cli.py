@@ -39,7 +39,8 @@ def _positive_int(text: str) -> int:
 
 def add_step_arguments(parser: argparse.ArgumentParser, *, with_batch: bool = True) -> None:
     """The flags that describe a training step; shared by estimate, plan and explain."""
-    from hf_memfit.settings import ATTN_IMPLEMENTATIONS, OFFLOAD_TARGETS, OPTIMIZERS, PRECISIONS, TASKS
+    from hf_memfit.settings import (ATTN_IMPLEMENTATIONS, FSDP_STRATEGIES, OFFLOAD_TARGETS, OPTIMIZERS, PRECISIONS,
+                                    QUANT_STORAGE_DTYPES, TASKS)
 
     parser.add_argument("model", help="catalogue name (gpt2-xl, meta-llama/Llama-3.1-8B, ...), local dir or config.json")
     if with_batch:
@@ -52,6 +53,11 @@ def add_step_arguments(parser: argparse.ArgumentParser, *, with_batch: bool = Tr
     parser.add_argument("--lora-alpha", type=_positive_int)
     parser.add_argument("--lora-target-modules", help="comma-separated module names; default: peft's for the model")
     parser.add_argument("--load-in-4bit", action="store_true", help="QLoRA: 4-bit NF4 base weights (bitsandbytes)")
+    parser.add_argument("--no-double-quant", dest="bnb_4bit_use_double_quant", action="store_false",
+                        help="4-bit without double quantisation (bnb_4bit_use_double_quant=False)")
+    parser.add_argument("--bnb-4bit-quant-storage", choices=QUANT_STORAGE_DTYPES,
+                        help="dtype the packed 4-bit weights are stored in; default: uint8, or the compute dtype "
+                             "when FSDP / ZeRO-3 shard them")
     parser.add_argument("--num-gpus", type=_positive_int, default=1, help="GPUs per node")
     parser.add_argument("--num-nodes", type=_positive_int, default=1)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="memory semantics to estimate for")
@@ -79,6 +85,12 @@ def add_step_arguments(parser: argparse.ArgumentParser, *, with_batch: bool = Tr
         parser.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=0)
         parser.add_argument("--offload-optimizer", choices=OFFLOAD_TARGETS, default="none")
         parser.add_argument("--offload-param", choices=OFFLOAD_TARGETS, default="none")
+        parser.add_argument("--fsdp", choices=FSDP_STRATEGIES,
+                            help="PyTorch FSDP sharding strategy, as TrainingArguments --fsdp")
+        parser.add_argument("--fsdp-version", type=int, choices=(1, 2), default=2,
+                            help="2: fully_shard (the Trainer's default); 1: FullyShardedDataParallel")
+        parser.add_argument("--fsdp-offload", action="store_true",
+                            help="FSDP CPU offload: parameters, gradients and the optimizer step on the host")
 
 
 def settings_from_args(args: argparse.Namespace):
@@ -98,6 +110,8 @@ def settings_from_args(args: argparse.Namespace):
         lora_r=args.lora_r, lora_alpha=args.lora_alpha, lora_target_modules=targets,
         load_in_4bit=args.load_in_4bit, num_gpus=args.num_gpus, num_nodes=args.num_nodes,
         zero_stage=args.zero_stage, offload_optimizer=args.offload_optimizer, offload_param=args.offload_param,
+        fsdp=args.fsdp, fsdp_version=args.fsdp_version, fsdp_offload=args.fsdp_offload,
+        bnb_4bit_use_double_quant=args.bnb_4bit_use_double_quant, bnb_4bit_quant_storage=args.bnb_4bit_quant_storage,
         device=args.device, gpu=args.gpu, mode=args.mode, expandable_segments=args.expandable_segments,
     )
 
@@ -122,6 +136,8 @@ _PLAN_EPILOG = """examples:
   hf-memfit plan meta-llama/Llama-3.1-8B --gpu a10g --seq-len 2048 --global-batch-size 32 --load-in-4bit --lora-r 16
   hf-memfit plan meta-llama/Llama-2-70b-hf --gpu h100 --num-gpus 8 --seq-len 4096 --global-batch-size 64 \\
       --deepspeed-config-out ds_config.json --json
+  hf-memfit plan meta-llama/Llama-2-70b-hf --gpu rtx4090 --num-gpus 2 --seq-len 2048 --global-batch-size 4 \\
+      --load-in-4bit --lora-r 8 --cpu-memory 128GiB --accelerate-config-out fsdp.yaml
   hf-memfit plan gpt2-large --gpu rtx3060 --seq-len 1024 --global-batch-size 32 --explain plan.png
 """
 
@@ -150,6 +166,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                              "galore_adamw, galore_adamw_8bit, apollo_adamw, adafactor")
     parser.add_argument("--optim", default="adamw_torch_fused", help="the optimizer to start from")
     parser.add_argument("--deepspeed-config-out", help="write the plan's DeepSpeed config (JSON) here")
+    parser.add_argument("--accelerate-config-out",
+                        help="write the plan's accelerate FSDP config (YAML, for `accelerate launch --config_file`) here")
     parser.add_argument("--explain", nargs="?", const="", metavar="FILE.png",
                         help="also trace the chosen plan's step and show where the memory goes; with a path, draw it")
 
@@ -173,6 +191,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
         allow_pure_bf16=args.allow_pure_bf16, allow_optimizers=args.allow_optimizers,
         use_liger_kernel={"auto": None, "yes": True, "no": False}[args.use_liger_kernel],
     )
+    if args.accelerate_config_out:
+        if result.plan.settings.fsdp is None:
+            print("hf-memfit: note: the plan uses no FSDP; no accelerate config written", file=sys.stderr)
+        else:
+            from hf_memfit.fsdp import accelerate_fsdp_config, write_accelerate_config
+
+            write_accelerate_config(accelerate_fsdp_config(result.plan.settings), args.accelerate_config_out)
     if args.deepspeed_config_out:
         if result.plan.deepspeed is None:
             print("hf-memfit: note: the plan needs no DeepSpeed; no config written", file=sys.stderr)

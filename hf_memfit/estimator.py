@@ -102,7 +102,8 @@ def traced_settings(settings: TrainSettings) -> TrainSettings:
     without autocast (accelerate turns native AMP off for DeepSpeed), so a
     bf16-mixed ZeRO step is a pure-bf16 step: no fp32 weights, no autocast
     weight cache, half-precision activations. The model states are then laid
-    out by `sharding.shard`.
+    out by `sharding.shard`. FSDP keeps the Trainer's autocast (accelerate leaves native AMP on
+    and adds FSDP's mixed-precision policy), so its step is traced as configured.
     """
     if settings.zero_stage and settings.autocast_dtype:
         return settings.replace(precision=settings.precision.removesuffix("-mixed"))
@@ -112,9 +113,10 @@ def traced_settings(settings: TrainSettings) -> TrainSettings:
 def assemble(spec: ModelSpec, settings: TrainSettings, step: StepMemory) -> MemoryEstimate:
     """Shard the candidates, add the GPU's own overheads, and pick the peak."""
     from hf_memfit import cuda_overhead
-    from hf_memfit.sharding import shard
+    from hf_memfit.sharding import shard, wrap_units
 
-    rank = shard(step, settings, spec.hidden_size)
+    units = wrap_units(spec, settings, step) if settings.fsdp is not None else None
+    rank = shard(step, settings, spec.hidden_size, units)
     peak_region = max(rank.candidates, key=lambda r: sum(rank.candidates[r].values()))
     breakdown = {k: int(rank.candidates[peak_region].get(k, 0)) for k in CATEGORIES}
     allocated = sum(breakdown.values())
@@ -128,6 +130,7 @@ def assemble(spec: ModelSpec, settings: TrainSettings, step: StepMemory) -> Memo
         # One slack model for both modes: a share of what churns (activations and temporaries).
         slack = cuda_overhead.allocator_slack_bytes(breakdown["activations"] + breakdown["temporary"],
                                                     expandable_segments=settings.expandable_segments)
+        slack += rank.stream_cached.get(peak_region, 0)  # FSDP's collective streams keep their own blocks
         reserved = allocated + slack
         context = cuda_overhead.cuda_context_bytes(gpu)
         total = reserved + context + rank.outside_allocator_bytes

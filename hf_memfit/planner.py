@@ -3,7 +3,8 @@
 The search is exhaustive over a small grid, because fast-mode estimates cost
 about a millisecond each: micro-batch (a divisor of the per-rank batch, so the
 global batch is kept exactly) x gradient checkpointing x optimizer (within the
-AdamW family) x ZeRO stage and offload (only as allowed). Precision and
+AdamW family) x layout: DDP, ZeRO-1/2/3 and PyTorch FSDP (full_shard,
+shard_grad_op), with offload only as allowed. Precision and
 attention are not searched: bf16 mixed where the GPU has bf16, else fp16 with
 loss scaling; flash-attention-2 where installed and supported, else SDPA. Each
 fitting candidate gets a predicted step time from a speed model (below), and
@@ -96,6 +97,7 @@ class Plan:
     predicted_step_seconds: float
     settings: TrainSettings = field(repr=False)
     budget_bytes: int = 0
+    fsdp: dict | None = None  # TrainingArguments `fsdp` / `fsdp_config` when the plan shards with FSDP
     optim_args: str | None = None  # TrainingArguments.optim_args ("bf16_stochastic_round=True" for pure bf16)
     use_liger_kernel: bool = False
     offload_activations: bool = False  # gradient_checkpointing_kwargs={"offload": True}
@@ -118,10 +120,14 @@ class Plan:
             "optim_target_modules": self.optim_target_modules,
             "attn_implementation": self.attn_implementation,
             "deepspeed": self.deepspeed,
+            "fsdp": self.fsdp,
             "per_device_eval_batch_size": self.per_device_eval_batch_size,
             "zero_stage": self.settings.zero_stage,
             "offload_optimizer": self.settings.offload_optimizer,
             "offload_param": self.settings.offload_param,
+            "fsdp_strategy": self.settings.fsdp,
+            "fsdp_version": self.settings.fsdp_version if self.settings.fsdp else None,
+            "fsdp_offload": self.settings.fsdp_offload,
             "reasons": list(self.reasons),
             "predicted_tokens_per_second_relative": round(self.predicted_tokens_per_second_relative, 4),
             "budget_bytes": self.budget_bytes,
@@ -148,6 +154,8 @@ class Plan:
             kwargs["gradient_checkpointing_kwargs"] = {"use_reentrant": False}
             if self.offload_activations:
                 kwargs["gradient_checkpointing_kwargs"]["offload"] = True
+        if self.fsdp is not None:
+            kwargs.update(self.fsdp)
         if self.deepspeed is not None:  # the plan's peak depends on this layout (TrainingArguments takes a dict)
             kwargs["deepspeed"] = self.deepspeed
         return kwargs
@@ -187,6 +195,9 @@ def _alternative_dict(c: Candidate, plan: Plan) -> dict:
         "zero_stage": s.zero_stage,
         "offload_optimizer": s.offload_optimizer,
         "offload_param": s.offload_param,
+        "fsdp": s.fsdp,
+        "fsdp_version": s.fsdp_version if s.fsdp else None,
+        "fsdp_offload": s.fsdp_offload,
         "fits": c.fits,
         "device_total_bytes": c.estimate.device_total_bytes,
         "predicted_step_seconds": round(c.step_seconds, 4),
@@ -201,8 +212,9 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
          nvme_path: str | None = None, headroom: float = 0.05, keep_optimizer: bool = False,
          optim: str = "adamw_torch_fused", device: str = "cuda", mode: str = "fast",
          precision: str | None = None, deepspeed_layout: tuple[int, str, str] | None = None,
-         allow_pure_bf16: bool = False, allow_optimizers=(), expandable_segments: bool = False,
-         progress=None, use_liger_kernel: bool | None = None) -> PlanResult:
+         fsdp_layout: tuple[str, int, bool] | None = None, bnb_4bit_use_double_quant: bool = True,
+         bnb_4bit_quant_storage: str | None = None, allow_pure_bf16: bool = False, allow_optimizers=(),
+         expandable_segments: bool = False, progress=None, use_liger_kernel: bool | None = None) -> PlanResult:
     """Pick the fastest configuration that trains `model` within the memory budget.
 
     The budget is `gpu_memory` (a size such as "12GiB", or "auto" for the local
@@ -211,7 +223,8 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
     precision (the trainer passes the loaded model's); by default it is chosen
     from the GPU. `deepspeed_layout` = (zero_stage, offload_optimizer,
     offload_param) fixes the layout to a DeepSpeed config the user already has
-    (the trainer passes it); the rest is searched around it. `cpu_memory` is
+    (the trainer passes it); `fsdp_layout` = (strategy, version, offload) to an
+    FSDP one; the rest is searched around it. `cpu_memory` is
     the host RAM per node for offloaded state: a size, "auto" (this machine)
     or "none"; unset, it is "auto" with `gpu_memory="auto"` and unchecked
     otherwise. Fast-mode choices within `CONFIRM_IN_EXACT_MARGIN` of the
@@ -270,7 +283,17 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
         lora_target_modules=tuple(lora_target_modules) if lora_target_modules else None,
         load_in_4bit=load_in_4bit, num_gpus=num_gpus, num_nodes=num_nodes, device=device,
         gpu=gpu_info.name if gpu_info else None, mode="fast", expandable_segments=expandable_segments,
+        bnb_4bit_use_double_quant=bnb_4bit_use_double_quant, bnb_4bit_quant_storage=bnb_4bit_quant_storage,
     ).validate(spec)
+    fixed_layout = None
+    if deepspeed_layout is not None and fsdp_layout is not None:
+        raise MemFitError("a run shards with DeepSpeed or with FSDP, not both: drop one of the two configs")
+    if deepspeed_layout is not None:
+        fixed_layout = dict(zip(("zero_stage", "offload_optimizer", "offload_param"), deepspeed_layout))
+    elif fsdp_layout is not None:
+        fixed_layout = dict(zip(("fsdp", "fsdp_version", "fsdp_offload"), fsdp_layout))
+    if fixed_layout is not None:
+        base.replace(**fixed_layout).validate(spec)  # one line naming the problem, before any search
 
     per_rank = global_batch_size // world
     optims = _allowed_optimizers(base, allow_optimizers, keep_optimizer)
@@ -283,7 +306,7 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
     # Offloading activation checkpoints is host offload too: searched on GPUs unless `--allow-offload none`.
     offload_acts = base.device == "cuda" and allow_offload != "none"
     grid = _with_activation_offload(_with_liger(_grid(base, per_rank, allow_offload, keep_optimizer, world,
-                                                      deepspeed_layout, optims, _low_rank_targets(spec, base)),
+                                                      fixed_layout, optims, _low_rank_targets(spec, base)),
                                                 liger), offload_acts)
     candidates = [_evaluate(spec, s, usable, host, gpu_info) for s in grid]
     fitting = _fitting_last_resort_last(candidates)
@@ -492,42 +515,55 @@ def _pure_bf16_reason(best: "Candidate", candidates: list["Candidate"], host: "H
 
 
 def _grid(base: TrainSettings, per_rank: int, allow_offload: str, keep_optimizer: bool, world: int,
-          fixed_layout: tuple[int, str, str] | None = None, optims: tuple[str, ...] | None = None,
+          fixed_layout: dict | None = None, optims: tuple[str, ...] | None = None,
           low_rank_targets: tuple[str, ...] = ()):
     micro_batches = [m for m in range(1, per_rank + 1) if per_rank % m == 0]
     if optims is None:
         optims = (base.optim,) if keep_optimizer or base.optim not in ADAM_LADDER else ADAM_LADDER
-    if fixed_layout is not None:  # the user's own DeepSpeed config: its optimizer section, if any, wins anyway
-        stage, off_opt, off_param = fixed_layout
+    if fixed_layout is not None:  # the user's own DeepSpeed or FSDP config: its optimizer section, if any, wins anyway
         for micro in micro_batches:
             for checkpointing in (False, True):
                 yield base.replace(batch_size=micro, gradient_accumulation_steps=per_rank // micro,
-                                   gradient_checkpointing=checkpointing, zero_stage=stage,
-                                   offload_optimizer=off_opt, offload_param=off_param)
+                                   gradient_checkpointing=checkpointing, **fixed_layout)
         return
-    layouts = [(0, "none", "none")]
-    # DeepSpeed layouts are GPU plans: on the CPU one process holds everything, so there is nothing to shard.
-    on_gpu = base.device == "cuda"
-    if world > 1 and on_gpu:
-        layouts += [(1, "none", "none"), (2, "none", "none"), (3, "none", "none")]
-    if allow_offload in ("cpu", "nvme") and not base.load_in_4bit and on_gpu:
-        layouts += [(2, "cpu", "none"), (3, "cpu", "none"), (3, "cpu", "cpu")]
-    if allow_offload == "nvme" and not base.load_in_4bit and on_gpu:
-        layouts += [(3, "nvme", "nvme")]
     for micro in micro_batches:
         for checkpointing in (False, True):
-            for zero_stage, off_opt, off_param in layouts:
+            for layout in _layouts(base, allow_offload, world):
                 for optim in optims:
-                    if zero_stage and optim != "adamw_torch_fused":
-                        continue  # under ZeRO the states are already sharded; 8-bit states stay a plain-torch knob
-                    if base.load_in_4bit and zero_stage == 3:
-                        continue
+                    if (layout.get("zero_stage") or layout.get("fsdp")) and optim != "adamw_torch_fused":
+                        continue  # sharded layouts already split the states; 8-bit states stay a plain-torch knob
                     low_rank = optimizers.OPTIMIZERS[optim].low_rank
                     yield base.replace(batch_size=micro, gradient_accumulation_steps=per_rank // micro,
-                                       gradient_checkpointing=checkpointing, optim=optim, zero_stage=zero_stage,
-                                       offload_optimizer=off_opt, offload_param=off_param,
+                                       gradient_checkpointing=checkpointing, optim=optim, **layout,
                                        optim_target_modules=(base.optim_target_modules or low_rank_targets)
                                        if low_rank else None)
+
+
+def _layouts(base: TrainSettings, allow_offload: str, world: int) -> list[dict]:
+    """The data-parallel layouts the planner may choose from, as TrainSettings fields.
+
+    Sharded layouts are GPU plans: on the CPU one process holds everything. FSDP runs
+    as the Trainer runs it by default (FSDP2), under a distributed launch only (one
+    GPU: DeepSpeed's offload covers it). DeepSpeed offload is not offered for 4-bit
+    models; FSDP's CPU offload is (peft's "FSDP+QLoRA" recipe), and 4-bit weights are
+    sharded with the quant storage in the compute dtype.
+    """
+    none = dict(zero_stage=0, offload_optimizer="none", offload_param="none", fsdp=None, fsdp_offload=False)
+    layouts = [none]
+    if base.device != "cuda":
+        return layouts
+    if world > 1:
+        layouts += [none | dict(zero_stage=stage) for stage in (1, 2, 3)]
+        layouts += [none | dict(fsdp="full_shard", fsdp_version=2), none | dict(fsdp="shard_grad_op", fsdp_version=2)]
+    if allow_offload in ("cpu", "nvme"):
+        if not base.load_in_4bit:
+            layouts += [none | dict(zero_stage=2, offload_optimizer="cpu"), none | dict(zero_stage=3, offload_optimizer="cpu"),
+                        none | dict(zero_stage=3, offload_optimizer="cpu", offload_param="cpu")]
+        if world > 1:
+            layouts += [none | dict(fsdp="full_shard", fsdp_version=2, fsdp_offload=True)]
+    if allow_offload == "nvme" and not base.load_in_4bit:
+        layouts += [none | dict(zero_stage=3, offload_optimizer="nvme", offload_param="nvme")]
+    return layouts
 
 
 def _evaluate(spec, settings: TrainSettings, usable: int, host: HostLimit, gpu_info) -> Candidate:
@@ -606,8 +642,9 @@ def step_seconds(spec: ModelSpec, settings: TrainSettings, est: MemoryEstimate, 
     optimizer = ADAM_BYTES_MOVED_PER_PARAM * trainable / hbm * settings.optimizer.gpu_step_factor
     world = settings.world_size
     w_bytes = 2 if settings.precision != "fp32" else 4
-    if settings.offload_optimizer != "none":
-        # Gradients down and updated weights up over PCIe; Adam on the host.
+    if settings.offload_optimizer != "none" or settings.fsdp_offload:
+        # Gradients down and updated weights up over PCIe; Adam on the host (DeepSpeedCPUAdam, or
+        # torch's AdamW on FSDP's host shards).
         optimizer = 2 * w_bytes * trainable / world / pcie + trainable / world / CPU_ADAM_PARAMS_PER_S
         if settings.offload_optimizer == "nvme":
             optimizer += 16 * trainable / world / NVME_BYTES_PER_S  # fp32 master + states read and written
@@ -619,6 +656,10 @@ def step_seconds(spec: ModelSpec, settings: TrainSettings, est: MemoryEstimate, 
     # Offloaded activation checkpoints: each micro-batch copies every layer's input to the host and back,
     # on the compute stream (transformers' save_on_cpu), so nothing overlaps them.
     offload_activations = micro_steps * 2 * offloaded_activation_bytes(spec, settings) / pcie
+    if settings.fsdp_offload:
+        # FSDP copies each rank's host shard in before every all-gather (forward and backward)
+        # and each reduced gradient shard out.
+        offload_param = micro_steps * 3 * w_bytes * params / world / pcie
 
     comm = 0.0
     if world > 1:
@@ -627,7 +668,12 @@ def step_seconds(spec: ModelSpec, settings: TrainSettings, est: MemoryEstimate, 
             link = min(link, INTER_NODE_BYTES_PER_S)
         ring = (world - 1) / world
         grad_bytes = w_bytes * trainable
-        if settings.zero_stage == 3:
+        if settings.fsdp == "shard_grad_op":
+            # One all-gather per micro-batch (kept from forward to backward), reduce-scatter gradients.
+            comm = micro_steps * (w_bytes * params + grad_bytes) * ring / link
+        elif settings.fsdp == "no_shard":
+            comm = micro_steps * 2 * grad_bytes * ring / link  # FSDP1 NO_SHARD all-reduces every micro-batch
+        elif settings.zero_stage == 3 or settings.fsdp is not None:
             # All-gather parameters for forward and backward, reduce-scatter gradients, every micro-batch.
             comm = micro_steps * (2 * w_bytes * params + grad_bytes) * ring / link
         elif settings.zero_stage in (1, 2):
@@ -692,7 +738,7 @@ def _ideal_seconds(spec: ModelSpec, settings: TrainSettings, est: MemoryEstimate
                              gradient_accumulation_steps=1, gradient_checkpointing=False,
                              optim="adamw_torch_fused" if settings.optimizer_family != "sgd" else settings.optim,
                              zero_stage=0 if settings.world_size == 1 else settings.zero_stage,
-                             offload_optimizer="none", offload_param="none")
+                             offload_optimizer="none", offload_param="none", fsdp_offload=False)
     return step_seconds(spec, ideal, est, gpu_info)
 
 
@@ -717,8 +763,11 @@ def _runners_up(best: Candidate, fitting: list[Candidate], candidates: list[Cand
 
 
 def _knobs(s: TrainSettings) -> tuple:
-    return (s.gradient_checkpointing, s.optim, s.zero_stage, s.offload_optimizer, s.offload_param, s.precision,
-            s.use_liger_kernel, s.offload_activations)
+    return (s.gradient_checkpointing, s.optim) + _layout_key(s) + (s.precision, s.use_liger_kernel, s.offload_activations)
+
+
+def _layout_key(s: TrainSettings) -> tuple:
+    return (s.zero_stage, s.offload_optimizer, s.offload_param, s.fsdp, s.fsdp_version, s.fsdp_offload)
 
 
 def _difference(chosen: TrainSettings, other: TrainSettings) -> str:
@@ -735,13 +784,14 @@ def _difference(chosen: TrainSettings, other: TrainSettings) -> str:
         parts.append("Liger " + ("on" if other.use_liger_kernel else "off"))
     if other.offload_activations != chosen.offload_activations:
         parts.append("activation offload " + ("on" if other.offload_activations else "off"))
-    if (other.zero_stage, other.offload_optimizer, other.offload_param) != \
-            (chosen.zero_stage, chosen.offload_optimizer, chosen.offload_param):
+    if _layout_key(other) != _layout_key(chosen):
         parts.append(_layout_text(other))
     return ", ".join(parts) or "same knobs"
 
 
 def _layout_text(s: TrainSettings) -> str:
+    if s.fsdp is not None:
+        return f"FSDP{s.fsdp_version} {s.fsdp}" + (" + CPU offload" if s.fsdp_offload else "")
     if not s.zero_stage:
         return "DDP" if s.world_size > 1 else "no ZeRO"
     text = f"ZeRO-{s.zero_stage}"
@@ -816,14 +866,20 @@ def _make_plan(best: Candidate, candidates, usable: int, budget: int, ideal_seco
         reasons.append("Liger fused linear cross-entropy (`use_liger_kernel=True`): the loss runs over chunks of "
                        "tokens and never materialises the logits or their fp32 copies" + detail)
     reasons.append(attn_reason)
-    if s.zero_stage:
-        plain = _lookup(candidates, s.replace(zero_stage=0, offload_optimizer="none", offload_param="none"))
+    if s.zero_stage or s.fsdp is not None:
+        plain = _lookup(candidates, s.replace(zero_stage=0, offload_optimizer="none", offload_param="none", fsdp=None,
+                                              fsdp_offload=False))
         detail = (f"; without it the peak would be {format_bytes(plain.estimate.device_total_bytes)}"
                   if plain is not None and not plain.fits else "")
-        reasons.append(f"DeepSpeed {_layout_text(s)}{detail}")
+        engine = "DeepSpeed " if s.zero_stage else ""
+        reasons.append(f"{engine}{_layout_text(s)}{detail}")
     elif s.world_size > 1:
         reasons.append("DDP: model states fit on every GPU, so no sharding traffic")
-    deepspeed = None
+    deepspeed = fsdp = None
+    if s.fsdp is not None:
+        from hf_memfit.fsdp import trainer_fsdp_arguments
+
+        fsdp = trainer_fsdp_arguments(s)
     if s.zero_stage:
         from hf_memfit.deepspeed import deepspeed_config
 
@@ -850,6 +906,7 @@ def _make_plan(best: Candidate, candidates, usable: int, budget: int, ideal_seco
         predicted_step_seconds=best.step_seconds,
         settings=s,
         budget_bytes=budget,
+        fsdp=fsdp,
         optim_args=s.optim_args,
         use_liger_kernel=s.use_liger_kernel,
         offload_activations=s.offload_activations,

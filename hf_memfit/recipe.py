@@ -47,6 +47,9 @@ class Recipe:
     num_gpus: int = 1  # per node
     num_nodes: int = 1
     num_labels: int = 2
+    # Store the packed 4-bit weights in the compute dtype, so that FSDP / ZeRO-3 can shard them
+    # (bitsandbytes' default, uint8, cannot be flattened with the bf16 rest of a layer).
+    shard_4bit: bool = False
     cpu_memory: str | None = None  # host RAM per node the dry-run plan must fit; None: not checked
 
 
@@ -155,6 +158,7 @@ def plan_recipe(recipe: Recipe, args=None):
                 gpu_memory=recipe.memory_budget, task=recipe.task, num_labels=recipe.num_labels,
                 num_gpus=recipe.num_gpus, num_nodes=recipe.num_nodes, lora_r=recipe.lora_r,
                 lora_alpha=recipe.lora_alpha, load_in_4bit=recipe.load_in_4bit,
+                bnb_4bit_quant_storage="bfloat16" if recipe.shard_4bit else None,
                 precision="bf16" if _half_precision_base(recipe) else None, cpu_memory=recipe.cpu_memory, **knobs)
 
 
@@ -200,9 +204,11 @@ def load_model(recipe: Recipe, path: str, *, on_cpu: bool = False, pure_bf16: bo
         kwargs["dtype"] = torch.bfloat16
     if recipe.load_in_4bit:
         # The QLoRA recipe: NF4 with double quantisation, matmuls in half precision.
-        kwargs["quantization_config"] = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                                           bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=half)
-        if on_gpu:  # under DDP every process holds its own 4-bit copy, on its own GPU
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=half,
+            bnb_4bit_quant_storage=half if recipe.shard_4bit else torch.uint8)
+        if on_gpu and os.environ.get("ACCELERATE_USE_FSDP", "false").lower() not in ("1", "true", "yes"):
+            # under DDP every process holds its own 4-bit copy, on its own GPU; FSDP places the shards itself
             from accelerate import PartialState
 
             kwargs["device_map"] = {"": PartialState().local_process_index}
@@ -505,9 +511,12 @@ def readme_table(recipes_dir: Path = REPO / "recipes") -> str:
         result = plan_recipe(recipe, train_args)
         p, s, est = result.plan, result.plan.settings, result.estimate
         kind = "QLoRA" if recipe.load_in_4bit else "LoRA" if recipe.lora_r else "full"
-        sharding = f"ZeRO-{s.zero_stage}" if s.zero_stage else ("DDP" if s.world_size > 1 else "none")
+        sharding = (f"FSDP{s.fsdp_version} {s.fsdp}" if s.fsdp else f"ZeRO-{s.zero_stage}" if s.zero_stage
+                    else "DDP" if s.world_size > 1 else "none")
         offload = [f"{what} to {where}" for what, where in (("optimizer", s.offload_optimizer),
                                                            ("params", s.offload_param)) if where != "none"]
+        if s.fsdp_offload:
+            offload.append("params, grads & optimizer to cpu")
         gpus = f"{recipe.num_gpus * recipe.num_nodes}" + (f" ({recipe.num_nodes} nodes)" if recipe.num_nodes > 1 else "")
         command = f"`{script}" + "".join(f" {flag}" for flag in flags) + "`"
         lines.append(" | ".join([

@@ -45,6 +45,8 @@ def settings_line(settings) -> str:
         parts.append(f"optimizer offload {settings.offload_optimizer}")
     if settings.offload_param != "none":
         parts.append(f"param offload {settings.offload_param}")
+    if settings.fsdp is not None:
+        parts.append(f"FSDP{settings.fsdp_version} {settings.fsdp}" + (" + CPU offload" if settings.fsdp_offload else ""))
     return ", ".join(p for p in parts if p)
 
 
@@ -158,12 +160,16 @@ def step_command(command: str, model: str, s) -> str:
                  "expandable_segments"):
         if getattr(s, name):
             flags.append(f"--{name.replace('_', '-')}")
-    names = ("num_gpus", "num_nodes", "zero_stage", "offload_optimizer", "offload_param", "device")
+    names = ("num_gpus", "num_nodes", "zero_stage", "offload_optimizer", "offload_param", "fsdp", "device")
     if command == "estimate":
         names += ("mode",)
     for name in names:
         if getattr(s, name) != getattr(default, name):
             flags.append(f"--{name.replace('_', '-')} {getattr(s, name)}")
+    if s.fsdp is not None and s.fsdp_version != default.fsdp_version:
+        flags.append(f"--fsdp-version {s.fsdp_version}")
+    if s.fsdp_offload:
+        flags.append("--fsdp-offload")
     return f"hf-memfit {command} {model} " + " ".join(flags)
 
 

@@ -14,6 +14,12 @@ TASKS = ("causal-lm", "seq-cls", "seq2seq")
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16", "fp16")
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2")
 OFFLOAD_TARGETS = ("none", "cpu", "nvme")
+# TrainingArguments `--fsdp` sharding strategies (accelerate's FSDP_SHARDING_STRATEGY, lower case). FSDP2
+# (`fully_shard`) expresses full_shard / shard_grad_op as reshard_after_forward True / False; the Trainer
+# accepts no_shard and hybrid_shard only with FSDP1 (`fsdp_config["version"] = 1`).
+FSDP_STRATEGIES = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard")
+FSDP_VERSIONS = (1, 2)
+QUANT_STORAGE_DTYPES = ("uint8", "bfloat16", "float16", "float32")
 DEVICES = ("cuda", "cpu")
 # Model types whose causal-LM forward Liger replaces with its fused linear cross-entropy
 # (liger_kernel/transformers/monkey_patch.py, MODEL_TYPE_TO_APPLY_LIGER_FN; transformers'
@@ -48,9 +54,14 @@ class TrainSettings:
     load_in_4bit: bool = False
     num_gpus: int = 1  # per node
     num_nodes: int = 1
-    zero_stage: int = 0  # 0: plain DDP (or one GPU); 1/2/3: DeepSpeed ZeRO; FSDP full-shard ~ 3
+    zero_stage: int = 0  # 0: plain DDP (or one GPU); 1/2/3: DeepSpeed ZeRO
     offload_optimizer: str = "none"
     offload_param: str = "none"
+    fsdp: str | None = None  # a FSDP_STRATEGIES name: PyTorch FSDP as accelerate and the Trainer run it
+    fsdp_version: int = 2  # 2 (fully_shard), the Trainer's default; 1: FullyShardedDataParallel
+    fsdp_offload: bool = False  # CPUOffload: sharded parameters, gradients and the optimizer step on the host
+    bnb_4bit_use_double_quant: bool = True  # the QLoRA recipe; BitsAndBytesConfig's own default is False
+    bnb_4bit_quant_storage: str | None = None  # None: uint8 unsharded, the compute dtype when FSDP/ZeRO-3 shard it
     device: str = "cuda"
     gpu: str | None = None  # a hardware.py name; decides flash support and CUDA overheads
     expandable_segments: bool = False  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
@@ -63,6 +74,11 @@ class TrainSettings:
     @property
     def uses_lora(self) -> bool:
         return self.lora_r is not None or self.load_in_4bit
+
+    @property
+    def shards_parameters(self) -> bool:
+        """Whether each rank stores only a shard of the parameters (ZeRO-3, FSDP full/grad-op/hybrid shard)."""
+        return self.zero_stage == 3 or (self.fsdp is not None and self.fsdp != "no_shard")
 
     @property
     def optimizer_family(self) -> str:
@@ -160,8 +176,7 @@ class TrainSettings:
             problems.append("`--offload-optimizer nvme` needs `--zero-stage 3` (ZeRO-Infinity)")
         if self.load_in_4bit and self.precision in ("fp32",):
             problems.append("`--load-in-4bit` computes in half precision: add `--precision bf16-mixed` or `--precision fp16-mixed`")
-        if self.load_in_4bit and self.zero_stage == 3:
-            problems.append("`--load-in-4bit` cannot be combined with `--zero-stage 3` (4-bit weights are not partitioned)")
+        problems += self._fsdp_problems()
         if self.device == "cpu" and self.zero_stage and self.world_size > 1:
             # DeepSpeed runs on the CPU in one process (its multi-process CPU launch is not supported
             # by the Trainer); DDP over CPU processes (gloo) is modelled per process.
@@ -181,6 +196,33 @@ class TrainSettings:
             problems += model_problems
         check_all(problems)
         return settings
+
+    def _fsdp_problems(self) -> list[str]:
+        problems = []
+        if self.fsdp is not None and self.fsdp not in FSDP_STRATEGIES:
+            problems.append(f"`--fsdp` must be one of {', '.join(FSDP_STRATEGIES)}; got {self.fsdp!r}")
+        if self.fsdp_version not in FSDP_VERSIONS:
+            problems.append(f"`--fsdp-version` must be 1 or 2; got {self.fsdp_version!r}")
+        elif self.fsdp in ("no_shard", "hybrid_shard") and self.fsdp_version == 2:
+            # transformers' TrainingArguments refuses these with FSDP2 (`_apply_legacy_fsdp_to_config`).
+            problems.append(f"`--fsdp {self.fsdp}` is FSDP1 only (as in the Trainer): add `--fsdp-version 1`")
+        if self.fsdp is not None and self.zero_stage:
+            problems.append("`--fsdp` and `--zero-stage` are two ways to shard: pick one")
+        if self.fsdp is not None and (self.offload_optimizer != "none" or self.offload_param != "none"):
+            problems.append("`--offload-optimizer/--offload-param` are DeepSpeed's: with `--fsdp` use `--fsdp-offload`")
+        if self.fsdp_offload and self.fsdp is None:
+            problems.append("`--fsdp-offload` needs `--fsdp full_shard` (or another `--fsdp` strategy)")
+        if self.fsdp_offload and self.fsdp == "no_shard":
+            problems.append("`--fsdp-offload` with `--fsdp no_shard` offloads whole replicas: use `--fsdp full_shard`")
+        if self.bnb_4bit_quant_storage is not None and self.bnb_4bit_quant_storage not in QUANT_STORAGE_DTYPES:
+            problems.append(f"`--bnb-4bit-quant-storage` must be one of {', '.join(QUANT_STORAGE_DTYPES)}; "
+                            f"got {self.bnb_4bit_quant_storage!r}")
+        if self.load_in_4bit and self.shards_parameters and self.bnb_4bit_quant_storage == "uint8":
+            # FSDP flattens / shards a unit's parameters in one dtype and ZeRO-3 partitions by dtype: the
+            # packed weights must be stored in the dtype of the rest (peft docs, "FSDP+QLoRA").
+            problems.append(f"sharded 4-bit weights need `--bnb-4bit-quant-storage {self.compute_dtype}` "
+                            "(the compute dtype), not uint8")
+        return problems
 
 
 def _gpu_problems(settings: TrainSettings) -> list[str]:

@@ -1,11 +1,13 @@
-"""Model states across devices: DDP, DeepSpeed ZeRO-1/2/3 (FSDP full-shard ~ ZeRO-3), offload, 4-bit, paging.
+"""Model states across devices: DDP, DeepSpeed ZeRO-1/2/3, PyTorch FSDP (1 and 2), offload, 4-bit, paging.
 
 Both estimator modes measure one process with no sharding. This module turns
 each single-device peak candidate into what a rank holds under the chosen
 parallelism. Activations and temporaries of the forward and backward do not
 change with data parallelism; model states (weights, gradients, optimizer)
 do. Sources: DeepSpeed `runtime/zero/config.py`, `stage_1_and_2.py`,
-`stage3.py` and the ZeRO papers, as gathered in `shared/CUDA_MEMORY_FACTS.md`.
+`stage3.py` and the ZeRO papers, as gathered in `shared/CUDA_MEMORY_FACTS.md`;
+for FSDP, torch 2.13 `distributed/fsdp/_fully_shard/` (FSDP2) and
+`_flat_param.py` / `_runtime_utils.py` (FSDP1), as accelerate 1.15 configures them.
 """
 
 from dataclasses import dataclass, field
@@ -16,6 +18,12 @@ from hf_memfit.settings import TrainSettings
 # bitsandbytes NF4 with double quantisation (the QLoRA recipe): 4-bit codes,
 # an 8-bit absmax per 64 weights and an fp32 absmax per 256 of those.
 QLORA_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)
+# Without double quantisation: an fp32 absmax per 64 weights (bitsandbytes blocksize 64).
+NF4_BYTES_PER_PARAM = 0.5 + 4 / 64
+# FSDP keeps at most two units' parameters gathered: the one computing and the one prefetched (FSDP2
+# prefetches one unit ahead in forward and backward; FSDP1's rate limiter, limit_all_gathers=True, allows
+# two in-flight all-gathers). torch docs, "FSDP2" / FullyShardedDataParallel(limit_all_gathers).
+FSDP_GATHERED_UNITS = 2
 NCCL_BYTES_PER_COMMUNICATOR = int(0.6 * 1024**3)  # 0.5-0.7 GB per communicator on A100 (nccl#964)
 # zero_optimization.sub_group_size: DeepSpeed's default, and what deepspeed.py writes for ZeRO-3.
 SUB_GROUP_SIZE = 1_000_000_000
@@ -30,10 +38,52 @@ class RankMemory:
     nvme_bytes: int = 0
     notes: list[str] = field(default_factory=list)
     outside_allocator_bytes: int = 0  # NCCL buffers: counted by nvidia-smi, not by torch
+    # Per region: bytes the caching allocator holds for the collectives' own streams beyond what is
+    # live there (blocks are not reused across streams: c10/cuda/CUDACachingAllocator.cpp keys free
+    # blocks by stream). Reserved, not allocated.
+    stream_cached: dict[str, int] = field(default_factory=dict)
 
 
-def shard(step: StepMemory, settings: TrainSettings, hidden_size: int) -> RankMemory:
-    """Apply 4-bit packing, paging, and the data-parallel layout to every candidate."""
+@dataclass(frozen=True)
+class WrapUnits:
+    """How FSDP's transformer auto-wrap splits the model: one unit per repeated layer, the rest in the root.
+
+    accelerate's TRANSFORMER_BASED_WRAP wraps each `_no_split_modules` layer, then the whole model
+    (the root unit: embeddings, final norm, head).
+    """
+
+    num_layers: int
+    layer_params: int  # the largest layer unit's parameters
+    layer_trainable: int
+    layer_quantizable: int  # its Linear weights, packed to 4 bits under --load-in-4bit
+    root_params: int
+    root_trainable: int
+
+
+def wrap_units(spec, settings: TrainSettings, step: StepMemory) -> WrapUnits:
+    """The FSDP units of `spec` under `settings` (LoRA adapters spread over the layers they live in)."""
+    counts = spec.parameter_count(settings.task, settings.num_labels)
+    layers = spec.num_layers + (spec.num_decoder_layers or 0)
+    layer = max(counts.get("per_encoder_layer", 0), counts.get("per_decoder_layer", 0), counts["per_layer"])
+    adapters = max(0, step.total_params - counts["total"])  # LoRA's A and B, inside the layers
+    layer += -(-adapters // layers)
+    root = max(0, step.total_params - counts["layers"] - adapters)
+    quantizable = 0
+    if settings.load_in_4bit:
+        quantizable = sum(m.weight_numel * m.count for m in spec.linear_modules(settings.task, settings.num_labels)
+                          if m.scope == "layer") // layers
+    if settings.uses_lora:
+        trainable_layer, trainable_root = -(-step.trainable_params // layers), 0
+    else:
+        trainable_layer, trainable_root = layer, root
+    return WrapUnits(layers, layer, trainable_layer, quantizable, root, trainable_root)
+
+
+def shard(step: StepMemory, settings: TrainSettings, hidden_size: int, units: WrapUnits | None = None) -> RankMemory:
+    """Apply 4-bit packing, paging, and the data-parallel layout to every candidate.
+
+    `units` (from `wrap_units`) is needed for FSDP layouts.
+    """
     candidates = {region: dict(b) for region, b in step.candidates.items()}
     rank = RankMemory(candidates)
     if step.host_bytes:
@@ -52,7 +102,11 @@ def shard(step: StepMemory, settings: TrainSettings, hidden_size: int) -> RankMe
         rank.cpu_bytes += optimizer
         rank.notes.append("paged optimizer states live in CUDA managed memory and are paged to the host under pressure")
     dp = settings.world_size
-    if settings.zero_stage == 0:
+    if settings.fsdp is not None:
+        if units is None:
+            raise ValueError("FSDP layouts need the model's wrap units (sharding.wrap_units)")
+        _fsdp(rank, step, settings, units)
+    elif settings.zero_stage == 0:
         if dp > 1:
             # DDP's reducer keeps gradient buckets: one more copy of the trainable
             # gradients (gradient_as_bucket_view=False, the torch and accelerate default).
@@ -67,16 +121,29 @@ def shard(step: StepMemory, settings: TrainSettings, hidden_size: int) -> RankMe
     return rank
 
 
+def packed_4bit_bytes_per_param(settings: TrainSettings) -> float:
+    """Bytes per 4-bit weight, its quantisation constants included."""
+    return QLORA_BYTES_PER_PARAM if settings.bnb_4bit_use_double_quant else NF4_BYTES_PER_PARAM
+
+
+def _quant_state_bytes(step: StepMemory, settings: TrainSettings) -> int:
+    """The 4-bit quantisation constants (absmax, nested absmax): module state, never sharded."""
+    return int(step.quantizable_linear_params * (packed_4bit_bytes_per_param(settings) - 0.5))
+
+
 def _pack_4bit(rank: RankMemory, step: StepMemory, settings: TrainSettings) -> None:
     traced_bytes = 4 if settings.weights_dtype == "float32" and not settings.autocast_dtype else 2
-    saved = int(step.quantizable_linear_params * (traced_bytes - QLORA_BYTES_PER_PARAM))
+    packed = packed_4bit_bytes_per_param(settings)
+    saved = int(step.quantizable_linear_params * (traced_bytes - packed))
     # bitsandbytes dequantises one weight at a time to the compute dtype for its matmul.
     dequant = 2 * step.largest_linear_numel
     for b in rank.candidates.values():
         b["weights"] = max(0, b["weights"] - saved)
         b["temporary"] += dequant
-    rank.notes.append(f"4-bit NF4 base with double quantisation: {QLORA_BYTES_PER_PARAM:.3f} B/param for "
-                      f"{step.quantizable_linear_params / 1e9:.2f}B linear weights")
+    quant = "with double quantisation" if settings.bnb_4bit_use_double_quant else "without double quantisation"
+    storage = settings.bnb_4bit_quant_storage or (settings.compute_dtype if settings.shards_parameters else "uint8")
+    rank.notes.append(f"4-bit NF4 base {quant}: {packed:.3f} B/param for {step.quantizable_linear_params / 1e9:.2f}B "
+                      f"linear weights, stored as {storage}")
 
 
 def _zero(rank: RankMemory, step: StepMemory, settings: TrainSettings, hidden_size: int) -> None:
@@ -114,8 +181,16 @@ def _zero(rank: RankMemory, step: StepMemory, settings: TrainSettings, hidden_si
 
     partition = total * w_bytes // dp
     gathered = 0
-    if settings.load_in_4bit:  # packed 4-bit base (never partitioned: validate() forbids ZeRO-3)
-        weights = max(b["weights"] for b in rank.candidates.values())
+    if settings.load_in_4bit:
+        # The packed 4-bit base, stored in the compute dtype (`bnb_4bit_quant_storage`) so that ZeRO-3
+        # partitions it like any parameter; its quantisation constants are module state, whole on every rank.
+        weights = min(b["weights"] for b in rank.candidates.values())
+        if stage == 3:
+            quant = _quant_state_bytes(step, settings)
+            partition = (weights - quant) // dp
+            largest_packed = step.largest_linear_numel // 2  # 0.5 B per 4-bit weight
+            gathered = 2 * (largest_packed + int(0.9 * hidden_size * hidden_size) * w_bytes)
+            weights = partition + quant + gathered
     elif stage == 3:
         # The 1/dp partition, plus what is gathered at once: the module being computed and
         # the prefetch bucket ("auto" = 0.9 h^2), counted twice for the overlap of one
@@ -174,3 +249,97 @@ def _zero(rank: RankMemory, step: StepMemory, settings: TrainSettings, hidden_si
                       else f"fp32 master + {settings.optim} state on a flat fp32 partition")
     rank.notes.append(f"ZeRO-{stage} partitions {shards[stage]} over {dp} rank(s); {total - trainable:,} frozen "
                       f"params; optimizer: {optimizer_text}")
+
+
+def _fsdp(rank: RankMemory, step: StepMemory, settings: TrainSettings, units: WrapUnits) -> None:
+    """PyTorch FSDP as the Trainer runs it through accelerate (FSDP2 `fully_shard` by default, or FSDP1).
+
+    What one rank holds, read from torch 2.13 (`distributed/fsdp/_fully_shard/`, FSDP1's
+    `_flat_param.py` and `_runtime_utils.py`) and accelerate 1.15 (`FullyShardedDataParallelPlugin`):
+    - parameters: a 1/dp shard of every unit, in the dtype the model was loaded in. There is no
+      separate master copy: the sharded parameters are what the optimizer updates, so a bf16 model
+      keeps bf16 shards and bf16 optimizer state, and a model loaded in fp32 for bf16-mixed keeps fp32
+      ones. accelerate's mixed-precision policy sets param_dtype = reduce_dtype = the autocast dtype,
+      so the gathered units are in the compute dtype: the root unit (embeddings, final norm, head) from
+      its forward to the end of the backward (FSDP does not reshard the root after its forward), and
+      FSDP_GATHERED_UNITS layer units (the one computing and the one prefetched). shard_grad_op
+      (FSDP2 reshard_after_forward=False) keeps every layer gathered from its forward to its backward.
+    - 4-bit (QLoRA): the packed weights, stored in the compute dtype, are sharded and gathered like any
+      parameter (0.5 B per weight); their quantisation constants are module state, whole on every rank.
+    - gradients: a 1/dp shard in the trainable parameters' dtype where the step has gradients; in the
+      backward the computing unit's unsharded gradients and the root's (reduced when its backward
+      ends), in the compute dtype. The reduce-scatter input and the all-gather output live in the
+      collectives' own streams (see `stream_cached`).
+    - the optimizer: torch's, over the shards: its state and its step temporaries are the single
+      device's divided by dp.
+    - no_shard (FSDP1): a whole replica per rank, gradients all-reduced in place per unit (no DDP
+      bucket copy). hybrid_shard: sharded over one node's GPUs, replicated across nodes.
+    - CPU offload (`CPUOffload(offload_params=True)` / `CPUOffloadPolicy`): the parameter, gradient and
+      optimizer-state shards live on the host, where the optimizer steps.
+    """
+    dp = {"no_shard": 1, "hybrid_shard": settings.num_gpus}.get(settings.fsdp, settings.world_size)
+    compute = 4 if settings.compute_dtype == "float32" else 2
+    quant = _quant_state_bytes(step, settings) if settings.load_in_4bit else 0
+    stored = min(b["weights"] for b in rank.candidates.values())  # the whole model, packed where 4-bit
+    stored_per_param = (stored - quant) / max(1, step.total_params)
+    shard = (stored - quant) // dp
+
+    def unit_bytes(params: int, quantizable: int) -> int:
+        return int(quantizable * 0.5 + (params - quantizable) * compute)
+
+    layer = unit_bytes(units.layer_params, units.layer_quantizable)
+    # Parameters are cast (gathered) for compute when they are sharded or stored wider than compute.
+    gathers = dp > 1 or stored_per_param > compute + 0.01
+    gathered_fwd_bwd = 0
+    if gathers:
+        layers_held = units.num_layers if settings.fsdp == "shard_grad_op" else FSDP_GATHERED_UNITS
+        gathered_fwd_bwd = units.root_params * compute + layers_held * layer
+    grad_full = max(b["gradients"] for b in rank.candidates.values())
+    grad_shard = grad_full // dp
+    # At most the root's and one layer's unsharded gradients, in the compute dtype, exist at once; the
+    # step's own gradients (as traced) say how far the backward has got.
+    unsharded_cap = (units.root_trainable + units.layer_trainable) * compute if gathers else 0
+    to_compute = compute * step.trainable_params / grad_full if grad_full else 0.0
+    optimizer_full = max(b["optimizer"] for b in rank.candidates.values())
+
+    # On the CPU the "host" is the device: offloaded shards stay in the same memory, at the same times.
+    offload = settings.fsdp_offload and settings.device == "cuda"
+    cpu = 0
+    if offload:
+        cpu = shard + grad_shard + optimizer_full // dp
+    for region, b in rank.candidates.items():
+        phase = region.split("|")[1] if region.count("|") == 2 else ""
+        in_model = phase in ("fwd", "bwd")
+        b["weights"] = quant + (0 if offload else shard) + (gathered_fwd_bwd if in_model else 0)
+        traced_grads = b["gradients"]
+        if dp > 1 or offload:  # else a whole replica's gradients, as traced
+            # sharded gradients appear unit by unit as the backward reduces them
+            b["gradients"] = 0 if offload else traced_grads // dp
+        if phase == "bwd":
+            b["gradients"] += min(unsharded_cap, int(traced_grads * to_compute))
+        b["optimizer"] = 0 if offload else b["optimizer"] // dp
+        if is_optimizer_region(region):
+            if offload:
+                cpu_step = b["temporary"] // dp
+                b["temporary"] = 0
+                cpu = max(cpu, shard + grad_shard + optimizer_full // dp + cpu_step)
+            else:
+                b["temporary"] //= dp
+    rank.cpu_bytes += cpu
+    if gathers and settings.device == "cuda":
+        # FSDP2 all-gathers into a flat buffer on its all-gather stream (two in flight) and copies out
+        # to the parameters on the compute stream; both versions reduce-scatter from a flat copy of the
+        # unit's gradients on their reduce-scatter stream (_fsdp_collectives.foreach_reduce; FSDP1's
+        # post-backward stream). The caching allocator keeps those blocks for their streams.
+        all_gather_pool = FSDP_GATHERED_UNITS * layer if settings.fsdp_version == 2 else 0
+        reduce_scatter_pool = units.layer_trainable * compute
+        rank.stream_cached = {region: all_gather_pool + reduce_scatter_pool for region in rank.candidates}
+    strategy = {"full_shard": "parameters, gradients and optimizer states", "shard_grad_op":
+                "parameters (whole from forward to backward), gradients and optimizer states",
+                "hybrid_shard": f"parameters, gradients and optimizer states within each node ({dp} GPUs)",
+                "no_shard": "nothing (a replica per rank)"}[settings.fsdp]
+    rank.notes.append(f"FSDP{settings.fsdp_version} {settings.fsdp} shards {strategy} over {dp} rank(s); "
+                      f"gathered in {settings.compute_dtype}: root unit {units.root_params:,} params + "
+                      f"{'every layer' if settings.fsdp == 'shard_grad_op' else FSDP_GATHERED_UNITS} layer unit(s) "
+                      f"of {units.layer_params:,}"
+                      + ("; CPU offload: parameter, gradient and optimizer shards on the host" if settings.fsdp_offload else ""))

@@ -425,6 +425,10 @@ def _plan_for(model, args: MemFitArguments, train_dataset, data_collator, proces
         except MemFitError:
             gpu_name = None
     layout = _fixed_layout(args)
+    fsdp_layout = _fsdp_layout(args)
+    quant_config = getattr(base.config, "quantization_config", None) if quantized else None
+    quant = quant_config.to_dict() if hasattr(quant_config, "to_dict") else dict(quant_config or {})
+    quant_storage = str(quant.get("bnb_4bit_quant_storage") or "uint8").removeprefix("torch.")
     # Launchers set LOCAL_WORLD_SIZE (processes per node); the rest of the world is other nodes.
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world)) or world
     return plan(
@@ -435,6 +439,8 @@ def _plan_for(model, args: MemFitArguments, train_dataset, data_collator, proces
         load_in_4bit=quantized, allow_offload=args.allow_offload if on_gpu else "none",
         headroom=args.headroom, keep_optimizer=args.keep_optimizer, optim=str(getattr(args.optim, "value", args.optim)),
         device="cuda" if on_gpu else "cpu", mode=args.memfit_mode, precision=precision, deepspeed_layout=layout,
+        fsdp_layout=fsdp_layout, bnb_4bit_use_double_quant=bool(quant.get("bnb_4bit_use_double_quant", True)),
+        bnb_4bit_quant_storage=quant_storage if quantized else None,
         allow_pure_bf16=args.allow_pure_bf16, allow_optimizers=args.allow_optimizers,
     )
 
@@ -447,19 +453,57 @@ def _env_true(name: str) -> bool:
     return os.environ.get(name, "false").lower() in ("1", "true", "yes")
 
 
+def _fsdp_layout(args) -> tuple[str, int, bool] | None:
+    """(strategy, FSDP version, CPU offload) of the run's own FSDP, or None when it runs none.
+
+    Read as the Trainer and accelerate read them: `TrainingArguments.fsdp` / `fsdp_config`
+    (after `__post_init__`: `version` defaults to 2, `reshard_after_forward` a bool for FSDP2
+    or a strategy name for FSDP1, `cpu_offload`), else accelerate's FSDP plugin environment
+    (`accelerate launch` with an FSDP config sets ACCELERATE_USE_FSDP, FSDP_VERSION,
+    FSDP_RESHARD_AFTER_FORWARD or FSDP_SHARDING_STRATEGY, FSDP_OFFLOAD_PARAMS).
+    """
+    if getattr(args, "fsdp", None):
+        config = args.fsdp_config if isinstance(args.fsdp_config, dict) else {}
+        version = int(config.get("version", 2))
+        raw = config.get("reshard_after_forward", True if version == 2 else "full_shard")
+        offload = str(config.get("cpu_offload", False)).lower() in ("1", "true", "yes")
+    elif _env_true("ACCELERATE_USE_FSDP"):
+        version = int(os.environ.get("FSDP_VERSION", "1"))  # FullyShardedDataParallelPlugin's default when unset
+        # As FullyShardedDataParallelPlugin reads them: FSDP1 takes FSDP_SHARDING_STRATEGY (which
+        # `accelerate launch` always sets), FSDP2 FSDP_RESHARD_AFTER_FORWARD.
+        raw = (os.environ.get("FSDP_RESHARD_AFTER_FORWARD", "true") if version == 2
+               else os.environ.get("FSDP_SHARDING_STRATEGY", "FULL_SHARD"))
+        offload = _env_true("FSDP_OFFLOAD_PARAMS")
+    else:
+        return None
+    return _fsdp_strategy(raw, version), version, offload
+
+
+def _fsdp_strategy(raw, version: int) -> str:
+    from hf_memfit.settings import FSDP_STRATEGIES
+
+    text = str(raw).strip().lower()
+    if version == 2 or text in ("true", "false", "1", "0", "yes", "no"):
+        return "full_shard" if text in ("true", "1", "yes") else "shard_grad_op"
+    if text.isdigit():  # accelerate's FSDP_SHARDING_STRATEGY index, 1-based
+        names = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2")
+        text = names[int(text) - 1] if 1 <= int(text) <= len(names) else text
+    text = text.removeprefix("shardingstrategy.")
+    if text not in FSDP_STRATEGIES:
+        raise MemFitError(f"FSDP sharding strategy {raw!r} is not modelled; use one of {', '.join(FSDP_STRATEGIES)}")
+    return text
+
+
 def _fixed_layout(args) -> tuple[int, str, str] | None:
-    """(ZeRO stage, optimizer offload, parameter offload) the run's own sharding already fixes.
+    """(ZeRO stage, optimizer offload, parameter offload) the run's own DeepSpeed config already fixes.
 
     A DeepSpeed config from `TrainingArguments.deepspeed` (parsed by the Trainer's
     integration) or from accelerate's DeepSpeed plugin (`accelerate launch` with a
-    DeepSpeed config sets ACCELERATE_DEEPSPEED_*); or FSDP full sharding (`--fsdp`
-    or accelerate's FSDP plugin), which is estimated like ZeRO-3. None: the planner
-    may choose a layout itself.
+    DeepSpeed config sets ACCELERATE_DEEPSPEED_*). FSDP runs: see `_fsdp_layout`.
+    None: the planner may choose a layout itself.
     """
     if _uses_fsdp(args):
-        fsdp_config = args.fsdp_config if isinstance(args.fsdp_config, dict) else {}
-        offload = bool(fsdp_config.get("cpu_offload")) or _env_true("FSDP_OFFLOAD_PARAMS")
-        return 3, "none", "cpu" if offload else "none"
+        return None
     hf_config = getattr(args, "hf_deepspeed_config", None)
     if hf_config is not None:
         zero = hf_config.config.get("zero_optimization", {})
@@ -512,6 +556,8 @@ def _apply(plan, args: MemFitArguments) -> MemFitArguments:
     changes = _with_checkpointing_aliases(args, plan.training_arguments())
     if plan.deepspeed is not None and args.deepspeed is None and not _uses_fsdp(args):  # the user's sharding stays
         changes["deepspeed"] = plan.deepspeed
+    if plan.fsdp is not None and args.deepspeed is None and not _uses_fsdp(args):
+        changes.update(plan.fsdp)
     return dataclasses.replace(args, **changes)
 
 

@@ -127,7 +127,8 @@ def test_smoke_loads_the_model_as_the_real_run(name, smoke):
 
         # QLoRA on the CPU with bitsandbytes' real NF4 Linear4bit, planned as 4-bit.
         linear4 = [m for m in base.modules() if isinstance(m, bnb.nn.Linear4bit)]
-        assert linear4 and all(m.weight.dtype.itemsize == 1 and m.weight.quant_type == "nf4" for m in linear4)
+        storage = 2 if rec.shard_4bit else 1  # bf16 quant storage where FSDP shards the 4-bit weights, else uint8
+        assert linear4 and all(m.weight.dtype.itemsize == storage and m.weight.quant_type == "nf4" for m in linear4)
         assert trainer.memfit_plan.settings.load_in_4bit and trainer.memfit_plan.bf16
     if rec.lora_r or rec.load_in_4bit:
         assert trainable and all("lora_" in n for n, p in trainer.model.named_parameters() if p.requires_grad)
@@ -241,10 +242,11 @@ def test_accelerate_configs_load_in_accelerate():
     from accelerate.commands.config.config_args import ClusterConfig
 
     paths = {p.stem: p for p in (REPO / "recipes" / "accelerate").glob("*.yaml")}
-    assert set(paths) == {"single_gpu", "ddp", "deepspeed_zero3", "fsdp"}
+    assert set(paths) == {"single_gpu", "ddp", "deepspeed_zero3", "fsdp", "fsdp_qlora_offload"}
     configs = {name: ClusterConfig.from_yaml_file(str(path)) for name, path in paths.items()}
     assert {name: c.distributed_type.value for name, c in configs.items()} == {
-        "single_gpu": "NO", "ddp": "MULTI_GPU", "deepspeed_zero3": "DEEPSPEED", "fsdp": "FSDP"}
+        "single_gpu": "NO", "ddp": "MULTI_GPU", "deepspeed_zero3": "DEEPSPEED", "fsdp": "FSDP",
+        "fsdp_qlora_offload": "FSDP"}
     assert configs["deepspeed_zero3"].deepspeed_config["zero_stage"] == 3
     assert configs["single_gpu"].num_processes == 1
 
@@ -310,3 +312,17 @@ def test_smoke_probe_leaves_4bit_training_intact(smoke):
     trainer, _ = smoke("llama31_8b_qlora_24gb")
     norms = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
     assert len(norms) == 3 and all(norm > 0 for norm in norms), norms
+
+def test_70b_qlora_recipe_shards_4bit_weights_with_fsdp(capsys):
+    """Llama-2-70B QLoRA on 2 x 24 GB: FSDP full_shard + CPU offload, the shipped accelerate config is the plan's."""
+    import yaml
+
+    from hf_memfit.fsdp import accelerate_fsdp_config
+
+    result = execute(recipe("llama2_70b_qlora_2x24gb"), ["--dry-run"])
+    s = result.plan.settings
+    assert (s.fsdp, s.fsdp_version, s.fsdp_offload, s.load_in_4bit) == ("full_shard", 2, True, True)
+    assert s.bnb_4bit_quant_storage == "bfloat16"
+    assert result.estimate.cpu_bytes > 15 * GiB  # a 1/2 shard of ~35 GB of 4-bit weights, per GPU
+    shipped = yaml.safe_load((REPO / "recipes" / "accelerate" / "fsdp_qlora_offload.yaml").read_text())
+    assert shipped == accelerate_fsdp_config(s)

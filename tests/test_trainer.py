@@ -311,21 +311,27 @@ def test_classification_loss_is_a_mean_through_oom_chunks(tmp_path):
         torch.testing.assert_close(recovered[name], value, rtol=0, atol=2e-5, msg=name)
 
 
-@pytest.mark.parametrize("env, layout", [
-    ({"ACCELERATE_USE_FSDP": "true"}, (3, "none", "none")),  # FSDP full shard, estimated like ZeRO-3
-    ({"ACCELERATE_USE_FSDP": "true", "FSDP_OFFLOAD_PARAMS": "true"}, (3, "none", "cpu")),
+@pytest.mark.parametrize("env, layout, fsdp_layout", [
+    # accelerate's FSDP plugin: FSDP_VERSION unset means FSDP1, its strategy FULL_SHARD
+    ({"ACCELERATE_USE_FSDP": "true"}, None, ("full_shard", 1, False)),
+    ({"ACCELERATE_USE_FSDP": "true", "FSDP_OFFLOAD_PARAMS": "true"}, None, ("full_shard", 1, True)),
+    ({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_RESHARD_AFTER_FORWARD": "false"}, None,
+     ("shard_grad_op", 2, False)),
     ({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2",
-      "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "cpu"}, (2, "cpu", "none")),
-    ({}, None),
+      "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "cpu"}, (2, "cpu", "none"), None),
+    ({}, None, None),
 ])
-def test_the_launchers_sharding_fixes_the_layout(tmp_path, monkeypatch, env, layout):
-    from hf_memfit.trainer import _fixed_layout
+def test_the_launchers_sharding_fixes_the_layout(tmp_path, monkeypatch, env, layout, fsdp_layout):
+    from hf_memfit.trainer import _fixed_layout, _fsdp_layout
 
-    for name in ("ACCELERATE_USE_FSDP", "FSDP_OFFLOAD_PARAMS", "ACCELERATE_USE_DEEPSPEED"):
+    for name in ("ACCELERATE_USE_FSDP", "FSDP_OFFLOAD_PARAMS", "ACCELERATE_USE_DEEPSPEED", "FSDP_VERSION",
+                 "FSDP_RESHARD_AFTER_FORWARD", "FSDP_SHARDING_STRATEGY"):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    assert _fixed_layout(make_args(tmp_path)) == layout
+    args = make_args(tmp_path)
+    assert _fixed_layout(args) == layout
+    assert _fsdp_layout(args) == fsdp_layout
 
 
 def test_a_bf16_lora_plan_loads_in_bf16():
