@@ -921,6 +921,10 @@ def _lora_targets(spec, settings) -> frozenset:
     if not settings.uses_lora:
         return frozenset()
     if settings.lora_target_modules is not None:
+        if "all-linear" in settings.lora_target_modules:
+            # peft's "all-linear": every Linear / Conv1D but the output layer.
+            return frozenset(m.name for m in spec.linear_modules(settings.task, settings.num_labels)
+                             if m.scope != "head")
         return frozenset(settings.lora_target_modules)
     return frozenset(spec.default_lora_target_modules())
 

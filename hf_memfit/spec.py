@@ -34,6 +34,8 @@ TASK_AUTO_CLASS = {
     "causal-lm": "AutoModelForCausalLM",
     "seq-cls": "AutoModelForSequenceClassification",
     "seq2seq": "AutoModelForSeq2SeqLM",
+    "token-cls": "AutoModelForTokenClassification",
+    "image-text-to-text": "AutoModelForImageTextToText",  # trained on text-only batches
 }
 TASKS = tuple(TASK_AUTO_CLASS)
 
@@ -362,24 +364,27 @@ class ModelSpec:
     default_task: str
     supported_tasks: tuple[str, ...]
     layer_count_keys: tuple[str, ...]
-    hidden_act: str
-    gated_mlp: bool
-    norm_type: str  # "layernorm" | "rmsnorm"
-    norms_per_layer: int  # decoder layer for T5 (3); encoder layers have 2
-    fused_qkv: bool  # one projection makes q, k and v (GPT-2 c_attn, NeoX, Phi-3)
-    qkv_bias: bool
-    attn_out_bias: bool
-    mlp_bias: bool
-    attention_dropout: float
-    hidden_dropout: float  # residual / hidden-state dropout inside the layers
-    embedding_dropout: float
-    activation_dropout: float  # between the MLP's activation and its output projection
-    sliding_window: int | None
-    layer_period: int  # layers per repeating pattern: 2 for Gemma-2 (sliding, global), else 1
-    embedding_dim: int  # token-embedding width: OPT's word_embed_proj_dim, else hidden_size
+    # What the hand-written fast formulas read; the generic path leaves the defaults.
+    hidden_act: str = ""
+    gated_mlp: bool = False
+    norm_type: str = ""  # "layernorm" | "rmsnorm"
+    norms_per_layer: int = 0  # decoder layer for T5 (3); encoder layers have 2
+    fused_qkv: bool = False  # one projection makes q, k and v (GPT-2 c_attn, NeoX, Phi-3)
+    qkv_bias: bool = False
+    attn_out_bias: bool = False
+    mlp_bias: bool = False
+    attention_dropout: float = 0.0
+    hidden_dropout: float = 0.0  # residual / hidden-state dropout inside the layers
+    embedding_dropout: float = 0.0
+    activation_dropout: float = 0.0  # between the MLP's activation and its output projection
+    sliding_window: int | None = None
+    layer_period: int = 1  # layers per repeating pattern: 2 for Gemma-2 (sliding, global), 6 for Gemma-3
+    embedding_dim: int = 0  # token-embedding width: OPT's word_embed_proj_dim, else hidden_size
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
     dtype: str | None = None  # the checkpoint's torch_dtype / dtype, if the config says
+    # The generic path's facts (`generic.describe`): linear modules and counts per task, MoE routing.
+    generic: dict | None = field(default=None, repr=False, compare=False)
 
     # ---- construction ------------------------------------------------------
 
@@ -392,18 +397,24 @@ class ModelSpec:
         if not model_type:
             raise MemFitError(f"`model` `{name}`: its config.json has no `model_type`; "
                               "pass a transformers model's config.json")
+        dtype = config.get("torch_dtype", config.get("dtype"))
+        dtype = dtype if isinstance(dtype, str) else None
         if model_type not in _DEFAULTS:
-            raise MemFitError(f"`model` `{name}` has model_type `{model_type}`, which hf-memfit does not "
-                              f"support; supported types: {', '.join(SUPPORTED_MODEL_TYPES)}")
+            from hf_memfit.generic import describe  # imports transformers unless cached
+
+            facts = describe(name, config)
+            fields = dict(facts["fields"])
+            fields["supported_tasks"] = tuple(fields["supported_tasks"])
+            fields["layer_count_keys"] = tuple(fields["layer_count_keys"])
+            return cls(name=name, model_type=model_type, config=copy.deepcopy(config), dtype=dtype,
+                       generic=facts, **fields)
         get = _Getter(model_type, config)
         try:
             fields = _FAMILY_FIELDS[model_type](get)
         except (TypeError, ValueError, ZeroDivisionError) as exc:
             raise MemFitError(f"`model` `{name}`: its config.json has a missing or invalid size "
                               f"({exc}); pass an unmodified transformers config.json") from None
-        dtype = config.get("torch_dtype", config.get("dtype"))
-        return cls(name=name, model_type=model_type, config=copy.deepcopy(config),
-                   dtype=dtype if isinstance(dtype, str) else None, **fields)
+        return cls(name=name, model_type=model_type, config=copy.deepcopy(config), dtype=dtype, **fields)
 
     def with_layers(self, n: int) -> dict:
         """Return a copy of the config with the stack depth set to `n` layers.
@@ -417,14 +428,22 @@ class ModelSpec:
         config = copy.deepcopy(self.config)
         aliases = _ALIASES.get(self.model_type, {})
         for key in self.layer_count_keys:
-            config[key] = n
+            _set_path(config, key, n)
             alias = aliases.get(key)
             if alias in config:
                 config[alias] = n
-        layer_types = config.get("layer_types")
-        if isinstance(layer_types, list) and layer_types:
-            config["layer_types"] = [layer_types[i % len(layer_types)] for i in range(n)]
+        _fit_layer_lists(config, n)
         return config
+
+    @property
+    def hand_written(self) -> bool:
+        """Whether the family has hand-written fast formulas (else fast mode is calibrated from traces)."""
+        return self.generic is None
+
+    @property
+    def moe(self) -> dict | None:
+        """{"experts", "top_k"} when the model routes tokens to experts, else None."""
+        return self.generic.get("moe") if self.generic else None
 
     # ---- tasks ---------------------------------------------------------------
 
@@ -454,6 +473,10 @@ class ModelSpec:
         task = self.check_task(task)
         if isinstance(num_labels, bool) or not isinstance(num_labels, int) or num_labels < 1:
             raise MemFitError(f"`num_labels` must be a positive integer, got {num_labels!r}")
+        if self.generic is not None:
+            from hf_memfit.generic import task_facts
+
+            return dict(task_facts(self.name, self.config, self.generic, task, num_labels)["counts"])
         counts = _FAMILY_COUNTS[self.model_type](self, _Getter(self.model_type, self.config), task, num_labels)
         counts["total"] = counts["embedding"] + counts["layers"] + counts["final"] + counts["head"]
         return counts
@@ -469,7 +492,12 @@ class ModelSpec:
         (GPT-2's attention and MLP `c_proj`) are listed separately.
         """
         task = self.check_task(task)
-        raw = _FAMILY_LINEARS[self.model_type](self, _Getter(self.model_type, self.config), task, num_labels)
+        if self.generic is not None:
+            from hf_memfit.generic import task_facts
+
+            raw = task_facts(self.name, self.config, self.generic, task, num_labels)["linears"]
+        else:
+            raw = _FAMILY_LINEARS[self.model_type](self, _Getter(self.model_type, self.config), task, num_labels)
         merged: dict[tuple, int] = {}
         for name, fan_in, fan_out, bias, count, scope in raw:
             if count:
@@ -485,11 +513,11 @@ class ModelSpec:
         Mirrors peft 0.21's TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING.
         peft has no default for some types (phi3); like peft, this raises then.
         """
-        targets = _PEFT_LORA_TARGETS.get(self.model_type)
+        targets = self.generic["peft_targets"] if self.generic is not None else _PEFT_LORA_TARGETS.get(self.model_type)
         if targets is None:
             names = ", ".join(dict.fromkeys(m.name for m in self.linear_modules() if m.scope == "layer"))
             raise MemFitError(f"peft has no default LoRA target modules for model type `{self.model_type}`; "
-                              f"pass `--lora-target-modules` (choose from: {names})")
+                              f"pass `--lora-target-modules all-linear` or some of: {names}")
         return list(targets)
 
 
@@ -497,6 +525,24 @@ def resolve_model(model: str) -> ModelSpec:
     """Resolve MODEL (see `load_model_config`) and normalise it into a `ModelSpec`."""
     name, config = load_model_config(model)
     return ModelSpec.from_config(name, config)
+
+
+def _set_path(config: dict, key: str, value: Any) -> None:
+    """Set a dotted key (`text_config.num_hidden_layers`) in a nested config dict."""
+    *parents, last = key.split(".")
+    for part in parents:
+        config = config.setdefault(part, {})
+    config[last] = value
+
+
+def _fit_layer_lists(config: dict, n: int) -> None:
+    """Cut or extend per-layer lists (`layer_types`, in the config or its text_config) by their own pattern."""
+    for holder in (config, config.get("text_config")):
+        if not isinstance(holder, dict):
+            continue
+        layer_types = holder.get("layer_types")
+        if isinstance(layer_types, list) and layer_types:
+            holder["layer_types"] = [layer_types[i % len(layer_types)] for i in range(n)]
 
 
 # --------------------------------------------------------------------------

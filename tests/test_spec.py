@@ -131,7 +131,7 @@ def test_catalogue_has_the_required_models():
     assert required <= set(ALL_MODELS)
     for path in CATALOGUE_DIR.glob("*.json"):
         config = json.loads(path.read_text())
-        assert config["model_type"] in SUPPORTED_MODEL_TYPES, path.name
+        assert config.get("model_type"), path.name
         assert isinstance(config.get("architectures"), list), path.name
 
 
@@ -314,8 +314,10 @@ def test_normalised_fields():
 def test_unsupported_task_and_model_type():
     with pytest.raises(MemFitError, match="`task`"):
         resolve_model("gpt2").parameter_count("seq2seq")
-    with pytest.raises(MemFitError, match="model_type `falcon`"):
-        ModelSpec.from_config("x", {"model_type": "falcon"})
+    import transformers
+
+    with pytest.raises(MemFitError, match=f"model_type `no_such_arch`.*transformers {transformers.__version__}"):
+        ModelSpec.from_config("x", {"model_type": "no_such_arch"})
     with pytest.raises(MemFitError, match="no `model_type`"):
         ModelSpec.from_config("x", {"hidden_size": 8})
 

@@ -1,0 +1,155 @@
+"""Families without hand-written code: the generic spec, exact mode, calibrated fast mode, bad input."""
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import TINY_GEMMA3, TINY_GENERIC, TINY_MODERNBERT, TINY_QWEN3, TINY_QWEN3_MOE
+
+from hf_memfit.errors import MemFitError
+from hf_memfit.estimator import estimate
+from hf_memfit.settings import TrainSettings
+from hf_memfit.spec import ModelSpec
+
+
+def _spec(name):
+    return ModelSpec.from_config(f"tiny-{name}", TINY_GENERIC[name])
+
+
+@pytest.mark.parametrize("name", sorted(TINY_GENERIC))
+def test_generic_counts_match_the_real_model(name):
+    """Parameter counts and linear modules come from a meta build; check them against a real CPU build."""
+    import torch
+
+    from hf_memfit.step import instantiate
+
+    spec = _spec(name)
+    assert not spec.hand_written
+    task = spec.default_task
+    model = instantiate(spec.config, task, 2, dtype=torch.float32, attn_implementation=None)
+    assert spec.parameter_count(task)["total"] == sum(p.numel() for p in model.parameters())
+    linears = sum(m.count for m in spec.linear_modules(task))
+    assert linears == sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    counts = spec.parameter_count(task)
+    # per_layer is the stack's average layer (ModernBERT's first layer has no attention norm)
+    assert abs(counts["layers"] - counts["per_layer"] * spec.num_layers) < spec.num_layers
+
+
+def test_generic_fields():
+    gemma = _spec("gemma3_text")
+    assert gemma.layer_period == 3  # sliding_window_pattern 3: two sliding layers, then a global one
+    assert gemma.default_task == "causal-lm" and "seq-cls" in gemma.supported_tasks
+    moe = _spec("qwen3_moe")
+    assert moe.moe == {"experts": 8, "top_k": 2}
+    bert = _spec("modernbert")
+    assert bert.default_task == "seq-cls" and "token-cls" in bert.supported_tasks
+    assert _spec("qwen3").tie_word_embeddings and _spec("qwen3").layer_period == 1
+    # peft has defaults for qwen3 but none for olmo2: like peft, ask for targets then.
+    assert _spec("qwen3").default_lora_target_modules() == ["q_proj", "v_proj"]
+    with pytest.raises(MemFitError, match="all-linear"):
+        _spec("olmo2").default_lora_target_modules()
+
+
+@pytest.mark.parametrize("name, changes", [
+    ("qwen3", {}),
+    ("qwen3", {"precision": "bf16-mixed", "gradient_checkpointing": True}),
+    ("gemma3_text", {}),
+    ("olmo2", {"lora_r": 8, "lora_target_modules": ("all-linear",)}),
+    ("qwen3_moe", {}),
+    ("qwen3_moe", {"precision": "bf16-mixed"}),
+    ("modernbert", {}),
+    ("modernbert", {"task": "token-cls", "num_labels": 5}),
+])
+def test_generic_exact_matches_the_cpu_allocator(name, changes):
+    from hf_memfit.measure import measure_cpu_peak
+
+    spec = _spec(name)
+    settings = TrainSettings(batch_size=2, seq_len=64, device="cpu", mode="exact", **changes).validate(spec)
+    predicted = estimate(spec, **{k: v for k, v in settings.to_dict().items()}).peak_allocated_bytes
+    measured = measure_cpu_peak(spec.config, settings)
+    assert abs(predicted - measured) / measured < 0.01, (predicted, measured)
+
+
+def test_depth_extrapolation_finds_the_hybrid_pattern():
+    """Gemma-3's sliding/global pattern (period 3 here) extrapolates to the same peak as a full-depth trace."""
+    from hf_memfit.trace import exact_candidates
+
+    config = dict(TINY_GEMMA3, num_hidden_layers=11)  # not a whole number of periods beyond 2p
+    spec = ModelSpec.from_config("gemma-11", config)
+    settings = TrainSettings(batch_size=2, seq_len=64, device="cpu", mode="exact").validate(spec)
+    extrapolated = exact_candidates(spec, settings)
+    full = exact_candidates(spec, settings, extrapolate=False)
+    assert abs(extrapolated.peak_bytes - full.peak_bytes) / full.peak_bytes < 0.005
+    assert extrapolated.total_params == full.total_params
+
+
+def test_moe_output_states_the_routing():
+    est = estimate(ModelSpec.from_config("moe", TINY_QWEN3_MOE), batch_size=2, seq_len=32, mode="exact")
+    note = next(n for n in est.notes if "experts" in n)
+    assert "routing" in note and "worst case" in note and "128 rows" in note  # 2 x 32 tokens x top-2
+
+
+def test_calibrated_fast_mode(tmp_path, monkeypatch):
+    """Fast mode for a generic family: exact at the calibration batches, close between, cached and quick after."""
+    monkeypatch.setenv("HF_MEMFIT_CACHE", str(tmp_path))
+    spec = ModelSpec.from_config("qwen3", TINY_QWEN3)
+    common = dict(seq_len=64, device="cpu")
+    first = estimate(spec, batch_size=1, **common)
+    assert any("paid" in n for n in first.notes)
+    assert (tmp_path / "calibrations").is_dir()
+    for batch in (1, 3, 4, 6):
+        fast = estimate(spec, batch_size=batch, **common)
+        exact = estimate(spec, batch_size=batch, mode="exact", **common)
+        assert not any("paid" in n for n in fast.notes)
+        err = abs(fast.peak_allocated_bytes - exact.peak_allocated_bytes) / exact.peak_allocated_bytes
+        assert err < (1e-9 if batch in (1, 4) else 0.05), (batch, fast.peak_allocated_bytes, exact.peak_allocated_bytes)
+
+
+def test_cached_fast_call_imports_no_torch(tmp_path):
+    """Once calibrated, a fast estimate of a generic family reads the cache and never imports torch."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(TINY_QWEN3))
+    env_code = f"import os; os.environ['HF_MEMFIT_CACHE'] = {str(tmp_path / 'cache')!r}\n"
+    warm = env_code + f"from hf_memfit import estimate; estimate({str(config)!r}, batch_size=2, seq_len=64)"
+    subprocess.run([sys.executable, "-c", warm], check=True, capture_output=True)
+    probe = env_code + (
+        "import sys, time; t = time.perf_counter()\n"
+        f"from hf_memfit import estimate; e = estimate({str(config)!r}, batch_size=8, seq_len=64)\n"
+        "print(time.perf_counter() - t, 'torch' in sys.modules, 'transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True, text=True).stdout.split()
+    assert out[1:] == ["False", "False"]
+    assert float(out[0]) < 0.5
+
+
+def test_cli_unknown_model_type_is_one_line_exit_2(tmp_path):
+    import transformers
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "my_remote_arch", "auto_map": {"AutoConfig": "x.Y"}}))
+    proc = subprocess.run([sys.executable, "-m", "hf_memfit.cli", "estimate", str(config), "--batch-size", "1", "--seq-len", "8"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "my_remote_arch" in lines[0] and transformers.__version__ in lines[0]
+    assert "remote code" in lines[0] and "Traceback" not in proc.stderr
+
+
+def test_cli_estimates_a_generic_family(tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(TINY_MODERNBERT))
+    proc = subprocess.run([sys.executable, "-m", "hf_memfit.cli", "estimate", str(config), "--batch-size", "2",
+                           "--seq-len", "64", "--mode", "exact", "--json"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["total_params"] == ModelSpec.from_config("m", TINY_MODERNBERT).parameter_count()[
+        "total"]
+
+
+def test_generic_fast_is_timed():
+    """A cached calibrated fast call is well under the 0.5 s budget in-process too."""
+    spec = ModelSpec.from_config("qwen3", TINY_QWEN3)
+    estimate(spec, batch_size=2, seq_len=32, device="cpu")
+    started = time.perf_counter()
+    estimate(spec, batch_size=5, seq_len=32, device="cpu")
+    assert time.perf_counter() - started < 0.5
