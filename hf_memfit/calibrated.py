@@ -38,7 +38,14 @@ _FACTS = ("trainable_params", "total_params", "largest_param_numel", "quantizabl
 
 
 def _settings_key(settings) -> dict:
-    return {k: v for k, v in settings.to_dict().items() if k not in _LAYOUT_FIELDS}
+    """The settings one calibration stands for, reduced to what changes the traced step."""
+    key = {k: v for k, v in settings.to_dict().items() if k not in _LAYOUT_FIELDS}
+    # Exact mode traces two micro-batches at most (a later one repeats the second), so every
+    # accumulation of 2 or more traces the same step.
+    key["gradient_accumulation_steps"] = min(settings.gradient_accumulation_steps, 2)
+    if settings.optimizer_family == "adam8bit":
+        key["optim"] = "adam8bit"  # one traced state layout for every bitsandbytes 8-bit AdamW; paging is applied later
+    return key
 
 
 def calibrated_step_memory(spec, settings) -> StepMemory:

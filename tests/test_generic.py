@@ -153,3 +153,23 @@ def test_generic_fast_is_timed():
     started = time.perf_counter()
     estimate(spec, batch_size=5, seq_len=32, device="cpu")
     assert time.perf_counter() - started < 0.5
+
+
+def test_memfit_trainer_plans_for_a_generic_family(tmp_path):
+    """MemFitTrainer plans for any model object; it never refuses by model_type."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hf_memfit.args import MemFitArguments
+    from hf_memfit.trainer import MemFitTrainer
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(**dict(TINY_QWEN3, num_hidden_layers=2, vocab_size=128))
+    model = AutoModelForCausalLM.from_config(config)
+    ids = torch.randint(0, 128, (16, 32), generator=torch.Generator().manual_seed(1))
+    dataset = [{"input_ids": row, "labels": row} for row in ids]
+    args = MemFitArguments(output_dir=str(tmp_path / "out"), memory_budget="2GiB", per_device_train_batch_size=4,
+                           max_steps=1, report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True)
+    trainer = MemFitTrainer(model=model, args=args, train_dataset=dataset)
+    assert trainer.memfit_plan.per_device_train_batch_size >= 1
+    trainer.train()
