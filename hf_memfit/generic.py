@@ -340,7 +340,7 @@ def _task_facts(config: dict, task: str, num_labels: int, fields: dict) -> dict:
     # The stack whose length is the configured depth is the one the depth key sets.
     main = next((n for n, s in stacks if len(s) == depth), names[0] if names else "")
     stack = dict(stacks).get(main)
-    layer_types = _layer_types(model)
+    layer_types = _layer_types(model, depth)
     return {
         "linears": _linear_entries(model, names),
         "counts": _parameter_counts(model, names, main, depth),
@@ -348,11 +348,14 @@ def _task_facts(config: dict, task: str, num_labels: int, fields: dict) -> dict:
     }
 
 
-def _layer_types(model) -> list | None:
+def _layer_types(model, depth: int) -> list | None:
+    """Per-layer config values (`layer_types`, SmolLM3's `no_rope_layers`, ...): one tuple per layer."""
     config = getattr(model, "config", None)
     text = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
-    types = getattr(text, "layer_types", None)
-    return list(types) if isinstance(types, (list, tuple)) else None
+    lists = [value for key, value in vars(text).items()
+             if isinstance(value, (list, tuple)) and len(value) == depth and depth > 1 and "token" not in key
+             and all(isinstance(v, (str, int, bool)) for v in value)] if text is not None else []
+    return [tuple(values[i] for values in lists) for i in range(depth)] if lists else None
 
 
 def task_facts(name: str, config: dict, facts: dict, task: str, num_labels: int) -> dict:

@@ -172,7 +172,9 @@ def catalogue_names() -> list[str]:
 
 def _read_catalogue(hub_id: str) -> dict:
     path = CATALOGUE_DIR / (hub_id.replace("/", "--") + ".json")
-    return json.loads(path.read_text(encoding="utf-8"))
+    config = json.loads(path.read_text(encoding="utf-8"))
+    config.pop("_source", None)  # where the published config.json was copied from; not a config key
+    return config
 
 
 def _read_config_file(path: Path, shown: str) -> dict:
@@ -432,7 +434,7 @@ class ModelSpec:
             alias = aliases.get(key)
             if alias in config:
                 config[alias] = n
-        _fit_layer_lists(config, n)
+        _fit_layer_lists(config, n, self.num_layers)
         return config
 
     @property
@@ -535,14 +537,21 @@ def _set_path(config: dict, key: str, value: Any) -> None:
     config[last] = value
 
 
-def _fit_layer_lists(config: dict, n: int) -> None:
-    """Cut or extend per-layer lists (`layer_types`, in the config or its text_config) by their own pattern."""
+def _fit_layer_lists(config: dict, n: int, depth: int) -> None:
+    """Cut or extend per-layer lists by their own pattern, in the config or its text_config.
+
+    `layer_types` always; any other list as long as the real depth (SmolLM3's
+    `no_rope_layers`) when the depth is known to be the stack's.
+    """
     for holder in (config, config.get("text_config")):
         if not isinstance(holder, dict):
             continue
-        layer_types = holder.get("layer_types")
-        if isinstance(layer_types, list) and layer_types:
-            holder["layer_types"] = [layer_types[i % len(layer_types)] for i in range(n)]
+        for key, value in holder.items():
+            if not isinstance(value, list) or not value:
+                continue
+            per_layer = depth > 1 and len(value) == depth and "token" not in key and key != "architectures"
+            if key == "layer_types" or per_layer:
+                holder[key] = [value[i % len(value)] for i in range(n)]
 
 
 # --------------------------------------------------------------------------
