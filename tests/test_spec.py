@@ -107,7 +107,7 @@ def check_against_meta(spec: ModelSpec, task: str, num_labels: int = 2) -> None:
         assert len(stacks) == 1
         assert all(size == counts["per_layer"] for (_, _), size in sizes.items())
         assert len(sizes) == spec.num_layers
-    if task != "seq-cls" and not spec.tie_word_embeddings:
+    if task in ("causal-lm", "seq2seq") and not spec.tie_word_embeddings:
         assert counts["head"] == model.get_output_embeddings().weight.numel()
 
 
@@ -436,3 +436,25 @@ def test_spec_module_imports_neither_torch_nor_transformers():
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_family_knowledge_lives_in_the_family_modules():
+    """One place per family: no shared module branches on model_type; each type has exactly one module."""
+    import re
+    from pathlib import Path
+
+    from hf_memfit import models
+
+    root = Path(models.__file__).parent.parent
+    for shared in ("spec.py", "formulas.py", "trace.py", "generic.py", "calibrated.py"):
+        text = (root / shared).read_text()
+        assert not re.search(r"model_type\s*(==|!=|in\s*[(\[{])", text), shared
+    owners = {}
+    for name in models._MODULES:
+        module = __import__(f"hf_memfit.models.{name}", fromlist=["MODEL_TYPES"])
+        for model_type in module.MODEL_TYPES:
+            assert model_type not in owners, (model_type, owners.get(model_type), name)
+            owners[model_type] = name
+            assert set(module.DEFAULTS) == set(module.MODEL_TYPES)
+        assert callable(module.fields) and callable(module.linears) and callable(module.counts)
+        assert hasattr(module, "Forward")
