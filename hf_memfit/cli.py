@@ -62,6 +62,10 @@ def add_step_arguments(parser: argparse.ArgumentParser, *, with_batch: bool = Tr
         parser.add_argument("--precision", choices=PRECISIONS, default="fp32",
                             help="*-mixed: autocast over fp32 weights; bf16/fp16: weights stored in that dtype")
         parser.add_argument("--optim", default="adamw_torch", help=f"TrainingArguments.optim: {', '.join(OPTIMIZERS)}")
+        parser.add_argument("--optim-args", help='TrainingArguments.optim_args, e.g. "bf16_stochastic_round=True" '
+                                                 'or "rank=64" (GaLore / APOLLO)')
+        parser.add_argument("--optim-target-modules",
+                            help="GaLore / APOLLO: comma-separated linear module names, or all-linear")
         parser.add_argument("--gradient-checkpointing", action="store_true")
         parser.add_argument("--attn-implementation", choices=ATTN_IMPLEMENTATIONS)
         parser.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=0)
@@ -75,9 +79,12 @@ def settings_from_args(args: argparse.Namespace):
 
     targets = tuple(t.strip() for t in args.lora_target_modules.split(",") if t.strip()) \
         if args.lora_target_modules else None
+    optim_targets = tuple(t.strip() for t in args.optim_target_modules.split(",") if t.strip()) \
+        if args.optim_target_modules else None
     return TrainSettings(
         batch_size=args.batch_size, seq_len=args.seq_len, task=args.task, num_labels=args.num_labels,
-        precision=args.precision, optim=args.optim, gradient_checkpointing=args.gradient_checkpointing,
+        precision=args.precision, optim=args.optim, optim_args=args.optim_args, optim_target_modules=optim_targets,
+        gradient_checkpointing=args.gradient_checkpointing,
         attn_implementation=args.attn_implementation, gradient_accumulation_steps=args.gradient_accumulation_steps,
         lora_r=args.lora_r, lora_alpha=args.lora_alpha, lora_target_modules=targets,
         load_in_4bit=args.load_in_4bit, num_gpus=args.num_gpus, num_nodes=args.num_nodes,
@@ -121,6 +128,12 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nvme-path", help="NVMe directory for ZeRO-Infinity (with --allow-offload nvme)")
     parser.add_argument("--headroom", type=float, default=0.05, help="fraction of the budget kept free (default 0.05)")
     parser.add_argument("--keep-optimizer", action="store_true", help="do not switch AdamW to 8-bit variants")
+    parser.add_argument("--allow-pure-bf16", action="store_true",
+                        help="allow bf16 weights with no fp32 master copy (torchao low-bit AdamW with bf16 "
+                             "stochastic rounding) when no mixed-precision plan fits; it changes the numerics")
+    parser.add_argument("--allow-optimizers", default="", metavar="NAMES",
+                        help="comma-separated optimizers that change the training dynamics the plan may use: "
+                             "galore_adamw, galore_adamw_8bit, apollo_adamw, adafactor")
     parser.add_argument("--optim", default="adamw_torch_fused", help="the optimizer to start from")
     parser.add_argument("--deepspeed-config-out", help="write the plan's DeepSpeed config (JSON) here")
     parser.add_argument("--explain", nargs="?", const="", metavar="FILE.png",
@@ -138,7 +151,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         lora_r=args.lora_r, lora_alpha=args.lora_alpha, lora_target_modules=targets, load_in_4bit=args.load_in_4bit,
         allow_offload=args.allow_offload, cpu_memory=args.cpu_memory, nvme_path=args.nvme_path,
         headroom=args.headroom, keep_optimizer=args.keep_optimizer, optim=args.optim, device=args.device,
-        mode=args.mode,
+        mode=args.mode, allow_pure_bf16=args.allow_pure_bf16, allow_optimizers=args.allow_optimizers,
     )
     if args.deepspeed_config_out:
         if result.plan.deepspeed is None:

@@ -15,15 +15,20 @@ import importlib.util
 import math
 from dataclasses import dataclass, field
 
+from hf_memfit import optimizers
 from hf_memfit.errors import MemFitError, check_all
 from hf_memfit.estimator import MemoryEstimate, assemble, estimate_settings
 from hf_memfit.settings import TrainSettings
 from hf_memfit.spec import ModelSpec, resolve_model
 from hf_memfit.units import GiB, format_bytes, parse_bytes
 
-# The optimizer family, fastest first. 8-bit AdamW stores 2 B/param of state
-# instead of 8 (bitsandbytes), paged 8-bit lets the driver move it to the host.
-ADAM_LADDER = ("adamw_torch_fused", "adamw_bnb_8bit", "paged_adamw_8bit")
+# The AdamW ladder, fastest first (`optimizers.ADAMW_LADDER`): 8-bit AdamW stores ~2 B/param of state
+# instead of 8 (bitsandbytes), paged 8-bit lets the driver move it to the host, torchao's 8-bit and 4-bit
+# AdamW (~2 and ~1 B/param) quantize the states the same way. On the CPU the ladder stops at bitsandbytes:
+# torchao compiles one update per tensor shape with torch.compile (37 s for the first one on this 2-core
+# machine, a C++ toolchain required), which no per-step speed figure can rank fairly.
+ADAM_LADDER = optimizers.ADAMW_LADDER
+CPU_ADAM_LADDER = ("adamw_torch_fused", "adamw_bnb_8bit", "paged_adamw_8bit")
 
 # --- speed model constants (relative ranking, not wall-clock promises) -------
 # Matmul efficiency grows with the tokens in a micro-batch (the M dimension of
@@ -31,11 +36,8 @@ ADAM_LADDER = ("adamw_torch_fused", "adamw_bnb_8bit", "paged_adamw_8bit")
 # of peak is a planning figure in line with GEMM roofline curves on A100-class
 # GPUs (cuBLAS reaches most of peak once M is in the low thousands).
 TOKENS_FOR_HALF_UTILISATION = 512
-# bitsandbytes' 8-bit AdamW step is memory-bound like fused AdamW but does
-# block-wise (de)quantisation; we charge 25% more step time (a planning figure)
-# and paging another 25% for page migrations under pressure.
-EIGHT_BIT_STEP_FACTOR = 1.25
-PAGED_STEP_FACTOR = 1.25
+# Each optimizer's step cost relative to fused AdamW on a GPU, and its throughput on the CPU, live with the
+# rest of the optimizer model: `optimizers.Optimizer.gpu_step_factor` / `cpu_params_per_s`.
 # Fused AdamW touches params, grads and two states, read and written: ~32 B/param (fp32).
 ADAM_BYTES_MOVED_PER_PARAM = 32
 # DeepSpeedCPUAdam updates roughly 1e9 parameters per second on a many-core
@@ -65,21 +67,8 @@ CPU_TOKENS_FOR_HALF_UTILISATION = 22
 # FLOPs alone say 8/6 = 1.33x; the recomputed dropout, softmax and norms cost more on a CPU than their FLOPs say.
 CPU_CHECKPOINTED_LAYER_FACTOR = 1.5
 # Optimizer step throughput in parameters per second, each optimizer built as the HF Trainer builds it, over
-# 4.2M fp32 parameters in 16 tensors. torch's fused AdamW: 0.75-1.65e9 (median 1.2e9); bitsandbytes' 8-bit AdamW,
-# paged or not: 4.1-5.0e7 (median 4.6e7), about 25x slower: its CPU path dequantizes both states to fp32 tensors
-# and runs the update in separate torch ops (the GPU figures charge it only 1.25x). Paging means nothing on the CPU
-# (bitsandbytes falls back to the non-paged optimizer): paged 8-bit measured the same as 8-bit. adamw_torch (the
-# single-tensor loop torch picks for CPU tensors): 3.0-5.6e8; adafactor: 3.8-5.2e8; sgd: 1.8-4.3e9 (median 3.8e9).
-# Optimizers not listed fall back to adamw_torch's figure.
-CPU_OPTIMIZER_PARAMS_PER_S = {
-    "adamw_torch_fused": 1.2e9,
-    "adamw_torch": 5e8,
-    "adamw_bnb_8bit": 4.5e7,
-    "adamw_8bit": 4.5e7,
-    "paged_adamw_8bit": 4.5e7,
-    "adafactor": 4.5e8,
-    "sgd": 3.8e9,
-}
+# 4.2M fp32 parameters in 16 tensors: `optimizers.Optimizer.cpu_params_per_s` (torch's fused AdamW 1.2e9,
+# bitsandbytes' 8-bit AdamW 4.5e7 (its CPU path dequantizes both states to fp32 tensors), adamw_torch 5e8, ...).
 
 
 @dataclass
@@ -103,6 +92,8 @@ class Plan:
     predicted_step_seconds: float
     settings: TrainSettings = field(repr=False)
     budget_bytes: int = 0
+    optim_args: str | None = None  # TrainingArguments.optim_args ("bf16_stochastic_round=True" for pure bf16)
+    optim_target_modules: list[str] | None = None  # GaLore / APOLLO
 
     def to_dict(self) -> dict:
         return {
@@ -115,6 +106,8 @@ class Plan:
             "fp16": self.fp16,
             "torch_dtype": self.torch_dtype,
             "optim": self.optim,
+            "optim_args": self.optim_args,
+            "optim_target_modules": self.optim_target_modules,
             "attn_implementation": self.attn_implementation,
             "deepspeed": self.deepspeed,
             "per_device_eval_batch_size": self.per_device_eval_batch_size,
@@ -137,6 +130,10 @@ class Plan:
             "fp16": self.fp16,
             "optim": self.optim,
         }
+        if self.optim_args:
+            kwargs["optim_args"] = self.optim_args
+        if self.optim_target_modules:
+            kwargs["optim_target_modules"] = list(self.optim_target_modules)
         if self.gradient_checkpointing:
             kwargs["gradient_checkpointing_kwargs"] = {"use_reentrant": False}
         return kwargs
@@ -189,7 +186,8 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
          load_in_4bit: bool = False, allow_offload: str = "cpu", cpu_memory: str | int | None = None,
          nvme_path: str | None = None, headroom: float = 0.05, keep_optimizer: bool = False,
          optim: str = "adamw_torch_fused", device: str = "cuda", mode: str = "fast",
-         precision: str | None = None, deepspeed_layout: tuple[int, str, str] | None = None) -> PlanResult:
+         precision: str | None = None, deepspeed_layout: tuple[int, str, str] | None = None,
+         allow_pure_bf16: bool = False, allow_optimizers=()) -> PlanResult:
     """Pick the fastest configuration that trains `model` within the memory budget.
 
     The budget is `gpu_memory` (a size such as "12GiB", or "auto" for the local
@@ -198,8 +196,14 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
     precision (the trainer passes the loaded model's); by default it is chosen
     from the GPU. `deepspeed_layout` = (zero_stage, offload_optimizer,
     offload_param) fixes the layout to a DeepSpeed config the user already has
-    (the trainer passes it); the rest is searched around it. Raises
-    `MemFitError` when the request is invalid or nothing fits, saying what would.
+    (the trainer passes it); the rest is searched around it.
+
+    Levers that change the training are used only when allowed:
+    `allow_pure_bf16` lets the plan drop the fp32 master weights (bf16 weights,
+    gradients and torchao's low-bit AdamW with bf16 stochastic rounding) when no
+    mixed-precision plan fits; `allow_optimizers` names optimizers the planner may
+    switch to beyond the AdamW ladder (galore_adamw, apollo_adamw, adafactor, ...).
+    Raises `MemFitError` when the request is invalid or nothing fits, saying what would.
     """
     spec = model if isinstance(model, ModelSpec) else resolve_model(model)
     gpu_info = _gpu_info(gpu)
@@ -220,6 +224,13 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
                         + (f", e.g. {lower} or {lower + world}" if lower else f", e.g. {world}"))
     if allow_offload == "nvme" and not nvme_path and device == "cuda":
         problems.append("`--allow-offload nvme` needs `--nvme-path DIR` (a fast local NVMe mount)")
+    if isinstance(allow_optimizers, str):
+        allow_optimizers = tuple(o.strip() for o in allow_optimizers.split(",") if o.strip())
+    allow_optimizers = tuple(allow_optimizers or ())
+    unknown = [o for o in allow_optimizers if o not in optimizers.OPTIMIZERS]
+    if unknown:
+        problems.append(f"`--allow-optimizers` {', '.join(unknown)} not modelled; use names from "
+                        f"{', '.join(optimizers.OPTIMIZERS)}")
     check_all(problems)
     cpu_limit = parse_bytes(cpu_memory, "--cpu-memory") if cpu_memory is not None else None
 
@@ -239,18 +250,37 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
     ).validate(spec)
 
     per_rank = global_batch_size // world
-    grid = _grid(base, per_rank, allow_offload, keep_optimizer, world, deepspeed_layout)
+    optims = _allowed_optimizers(base, allow_optimizers, keep_optimizer)
+    if allow_pure_bf16 and base.precision == "bf16" and not base.uses_lora and not keep_optimizer:
+        # A model already loaded in bf16 for full fine-tuning (the trainer passes its dtype): the same
+        # stochastic-rounding optimizers as a pure-bf16 plan.
+        base = base.replace(optim_args=optimizers.BF16_STOCHASTIC_ROUND_ARGS)
+        optims = optimizers.PURE_BF16_LADDER
+    grid = _grid(base, per_rank, allow_offload, keep_optimizer, world, deepspeed_layout, optims,
+                 _low_rank_targets(spec, base))
     candidates = [_evaluate(spec, s, usable, cpu_limit, gpu_info) for s in grid]
     fitting = sorted((c for c in candidates if c.fits), key=lambda c: c.step_seconds)
     if mode == "exact":
         fitting = _confirm_exact(spec, fitting, usable, cpu_limit)
+    pure_base = _pure_bf16_base(base, gpu_info, deepspeed_layout)
+    if not fitting and allow_pure_bf16 and pure_base is not None:
+        # Only once no mixed-precision plan fits: pure bf16 changes the numerics.
+        pure = [_evaluate(spec, s, usable, cpu_limit, gpu_info) for s in _pure_bf16_grid(pure_base, per_rank)]
+        candidates += pure
+        fitting = sorted((c for c in pure if c.fits), key=lambda c: c.step_seconds)
+        if mode == "exact":
+            fitting = _confirm_exact(spec, fitting, usable, cpu_limit)
     if not fitting:
-        raise MemFitError(_nothing_fits(spec, base, candidates, usable, budget, allow_offload, world, per_rank))
+        raise MemFitError(_nothing_fits(spec, base, candidates, usable, budget, allow_offload, world, per_rank,
+                                        cpu_limit=cpu_limit,
+                                        pure_bf16_base=pure_base if not allow_pure_bf16 else None))
     best = fitting[0]
     alternatives = _runners_up(best, fitting, candidates)
     ideal = _ideal_seconds(spec, best.settings, best.estimate, gpu_info)
     largest = max(spec.vocab_size * (spec.embedding_dim or spec.hidden_size),
                   max((m.weight_numel for m in spec.linear_modules(base.task, num_labels)), default=0))
+    if best.settings.precision == "bf16" and base.precision != "bf16":
+        precision_reason = _pure_bf16_reason(best, candidates, cpu_limit)
     chosen = _make_plan(best, candidates, usable, budget, ideal, [precision_reason, attn_reason], nvme_path,
                         keep_optimizer, largest)
     return PlanResult(chosen, best.estimate, alternatives, len(candidates))
@@ -297,10 +327,70 @@ def _attention(gpu_info, device: str) -> tuple[str, str]:
     return "sdpa", "attention sdpa (memory-efficient kernel): this GPU predates flash attention (sm80+)"
 
 
+def _allowed_optimizers(base: TrainSettings, allowed: tuple[str, ...], keep_optimizer: bool) -> tuple[str, ...]:
+    """The optimizers to search: the AdamW ladder (unless kept), plus those the user allowed."""
+    if keep_optimizer:
+        return (base.optim,)
+    ladder = ADAM_LADDER if base.device == "cuda" else CPU_ADAM_LADDER
+    optims = ladder if base.optim in ADAM_LADDER else (base.optim,)
+    for name in allowed:
+        o = optimizers.OPTIMIZERS[name]
+        if o.low_rank and (base.uses_lora or o.layerwise):
+            continue  # low-rank optimizers are for full fine-tuning; layerwise ones are not planned
+        if name not in optims:
+            optims += (name,)
+    return optims
+
+
+def _low_rank_targets(spec: ModelSpec, base: TrainSettings) -> tuple[str, ...]:
+    """GaLore / APOLLO's `optim_target_modules` when the planner picks one: the layers' linear modules (attention
+    and MLP), as both papers apply them."""
+    return tuple(sorted({m.name for m in spec.linear_modules(base.task, base.num_labels) if m.scope == "layer"}))
+
+
+def _pure_bf16_base(base: TrainSettings, gpu_info, fixed_layout) -> TrainSettings | None:
+    """The base settings with bf16 weights, or None where pure bf16 cannot apply (LoRA, no bf16 GPU, ZeRO)."""
+    if base.uses_lora or base.precision == "bf16" or fixed_layout is not None:
+        return None
+    if base.device == "cuda" and gpu_info is not None and not gpu_info.supports_bf16:
+        return None
+    return base.replace(precision="bf16", optim_args=optimizers.BF16_STOCHASTIC_ROUND_ARGS)
+
+
+def _pure_bf16_grid(pure: TrainSettings, per_rank: int):
+    """Pure bf16: torchao's low-bit AdamW with stochastic rounding, no ZeRO (DeepSpeed keeps an fp32 master)."""
+    for micro in [m for m in range(1, per_rank + 1) if per_rank % m == 0]:
+        for checkpointing in (False, True):
+            for optim in optimizers.PURE_BF16_LADDER:
+                yield pure.replace(batch_size=micro, gradient_accumulation_steps=per_rank // micro,
+                                   gradient_checkpointing=checkpointing, optim=optim)
+
+
+def _pure_bf16_reason(best: "Candidate", candidates: list["Candidate"], cpu_limit: int | None) -> str:
+    """Why the plan dropped the fp32 master weights, and why stochastic rounding."""
+    mixed = [c for c in candidates if c.settings.precision != "bf16"]
+    host = [c for c in mixed if "host memory" in c.why_not]
+    why = "no mixed-precision plan fits"
+    if host and cpu_limit is not None:
+        least = min(host, key=lambda c: c.estimate.cpu_bytes)
+        why += (f": those that fit the GPU need at least {format_bytes(least.estimate.cpu_bytes)} of host memory, "
+                f"over `--cpu-memory` {format_bytes(cpu_limit)}")
+    elif mixed:
+        least = min(mixed, key=lambda c: c.estimate.device_total_bytes)
+        why += f": the smallest needs {format_bytes(least.estimate.device_total_bytes)}"
+    return (f"pure bf16 weights, allowed by `--allow-pure-bf16` ({why}): weights and gradients take 2 B/param and "
+            f"there is no fp32 master copy, so {best.settings.optim} runs with "
+            f"`optim_args=\"{optimizers.BF16_STOCHASTIC_ROUND_ARGS}\"`: without a master copy an update smaller than "
+            "bf16's resolution (8 significant bits, ~0.4% of the weight) would be rounded away; stochastic "
+            "rounding keeps it right on average")
+
+
 def _grid(base: TrainSettings, per_rank: int, allow_offload: str, keep_optimizer: bool, world: int,
-          fixed_layout: tuple[int, str, str] | None = None):
+          fixed_layout: tuple[int, str, str] | None = None, optims: tuple[str, ...] | None = None,
+          low_rank_targets: tuple[str, ...] = ()):
     micro_batches = [m for m in range(1, per_rank + 1) if per_rank % m == 0]
-    optims = (base.optim,) if keep_optimizer or base.optim not in ADAM_LADDER else ADAM_LADDER
+    if optims is None:
+        optims = (base.optim,) if keep_optimizer or base.optim not in ADAM_LADDER else ADAM_LADDER
     if fixed_layout is not None:  # the user's own DeepSpeed config: its optimizer section, if any, wins anyway
         stage, off_opt, off_param = fixed_layout
         for micro in micro_batches:
@@ -326,9 +416,12 @@ def _grid(base: TrainSettings, per_rank: int, allow_offload: str, keep_optimizer
                         continue  # under ZeRO the states are already sharded; 8-bit states stay a plain-torch knob
                     if base.load_in_4bit and zero_stage == 3:
                         continue
+                    low_rank = optimizers.OPTIMIZERS[optim].low_rank
                     yield base.replace(batch_size=micro, gradient_accumulation_steps=per_rank // micro,
                                        gradient_checkpointing=checkpointing, optim=optim, zero_stage=zero_stage,
-                                       offload_optimizer=off_opt, offload_param=off_param)
+                                       offload_optimizer=off_opt, offload_param=off_param,
+                                       optim_target_modules=(base.optim_target_modules or low_rank_targets)
+                                       if low_rank else None)
 
 
 def _evaluate(spec, settings: TrainSettings, usable: int, cpu_limit: int | None, gpu_info) -> Candidate:
@@ -374,9 +467,7 @@ def step_seconds(spec: ModelSpec, settings: TrainSettings, est: MemoryEstimate, 
     utilisation = tokens_micro / (tokens_micro + TOKENS_FOR_HALF_UTILISATION)
     compute = micro_steps * flops / (tflops * utilisation)
 
-    optimizer = ADAM_BYTES_MOVED_PER_PARAM * trainable / hbm
-    if "8bit" in settings.optim:
-        optimizer *= EIGHT_BIT_STEP_FACTOR * (PAGED_STEP_FACTOR if settings.optim.startswith("paged") else 1)
+    optimizer = ADAM_BYTES_MOVED_PER_PARAM * trainable / hbm * settings.optimizer.gpu_step_factor
     world = settings.world_size
     w_bytes = 2 if settings.precision != "fp32" else 4
     if settings.offload_optimizer != "none":
@@ -444,8 +535,7 @@ def _cpu_step_seconds(spec: ModelSpec, settings: TrainSettings, est: MemoryEstim
     flops = _micro_batch_flops(spec, settings, est, checkpointed_layer_factor=CPU_CHECKPOINTED_LAYER_FACTOR)
     utilisation = tokens_micro / (tokens_micro + CPU_TOKENS_FOR_HALF_UTILISATION)
     compute = settings.gradient_accumulation_steps * flops / (CPU_FLOPS_PER_S * utilisation)
-    rate = CPU_OPTIMIZER_PARAMS_PER_S.get(settings.optim, CPU_OPTIMIZER_PARAMS_PER_S["adamw_torch"])
-    return compute + est.trainable_params / rate
+    return compute + est.trainable_params / settings.optimizer.cpu_params_per_s
 
 
 def _ideal_seconds(spec: ModelSpec, settings: TrainSettings, est: MemoryEstimate, gpu_info) -> float:
@@ -479,7 +569,7 @@ def _runners_up(best: Candidate, fitting: list[Candidate], candidates: list[Cand
 
 
 def _knobs(s: TrainSettings) -> tuple:
-    return (s.gradient_checkpointing, s.optim, s.zero_stage, s.offload_optimizer, s.offload_param)
+    return (s.gradient_checkpointing, s.optim, s.zero_stage, s.offload_optimizer, s.offload_param, s.precision)
 
 
 def _difference(chosen: TrainSettings, other: TrainSettings) -> str:
@@ -490,6 +580,8 @@ def _difference(chosen: TrainSettings, other: TrainSettings) -> str:
         parts.append("checkpointing " + ("on" if other.gradient_checkpointing else "off"))
     if other.optim != chosen.optim:
         parts.append(other.optim)
+    if other.precision != chosen.precision:
+        parts.append("pure bf16" if other.precision == "bf16" else other.precision)
     if (other.zero_stage, other.offload_optimizer, other.offload_param) != \
             (chosen.zero_stage, chosen.offload_optimizer, chosen.offload_param):
         parts.append(_layout_text(other))
@@ -542,14 +634,7 @@ def _make_plan(best: Candidate, candidates, usable: int, budget: int, ideal_seco
                        "skipping ~33% recompute")
     precision_reason, attn_reason = fixed_reasons
     reasons.append(precision_reason)
-    if keep_optimizer:
-        reasons.append(f"optimizer {s.optim}: kept as asked (`--keep-optimizer`)")
-    elif s.optim == "adamw_torch_fused":
-        reasons.append("optimizer adamw_torch_fused: full-precision AdamW states fit; the fastest step")
-    else:
-        fused = _lookup(candidates, s.replace(optim="adamw_torch_fused"))
-        detail = (f"; fused AdamW would need {format_bytes(fused.estimate.device_total_bytes)}" if fused and not fused.fits else "")
-        reasons.append(f"optimizer {s.optim}: 8-bit states take ~2 B/param instead of 8{detail}")
+    reasons.append(_optimizer_reason(s, candidates, keep_optimizer))
     reasons.append(attn_reason)
     if s.zero_stage:
         plain = _lookup(candidates, s.replace(zero_stage=0, offload_optimizer="none", offload_param="none"))
@@ -586,11 +671,44 @@ def _make_plan(best: Candidate, candidates, usable: int, budget: int, ideal_seco
         predicted_step_seconds=best.step_seconds,
         settings=s,
         budget_bytes=budget,
+        optim_args=s.optim_args,
+        optim_target_modules=list(s.optim_target_modules) if s.optim_target_modules else None,
     )
 
 
+def _optimizer_reason(s: TrainSettings, candidates, keep_optimizer: bool) -> str:
+    """Why this optimizer: what its state costs per parameter, and what the faster one would have needed."""
+    o = s.optimizer
+    if keep_optimizer:
+        return f"optimizer {s.optim}: kept as asked (`--keep-optimizer`)"
+    if s.optim == "adamw_torch_fused":
+        return "optimizer adamw_torch_fused: full-precision AdamW states fit; the fastest step"
+    library = {"bnb": "bitsandbytes", "torchao": "torchao", "galore": "galore-torch",
+               "apollo": "apollo-torch"}.get(o.implementation, o.implementation)
+    if o.family in ("adam8bit", "adam4bit"):
+        what = f"{o.state_bits}-bit AdamW states ({library}) take ~{2 * o.state_bits / 8:g} B/param instead of 8"
+    elif o.low_rank:
+        what = (f"{o.name} ({library}, allowed by `--allow-optimizers`) keeps AdamW states only for a rank-"
+                f"{optimizers.low_rank_rank(s.optim_args)} projection of the gradients of "
+                f"{', '.join(s.optim_target_modules or ())}")
+    elif o.family == "adafactor":
+        what = "Adafactor (allowed by `--allow-optimizers`) keeps factored row and column second moments, no momentum"
+    else:
+        what = f"{o.name}"
+    # The faster optimizers of the ladder that did not fit this configuration, the nearest one named.
+    ladder = optimizers.PURE_BF16_LADDER if s.precision == "bf16" and s.optim_args else ADAM_LADDER
+    earlier = ladder[:ladder.index(s.optim)] if s.optim in ladder else ("adamw_torch_fused",)
+    detail = ""
+    for name in reversed(earlier):
+        c = _lookup(candidates, s.replace(optim=name, optim_target_modules=None))
+        if c is not None and not c.fits:
+            detail = f"; {name} would need {format_bytes(c.estimate.device_total_bytes)}"
+            break
+    return f"optimizer {s.optim}: {what}{detail}"
+
+
 def _nothing_fits(spec, base: TrainSettings, candidates, usable: int, budget: int, allow_offload: str, world: int,
-                  per_rank: int) -> str:
+                  per_rank: int, *, cpu_limit: int | None = None, pure_bf16_base: TrainSettings | None = None) -> str:
     """The one-line error when no candidate fits: the smallest footprint, and which remedies would fit.
 
     Remedies are tried from the least to the most change to the training: offload,
@@ -613,6 +731,17 @@ def _nothing_fits(spec, base: TrainSettings, candidates, usable: int, budget: in
             sizes.append(estimate_settings(spec, trial).device_total_bytes)
         return min(sizes)
 
+    helps = []
+    if pure_bf16_base is not None:
+        # The least change that keeps a full fine-tune: bf16 weights, no fp32 master (see `_pure_bf16_grid`).
+        fits = [c for c in (_evaluate(spec, s, usable, cpu_limit, None)
+                            for s in _pure_bf16_grid(pure_bf16_base, per_rank)
+                            if s.batch_size in (1, per_rank)) if c.fits]
+        if fits:
+            least = min(fits, key=lambda c: c.estimate.device_total_bytes)
+            helps.append(f"`--allow-pure-bf16` ({format_bytes(least.estimate.device_total_bytes)}: bf16 weights, "
+                         f"{least.settings.optim} with bf16 stochastic rounding"
+                         + (", no host memory" if not least.estimate.cpu_bytes else "") + ")")
     remedies: list[tuple[str, dict]] = []
     if on_gpu and allow_offload == "none" and not base.load_in_4bit:
         remedies.append(("`--allow-offload cpu`", offload))
@@ -627,7 +756,6 @@ def _nothing_fits(spec, base: TrainSettings, candidates, usable: int, budget: in
                  precision="bf16-mixed" if base.precision == "fp32" else base.precision)
     if on_gpu and not base.load_in_4bit:
         remedies.append(("QLoRA `--load-in-4bit --lora-r 16`", qlora))
-    helps = []
     for text, changes in remedies:
         if "num_gpus" in changes and any("--num-gpus" in h for h in helps):
             continue  # the fewest GPUs that fit is enough to name
@@ -654,6 +782,14 @@ def _nothing_fits(spec, base: TrainSettings, candidates, usable: int, budget: in
         if seq >= 16:
             helps.append(f"{prefix}a shorter sequence `--seq-len {seq}` ({format_bytes(size)})")
     suggestion = "; ".join(helps) if helps else "a larger GPU"
+    host_bound = [c for c in candidates if "host memory" in c.why_not]
+    if host_bound and cpu_limit is not None:
+        # Host RAM is the limit, not the GPU: say so first, with what the host would need.
+        least = min(host_bound, key=lambda c: c.estimate.cpu_bytes)
+        return (f"nothing fits in {format_bytes(usable)} of GPU memory and `--cpu-memory` {format_bytes(cpu_limit)} "
+                f"of host memory: {len(host_bound)} configurations fit the GPU, but host memory is the limit: the "
+                f"least they need is {format_bytes(least.estimate.cpu_bytes)} ({_difference_text(least.settings)}); "
+                f"what would fit: {suggestion}")
     return (f"nothing fits in {format_bytes(usable)} ({format_bytes(budget)} less headroom): the smallest footprint "
             f"found is {smallest.estimate.device_total_bytes / GiB:.1f} GiB ({_difference_text(smallest.settings)}); "
             f"what would fit: {suggestion}")

@@ -91,8 +91,8 @@ def format_plan(result) -> str:
         ("gradient_accumulation_steps", str(p.gradient_accumulation_steps)),
         ("GPUs", f"{p.num_gpus} x {p.num_nodes} node(s)"),
         ("gradient_checkpointing", str(p.gradient_checkpointing)),
-        ("precision", "bf16 mixed" if p.bf16 else "fp16 mixed" if p.fp16 else "fp32"),
-        ("optim", p.optim),
+        ("precision", _precision_text(s.precision)),
+        ("optim", p.optim + (f" ({p.optim_args})" if p.optim_args else "")),
         ("attn_implementation", p.attn_implementation),
         ("sharding", _layout_text(s)),
         ("predicted peak (nvidia-smi)", format_bytes(est.device_total_bytes)),
@@ -118,6 +118,11 @@ def format_plan(result) -> str:
     return "\n".join(lines)
 
 
+def _precision_text(precision: str) -> str:
+    return {"bf16-mixed": "bf16 mixed", "fp16-mixed": "fp16 mixed", "bf16": "bf16 weights (no fp32 master)",
+            "fp16": "fp16 weights (no fp32 master)"}.get(precision, precision)
+
+
 def explain_command(model: str, s) -> str:
     """The `hf-memfit explain` command line that traces the step `s` describes (flags left at their defaults are omitted)."""
     from hf_memfit.settings import TrainSettings
@@ -134,6 +139,10 @@ def explain_command(model: str, s) -> str:
         flags.append(f"--num-labels {s.num_labels}")
     if s.lora_target_modules:
         flags.append(f"--lora-target-modules {','.join(s.lora_target_modules)}")
+    if s.optim_args:
+        flags.append(f'--optim-args "{s.optim_args}"')
+    if s.optim_target_modules:
+        flags.append(f"--optim-target-modules {','.join(s.optim_target_modules)}")
     for name in ("gradient_checkpointing", "load_in_4bit"):
         if getattr(s, name):
             flags.append(f"--{name.replace('_', '-')}")

@@ -8,6 +8,7 @@ imports torch. `validate()` collects every problem and reports them at once.
 from dataclasses import asdict, dataclass, field, replace
 
 from hf_memfit.errors import check_all
+from hf_memfit.optimizers import OPTIMIZERS  # the one optimizer model: every optim name we plan
 
 TASKS = ("causal-lm", "seq-cls", "seq2seq", "token-cls", "image-text-to-text")
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16", "fp16")
@@ -15,21 +16,6 @@ ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2")
 OFFLOAD_TARGETS = ("none", "cpu", "nvme")
 DEVICES = ("cuda", "cpu")
 MODES = ("fast", "exact")
-
-# TrainingArguments.optim names we model, and the family each belongs to. The
-# family decides the state layout; the name decides the implementation
-# (temporaries, paging).
-OPTIMIZERS = {
-    "adamw_torch": "adam",
-    "adamw_torch_fused": "adam",
-    "adamw_bnb_8bit": "adam8bit",
-    "adamw_8bit": "adam8bit",
-    "paged_adamw_8bit": "adam8bit",
-    "paged_adamw_32bit": "adam",
-    "adafactor": "adafactor",
-    "sgd": "sgd",
-}
-
 
 @dataclass(frozen=True)
 class TrainSettings:
@@ -44,6 +30,8 @@ class TrainSettings:
     num_labels: int = 2
     precision: str = "fp32"
     optim: str = "adamw_torch"
+    optim_args: str | None = None  # TrainingArguments.optim_args: "bf16_stochastic_round=True", "rank=64", ...
+    optim_target_modules: tuple[str, ...] | None = None  # GaLore / APOLLO: module names, or ("all-linear",)
     gradient_checkpointing: bool = False
     attn_implementation: str | None = None  # None: transformers' default (sdpa)
     gradient_accumulation_steps: int = 1
@@ -70,6 +58,11 @@ class TrainSettings:
 
     @property
     def optimizer_family(self) -> str:
+        return OPTIMIZERS[self.optim].family
+
+    @property
+    def optimizer(self):
+        """The `optimizers.Optimizer` model of `optim`."""
         return OPTIMIZERS[self.optim]
 
     @property
@@ -91,8 +84,9 @@ class TrainSettings:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        if d["lora_target_modules"] is not None:
-            d["lora_target_modules"] = list(d["lora_target_modules"])
+        for name in ("lora_target_modules", "optim_target_modules"):
+            if d[name] is not None:
+                d[name] = list(d[name])
         return d
 
     def validate(self, spec=None) -> "TrainSettings":
@@ -118,6 +112,23 @@ class TrainSettings:
             problems.append(f"`--attn-implementation` must be one of {', '.join(ATTN_IMPLEMENTATIONS)}; got {self.attn_implementation!r}")
         if self.optim not in OPTIMIZERS:
             problems.append(f"`--optim` {self.optim!r} is not modelled; use one of {', '.join(OPTIMIZERS)}")
+        elif OPTIMIZERS[self.optim].low_rank:
+            optimizer = OPTIMIZERS[self.optim]
+            if not self.optim_target_modules:
+                problems.append(f"`--optim {self.optim}` needs `--optim-target-modules` (module names such as "
+                                "q_proj,v_proj, or all-linear), as the Trainer does")
+            if optimizer.layerwise and self.gradient_accumulation_steps > 1:
+                problems.append(f"`--optim {self.optim}` steps inside backward and cannot accumulate gradients: "
+                                "use `--gradient-accumulation-steps 1`")
+            if optimizer.layerwise and self.world_size > 1:
+                problems.append(f"`--optim {self.optim}` does not support DDP (the Trainer refuses it): use one GPU")
+            if self.zero_stage:
+                problems.append(f"`--optim {self.optim}` projects 2-D gradients; ZeRO hands the optimizer a flat "
+                                "partition: drop `--zero-stage`")
+            if self.uses_lora:
+                problems.append(f"`--optim {self.optim}` is a full fine-tuning optimizer: drop `--lora-r`")
+        if self.optim_target_modules and (self.optim not in OPTIMIZERS or not OPTIMIZERS[self.optim].low_rank):
+            problems.append("`--optim-target-modules` is for GaLore / APOLLO optimizers (`--optim galore_adamw`, ...)")
         if self.zero_stage not in (0, 1, 2, 3):
             problems.append(f"`--zero-stage` must be 0, 1, 2 or 3; got {self.zero_stage!r}")
         if self.lora_r is not None and (not isinstance(self.lora_r, int) or self.lora_r <= 0):
@@ -158,6 +169,12 @@ def _validate_against_model(settings: TrainSettings, spec) -> tuple[TrainSetting
     limit = spec.max_position_embeddings
     if limit is not None and settings.seq_len > limit:
         problems.append(f"`--seq-len {settings.seq_len}` is over {spec.name}'s maximum of {limit} positions; use `--seq-len {limit}` or less")
+    if settings.optim_target_modules and settings.optim_target_modules != ("all-linear",):
+        known = sorted({m.name for m in spec.linear_modules()})
+        missing = [m for m in settings.optim_target_modules if m not in known]
+        if missing:
+            problems.append(f"`--optim-target-modules` {', '.join(missing)} not found in {spec.name}; its linear "
+                            f"modules are {', '.join(known)} (or use all-linear)")
     if settings.uses_lora and settings.lora_target_modules is not None:
         known = sorted({m.name for m in spec.linear_modules()})
         missing = [m for m in settings.lora_target_modules if m not in known and m != "all-linear"]

@@ -438,6 +438,7 @@ def _plan_for(model, args: MemFitArguments, train_dataset, data_collator, proces
         load_in_4bit=quantized, allow_offload=args.allow_offload if on_gpu else "none",
         headroom=args.headroom, keep_optimizer=args.keep_optimizer, optim=str(getattr(args.optim, "value", args.optim)),
         device="cuda" if on_gpu else "cpu", mode=args.memfit_mode, precision=precision, deepspeed_layout=layout,
+        allow_pure_bf16=args.allow_pure_bf16, allow_optimizers=args.allow_optimizers,
     )
 
 

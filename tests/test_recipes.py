@@ -229,7 +229,8 @@ def test_unloadable_model_is_one_line(tmp_path, capsys):
 def test_readme_recipes_table_is_current():
     readme = (REPO / "README.md").read_text(encoding="utf-8")
     table = readme_table()
-    assert len(table.splitlines()) == 2 + len(RECIPES) + 1  # header, rule, one row each, + the 70B on 2 nodes
+    # header, rule, one row each, + the 70B on 2 nodes and GPT-2-XL on a 16 GB-RAM machine
+    assert len(table.splitlines()) == 2 + len(RECIPES) + 2
     assert readme_with_table(readme, table) == readme, \
         "README.md's recipes table is stale: run `python -m hf_memfit.recipe --update-readme` and commit README.md"
     with pytest.raises(MemFitError, match="markers"):
