@@ -710,7 +710,8 @@ def _low_rank_targets(spec, settings) -> frozenset:
     if not settings.optim_target_modules:
         return frozenset()
     linears = spec.linear_modules(settings.task, settings.num_labels)
-    names = {m.name for m in linears if not (spec.model_type == "gpt2" and m.scope != "head")}
+    conv1d_body = getattr(_family(spec), "CONV1D_BODY", False)  # GPT-2: the body's projections are Conv1D
+    names = {m.name for m in linears if not (conv1d_body and m.scope != "head")}
     if settings.optim_target_modules == ("all-linear",):
         return frozenset(names)
     return frozenset(names & set(settings.optim_target_modules))

@@ -6,7 +6,7 @@ published config.json leaves out every key equal to its default), `ALIASES`,
 peft's `PEFT_LORA_TARGETS`, `fields(get)` (the `ModelSpec` fields), `linears`
 and `counts` (the linear modules and parameter counts in closed form), and
 `Forward`, the symbolic forward fast mode runs (`formulas.py`). Optional:
-`embedding_tables(spec)`, `EAGER_ATTENTION_ONLY`, `USES_KV_CACHE`.
+`embedding_tables(spec)`, `EAGER_ATTENTION_ONLY`, `USES_KV_CACHE`, `CONV1D_BODY`.
 
 Adding a family is adding one module here and its name to `_MODULES`. A model
 type no module claims takes the generic path (`generic.py`): exact mode traces

@@ -15,6 +15,9 @@ from hf_memfit.models._shared import Getter, Lin, common, decoder_counts, head_l
 
 MODEL_TYPES = ('gpt2',)
 
+# The body's projections are transformers' Conv1D, not nn.Linear (GaLore / APOLLO take only nn.Linear).
+CONV1D_BODY = True
+
 DEFAULTS: dict[str, dict[str, Any]] = {
     "gpt2": {
         "vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_layer": 12, "n_head": 12, "n_inner": None,
