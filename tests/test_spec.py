@@ -132,6 +132,8 @@ def test_catalogue_has_the_required_models():
     for path in CATALOGUE_DIR.glob("*.json"):
         config = json.loads(path.read_text())
         assert config.get("model_type"), path.name
+        if config["model_type"] not in SUPPORTED_MODEL_TYPES:  # added with issue 9: each names its source
+            assert "huggingface.co/" in config.get("_source", ""), path.name
         assert isinstance(config.get("architectures"), list), path.name
 
 
