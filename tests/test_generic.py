@@ -72,6 +72,24 @@ def test_generic_exact_matches_the_cpu_allocator(name, changes):
     assert abs(predicted - measured) / measured < 0.01, (predicted, measured)
 
 
+def test_image_text_to_text_trains_on_text():
+    """Gemma-3 with its vision tower: the text stack is the one extrapolated; the batch is text only."""
+    from hf_memfit.measure import measure_cpu_peak
+
+    config = dict(model_type="gemma3", mm_tokens_per_image=4,
+                  text_config=dict(TINY_GEMMA3, model_type="gemma3_text", num_hidden_layers=10),
+                  vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                     image_size=28, patch_size=14))
+    spec = ModelSpec.from_config("gemma3-vl", config)
+    assert spec.num_layers == 10 and spec.layer_count_keys == ("text_config.num_hidden_layers",)
+    assert spec.with_layers(4)["text_config"]["num_hidden_layers"] == 4
+    settings = TrainSettings(batch_size=2, seq_len=32, device="cpu", mode="exact",
+                             task="image-text-to-text").validate(spec)
+    predicted = estimate(spec, **settings.to_dict()).peak_allocated_bytes
+    measured = measure_cpu_peak(spec.config, settings)
+    assert abs(predicted - measured) / measured < 0.01, (predicted, measured)
+
+
 def test_depth_extrapolation_finds_the_hybrid_pattern():
     """Gemma-3's sliding/global pattern (period 3 here) extrapolates to the same peak as a full-depth trace."""
     from hf_memfit.trace import exact_candidates
