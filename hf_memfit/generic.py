@@ -333,7 +333,15 @@ def _task_key(task: str, num_labels: int) -> str:
 
 
 def _task_facts(config: dict, task: str, num_labels: int, fields: dict) -> dict:
-    model = meta_model(config, task, num_labels)
+    try:
+        model = meta_model(config, task, num_labels)
+    except MemFitError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any failure to build is the config's, reported in one line
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
+        raise MemFitError(f"`model`: transformers {_transformers_version()} could not build model_type "
+                          f"`{config.get('model_type')}` for task {task} from this config "
+                          f"({type(exc).__name__}: {reason}); pass an unmodified config.json") from None
     stacks = layer_stacks(model)
     names = [n for n, _ in stacks]
     depth = fields["num_layers"]
@@ -371,10 +379,16 @@ def task_facts(name: str, config: dict, facts: dict, task: str, num_labels: int)
 
 def _peft_targets(model_type: str) -> list[str] | None:
     """peft's own default LoRA target modules for the model type (None: peft has none and asks for them)."""
+    import logging
+
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)  # importing peft loads torchao and bitsandbytes, which log their optional kernels
     try:
         from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as mapping
     except ImportError:
         return None
+    finally:
+        logging.disable(previous)
     targets = mapping.get(model_type)
     return list(targets) if targets else None
 

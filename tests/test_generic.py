@@ -154,6 +154,18 @@ def test_cli_unknown_model_type_is_one_line_exit_2(tmp_path):
     assert "remote code" in lines[0] and "Traceback" not in proc.stderr
 
 
+def test_a_config_transformers_cannot_build_is_one_line(tmp_path):
+    import transformers
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(dict(TINY_QWEN3, hidden_act="no_such_activation")))
+    proc = subprocess.run([sys.executable, "-m", "hf_memfit.cli", "estimate", str(config), "--batch-size", "1",
+                           "--seq-len", "8"], capture_output=True, text=True)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "qwen3" in lines[0] and transformers.__version__ in lines[0]
+
+
 def test_cli_estimates_a_generic_family(tmp_path):
     config = tmp_path / "config.json"
     config.write_text(json.dumps(TINY_MODERNBERT))
