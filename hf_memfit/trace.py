@@ -764,7 +764,25 @@ def _by_class(trace: TraceResult) -> dict[str, tuple[int, dict[str, int]]]:
 
 
 def exact_candidates(spec, settings: TrainSettings, *, extrapolate: bool = True) -> StepMemory:
-    """Trace at small depths and extrapolate each region linearly to the model's real depth."""
+    """Trace at small depths and extrapolate each region linearly to the model's real depth.
+
+    A model whose forward has shapes that depend on the data (a mixture-of-experts layer that loops over the
+    experts a batch hits) cannot run on fake tensors; that is reported in one line, not as a traceback.
+    """
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+
+    try:
+        return _exact_candidates(spec, settings, extrapolate=extrapolate)
+    except (DataDependentOutputException, DynamicOutputShapeException) as exc:
+        from hf_memfit.errors import MemFitError
+
+        raise MemFitError(f"exact mode cannot trace model_type `{spec.model_type}`: its forward has shapes that "
+                          f"depend on the data ({type(exc).__name__} in {exc.func if hasattr(exc, 'func') else exc}),"
+                          " which fake tensors do not have; for mixture-of-experts models use transformers' "
+                          "grouped_mm experts (its default where the model supports it)") from None
+
+
+def _exact_candidates(spec, settings: TrainSettings, *, extrapolate: bool = True) -> StepMemory:
     real = _real_depths(spec)
     period = getattr(spec, "layer_period", 1) or 1
     # The first layer of a stack can differ from the rest (T5's relative position

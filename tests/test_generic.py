@@ -203,3 +203,11 @@ def test_memfit_trainer_plans_for_a_generic_family(tmp_path):
     trainer = MemFitTrainer(model=model, args=args, train_dataset=dataset)
     assert trainer.memfit_plan.per_device_train_batch_size >= 1
     trainer.train()
+
+
+def test_data_dependent_experts_are_refused_in_one_line():
+    """transformers' eager experts loop has data-dependent shapes: exact mode says so instead of a traceback."""
+    config = dict(TINY_QWEN3_MOE, num_hidden_layers=2, experts_implementation="eager")
+    spec = ModelSpec.from_config("moe-eager", config)
+    with pytest.raises(MemFitError, match="depend on the data"):
+        estimate(spec, mode="exact", batch_size=1, seq_len=16, device="cpu")
