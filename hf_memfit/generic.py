@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -45,13 +46,25 @@ def cache_dir() -> Path:
     return Path(base) / "hf_memfit"
 
 
+@lru_cache(maxsize=1)
 def _transformers_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
+    """The installed transformers version, read from its __init__.py without importing it.
 
-    try:
-        return version("transformers")
-    except PackageNotFoundError:
+    Importing transformers (or importlib.metadata) would cost the cached fast path
+    most of its time budget.
+    """
+    import importlib.util
+    import re
+
+    found = importlib.util.find_spec("transformers")
+    if found is None or not found.origin:
         return "not installed"
+    try:
+        head = Path(found.origin).read_text(encoding="utf-8")[:20000]
+    except OSError:
+        return "unknown"
+    match = re.search(r"""^__version__\s*=\s*["']([^"']+)["']""", head, re.MULTILINE)
+    return match.group(1) if match else "unknown"
 
 
 def config_key(config: dict, *extra: Any) -> str:
