@@ -126,19 +126,21 @@ def test_calibrated_fast_mode(tmp_path, monkeypatch):
 
 
 def test_cached_fast_call_imports_no_torch(tmp_path):
-    """Once calibrated, a fast estimate of a generic family reads the cache and never imports torch."""
+    """Once calibrated, a fast estimate of a generic family reads the cache and never imports torch.
+
+    (Its speed is measured in benchmarks/generic_speed.py, not asserted here.)
+    """
     config = tmp_path / "config.json"
     config.write_text(json.dumps(TINY_QWEN3))
     env_code = f"import os; os.environ['HF_MEMFIT_CACHE'] = {str(tmp_path / 'cache')!r}\n"
     warm = env_code + f"from hf_memfit import estimate; estimate({str(config)!r}, batch_size=2, seq_len=64)"
     subprocess.run([sys.executable, "-c", warm], check=True, capture_output=True)
     probe = env_code + (
-        "import sys, time; t = time.perf_counter()\n"
+        "import sys\n"
         f"from hf_memfit import estimate; e = estimate({str(config)!r}, batch_size=8, seq_len=64)\n"
-        "print(time.perf_counter() - t, 'torch' in sys.modules, 'transformers' in sys.modules)")
+        "print('torch' in sys.modules, 'transformers' in sys.modules, any('calibrated from' in n for n in e.notes))")
     out = subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True, text=True).stdout.split()
-    assert out[1:] == ["False", "False"]
-    assert float(out[0]) < 0.5
+    assert out == ["False", "False", "True"]
 
 
 def test_cli_unknown_model_type_is_one_line_exit_2(tmp_path):
@@ -176,13 +178,19 @@ def test_cli_estimates_a_generic_family(tmp_path):
         "total"]
 
 
-def test_generic_fast_is_timed():
-    """A cached calibrated fast call is well under the 0.5 s budget in-process too."""
+def test_cached_fast_call_traces_nothing(monkeypatch):
+    """Once calibrated, other batch sizes are read from the cache: no exact trace runs."""
+    import hf_memfit.calibrated as calibrated
+
     spec = ModelSpec.from_config("qwen3", TINY_QWEN3)
     estimate(spec, batch_size=2, seq_len=32, device="cpu")
-    started = time.perf_counter()
-    estimate(spec, batch_size=5, seq_len=32, device="cpu")
-    assert time.perf_counter() - started < 0.5
+
+    def no_calibration(*args, **kwargs):
+        raise AssertionError("calibrated again")
+
+    monkeypatch.setattr(calibrated, "calibrate", no_calibration)
+    for batch in (1, 5, 64):
+        assert estimate(spec, batch_size=batch, seq_len=32, device="cpu").peak_allocated_bytes > 0
 
 
 def test_memfit_trainer_plans_for_a_generic_family(tmp_path):
