@@ -30,7 +30,6 @@ class StepMemory:
     largest_param_numel: int
     quantizable_linear_params: int = 0  # Linear weights bitsandbytes would pack to 4 bits
     largest_linear_numel: int = 0
-    reserved_gap_bytes: int | None = None  # CUDA reserved - allocated from the allocator replay (exact mode)
     notes: list[str] = field(default_factory=list)  # what the mode assumed (MoE routing, calibration)
 
     @property

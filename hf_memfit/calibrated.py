@@ -31,7 +31,8 @@ CALIBRATION_BATCHES = (1, 4)
 
 # Settings that do not change the single-device step (sharding.shard and the
 # planner apply them afterwards), so one calibration serves them all.
-_LAYOUT_FIELDS = ("batch_size", "mode", "num_gpus", "num_nodes", "zero_stage", "offload_optimizer", "offload_param")
+_LAYOUT_FIELDS = ("batch_size", "mode", "num_gpus", "num_nodes", "zero_stage", "offload_optimizer", "offload_param",
+                  "expandable_segments")
 
 _FACTS = ("trainable_params", "total_params", "largest_param_numel", "quantizable_linear_params",
           "largest_linear_numel")
@@ -84,7 +85,6 @@ def calibrate(spec, settings) -> dict:
         "batches": [lo, hi],
         "candidates": {r: [steps[0].candidates[r], steps[1].candidates[r]] for r in regions},
         "facts": {k: getattr(steps[1], k) for k in _FACTS},
-        "reserved_gap_bytes": [steps[0].reserved_gap_bytes, steps[1].reserved_gap_bytes],
     }
 
 
@@ -99,7 +99,5 @@ def evaluate(calibration: dict, batch_size: int) -> StepMemory:
     for region, (at_lo, at_hi) in calibration["candidates"].items():
         candidates[region] = {k: _line(at_lo.get(k, 0), at_hi.get(k, 0), lo, hi, batch_size)
                               for k in set(at_lo) | set(at_hi)}
-    gap_lo, gap_hi = calibration["reserved_gap_bytes"]
-    gap = None if gap_lo is None or gap_hi is None else _line(gap_lo, gap_hi, lo, hi, batch_size)
-    step = StepMemory(candidates, reserved_gap_bytes=gap, **calibration["facts"])
+    step = StepMemory(candidates, **calibration["facts"])
     return step

@@ -55,6 +55,8 @@ def add_step_arguments(parser: argparse.ArgumentParser, *, with_batch: bool = Tr
     parser.add_argument("--num-nodes", type=_positive_int, default=1)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="memory semantics to estimate for")
     parser.add_argument("--gpu", help="GPU model (a100, h100, rtx3060, ...): flash support and CUDA overheads")
+    parser.add_argument("--expandable-segments", action="store_true",
+                        help="the run sets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (less allocator slack)")
     parser.add_argument("--mode", choices=("fast", "exact"), default="fast",
                         help="fast: formulas (ms); exact: trace the real model on fake tensors (seconds)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -89,7 +91,7 @@ def settings_from_args(args: argparse.Namespace):
         lora_r=args.lora_r, lora_alpha=args.lora_alpha, lora_target_modules=targets,
         load_in_4bit=args.load_in_4bit, num_gpus=args.num_gpus, num_nodes=args.num_nodes,
         zero_stage=args.zero_stage, offload_optimizer=args.offload_optimizer, offload_param=args.offload_param,
-        device=args.device, gpu=args.gpu, mode=args.mode,
+        device=args.device, gpu=args.gpu, mode=args.mode, expandable_segments=args.expandable_segments,
     )
 
 
@@ -124,7 +126,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-memory", help="budget per GPU: a size (12GiB, 24GB) or `auto` for the local GPU")
     parser.add_argument("--allow-offload", choices=("none", "cpu", "nvme"), default="cpu",
                         help="how far DeepSpeed may offload when the GPU is too small (default: cpu)")
-    parser.add_argument("--cpu-memory", help="host memory available for offload (default: not checked)")
+    parser.add_argument("--cpu-memory",
+                        help="host RAM per node for offloaded state: a size (64GiB), `auto` (this machine) or `none`; "
+                             "default: `auto` with `--gpu-memory auto`, else not checked")
     parser.add_argument("--nvme-path", help="NVMe directory for ZeRO-Infinity (with --allow-offload nvme)")
     parser.add_argument("--headroom", type=float, default=0.05, help="fraction of the budget kept free (default 0.05)")
     parser.add_argument("--keep-optimizer", action="store_true", help="do not switch AdamW to 8-bit variants")
@@ -144,6 +148,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from hf_memfit.planner import plan
     from hf_memfit.report import format_plan
 
+    if args.deepspeed_config_out:
+        _check_writable(args.deepspeed_config_out, "--deepspeed-config-out")  # before planning, not after
+    if args.explain:
+        _check_writable(args.explain, "--explain")
     targets = args.lora_target_modules
     result = plan(
         args.model, seq_len=args.seq_len, global_batch_size=args.global_batch_size, gpu_memory=args.gpu_memory,
@@ -151,7 +159,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         lora_r=args.lora_r, lora_alpha=args.lora_alpha, lora_target_modules=targets, load_in_4bit=args.load_in_4bit,
         allow_offload=args.allow_offload, cpu_memory=args.cpu_memory, nvme_path=args.nvme_path,
         headroom=args.headroom, keep_optimizer=args.keep_optimizer, optim=args.optim, device=args.device,
-        mode=args.mode, allow_pure_bf16=args.allow_pure_bf16, allow_optimizers=args.allow_optimizers,
+        mode=args.mode, expandable_segments=args.expandable_segments, progress=_progress,
+        allow_pure_bf16=args.allow_pure_bf16, allow_optimizers=args.allow_optimizers,
     )
     if args.deepspeed_config_out:
         if result.plan.deepspeed is None:
@@ -216,17 +225,34 @@ def _trace(spec, configs, plot: str | None, flag: str = "--plot") -> list:
     return timelines
 
 
+def _progress(text: str) -> None:
+    print(f"hf-memfit: {text} ...", file=sys.stderr, flush=True)
+
+
 def _check_writable(path: str, flag: str) -> None:
-    """Make `path`'s folder if needed and check that a file can be written there; one-line error otherwise."""
+    """Make `path`'s folder if needed and check that a file can be created there; one-line error otherwise.
+
+    Creating (and removing) a scratch file is the only test that covers every case:
+    a folder, a path under a file, read-only mounts and pseudo-filesystems such as /proc.
+    """
     import os
+    import tempfile
 
     folder = os.path.dirname(os.path.abspath(path))
+    hint = "give a file path in a writable folder"
+    if os.path.isdir(path):
+        raise MemFitError(f"`{flag} {path}` is a folder; {hint}")
+    ancestor = folder
+    while not os.path.exists(ancestor) and os.path.dirname(ancestor) != ancestor:
+        ancestor = os.path.dirname(ancestor)
+    if not os.path.isdir(ancestor):
+        raise MemFitError(f"`{flag} {path}`: {ancestor} is a file, not a folder; {hint}")
     try:
         os.makedirs(folder, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".hf-memfit-", suffix=".tmp"):
+            pass
     except OSError as error:
-        raise MemFitError(f"`{flag} {path}`: cannot create the folder {folder} ({error.strerror})") from None
-    if os.path.isdir(path) or not os.access(folder, os.W_OK):
-        raise MemFitError(f"`{flag} {path}`: not a writable file path; give a file such as where.png in a writable folder")
+        raise MemFitError(f"`{flag} {path}`: cannot write in {folder} ({error.strerror}); {hint}") from None
 
 
 def _timeline_dict(t) -> dict:

@@ -59,19 +59,32 @@ K_LARGE_BUFFER = 20 * MiB  # kLargeBuffer: "'large' allocations may be packed in
 K_MIN_LARGE_ALLOC = 10 * MiB  # kMinLargeAlloc: "allocations between 1 and 10 MiB may use kLargeBuffer"
 K_ROUND_LARGE = 2 * MiB  # kRoundLarge: "round up large allocations to 2 MiB"
 
-# Reserved / allocated at the peak, for fast mode only, when no event trace is
-# available to replay through `CachingAllocatorSimulator` (which is preferred:
-# replaying the trace predicts reserved memory far better than any ratio).
-# Reports span 1.02x to 2.1x (cosmos-rl#388, torchtune#1185). A training step
-# with fixed shapes reuses its blocks almost exactly from step 2 on, and what is
-# left is the 20 MiB segments of 1-10 MiB tensors, 2 MiB rounding of large ones
-# and up to 1 MiB unsplit slack per block: we take 1.15, the low-middle of the
-# range. With shapes that change every step (dynamic padding, no packing)
-# segments sized for one batch strand slivers in the next; torchtune#1185
-# measured 16.39 GiB reserved without expandable_segments against 10.83 GiB
-# with it on a QLoRA 8B run (1.51x), so we take 1.5 there.
-RESERVED_HEADROOM_STATIC_SHAPES = 1.15
-RESERVED_HEADROOM_DYNAMIC_SHAPES = 1.5
+# Allocator slack: what the caching allocator needs beyond the allocated peak.
+# One model serves both estimator modes, so that they agree: fast mode cannot
+# replay an allocation sequence, and exact mode's trace is of 2-3 layers, whose
+# replay is not the real depth's (benchmarks/allocator.py: gpt2-large's
+# unlimited-device gap is 476 MiB at 2 layers and 2344 MiB at its 36). The
+# slack is a share of the activations and temporaries live at the peak: the
+# weights, gradients and optimizer states are allocated once, in the same sizes
+# every step, and reuse their blocks; what fragments is the churn of transient
+# tensors of many sizes (forward activations freed in backward, gradients made
+# where they were, the loss's vocabulary-sized buffers).
+# The share comes from replaying full-depth traces of 18 configurations through
+# `CachingAllocatorSimulator` and finding, for each, the smallest capacity the
+# step runs in (the allocator empties its cache and retries before an OOM, as
+# torch does): that capacity minus the allocated peak, over the activations and
+# temporaries at the peak, had quartiles 0.062 / 0.103 / 0.251 (range 0.020 to
+# 0.857; `python benchmarks/allocator.py`, docs/benchmarks.md). We take the upper
+# quartile: an under-predicted slack is an OOM.
+ALLOCATOR_FRAGMENTATION_RATIO = 0.25
+# With PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (torch >= 2.1) each pool
+# is one virtual segment per stream that maps and unmaps physical pages as it
+# grows and shrinks, so freed memory is reusable for any size and fragmentation
+# mostly disappears: torchtune#1185 measured 16.39 GiB reserved without it and
+# 10.83 GiB with it on the same QLoRA 8B run. What is left is the partly used
+# last page of each pool's segment: 2 MiB pages for the small pool and 20 MiB
+# (kLargeBuffer) for the large one (CUDACachingAllocator.cpp, ExpandableSegment).
+EXPANDABLE_SEGMENTS_SLACK_BYTES = K_SMALL_BUFFER + K_LARGE_BUFFER
 
 
 def cuda_context_bytes(gpu: GPU | None) -> int:
@@ -124,14 +137,17 @@ def segment_bytes(nbytes: int) -> int:
     return K_ROUND_LARGE * ((size + K_ROUND_LARGE - 1) // K_ROUND_LARGE)
 
 
-def reserved_headroom_ratio(dynamic_shapes: bool = False) -> float:
-    """Fallback reserved/allocated ratio for fast mode, when no event trace exists.
+def allocator_slack_bytes(transient_bytes: int, *, expandable_segments: bool = False) -> int:
+    """Reserved memory the caching allocator needs beyond the allocated peak.
 
-    1.15 for fixed shapes, 1.5 when shapes change between steps (see the
-    constants' comment). Replaying a trace through `CachingAllocatorSimulator`
-    is preferred whenever one is available.
+    `transient_bytes` is the activations plus temporaries live at the peak;
+    both estimator modes pass their own figure for it, and nothing else, so
+    they can differ only by what they disagree on there. See
+    ALLOCATOR_FRAGMENTATION_RATIO for the evidence.
     """
-    return RESERVED_HEADROOM_DYNAMIC_SHAPES if dynamic_shapes else RESERVED_HEADROOM_STATIC_SHAPES
+    if expandable_segments:
+        return EXPANDABLE_SEGMENTS_SLACK_BYTES
+    return int(ALLOCATOR_FRAGMENTATION_RATIO * max(0, transient_bytes))
 
 
 # --- The allocator simulator ----------------------------------------------------

@@ -1050,8 +1050,7 @@ def fast_step_memory(spec, settings) -> StepMemory:
     here when None). Returns a `StepMemory` for one process on one device, no
     sharding: bytes by category at each region's maximum, plus the parameter
     facts (trainable / total params with LoRA, the largest tensor, and for
-    4-bit the linear weights bitsandbytes would pack). `reserved_gap_bytes` is
-    None: fast mode has no allocation trace to replay.
+    4-bit the linear weights bitsandbytes would pack).
 
     Regions follow exact mode's names: "1.<micro>|fwd|pre" (embeddings),
     "|fwd|s<k>.last" (inside stack k's last layer), "|fwd|s<k>.post" (the end of

@@ -25,7 +25,7 @@ from typing import Any
 from hf_memfit.errors import MemFitError
 
 #: Bumped whenever what is cached changes meaning.
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 
 # Our task names -> the transformers Auto class and its model-type -> class-name mapping.
 TASK_AUTO = {

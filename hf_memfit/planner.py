@@ -22,6 +22,10 @@ from hf_memfit.settings import TrainSettings
 from hf_memfit.spec import ModelSpec, resolve_model
 from hf_memfit.units import GiB, format_bytes, parse_bytes
 
+# What runs the step when ZeRO offloads the optimizer: deepspeed.py writes an
+# `optimizer` section (AdamW), which DeepSpeed builds as DeepSpeedCPUAdam on the host.
+OFFLOADED_OPTIMIZER = "DeepSpeedCPUAdam"
+
 # The AdamW ladder, fastest first (`optimizers.ADAMW_LADDER`): 8-bit AdamW stores ~2 B/param of state
 # instead of 8 (bitsandbytes), paged 8-bit lets the driver move it to the host, torchao's 8-bit and 4-bit
 # AdamW (~2 and ~1 B/param) quantize the states the same way. On the CPU the ladder stops at bitsandbytes:
@@ -136,6 +140,8 @@ class Plan:
             kwargs["optim_target_modules"] = list(self.optim_target_modules)
         if self.gradient_checkpointing:
             kwargs["gradient_checkpointing_kwargs"] = {"use_reentrant": False}
+        if self.deepspeed is not None:  # the plan's peak depends on this layout (TrainingArguments takes a dict)
+            kwargs["deepspeed"] = self.deepspeed
         return kwargs
 
 
@@ -187,7 +193,8 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
          nvme_path: str | None = None, headroom: float = 0.05, keep_optimizer: bool = False,
          optim: str = "adamw_torch_fused", device: str = "cuda", mode: str = "fast",
          precision: str | None = None, deepspeed_layout: tuple[int, str, str] | None = None,
-         allow_pure_bf16: bool = False, allow_optimizers=()) -> PlanResult:
+         allow_pure_bf16: bool = False, allow_optimizers=(), expandable_segments: bool = False,
+         progress=None) -> PlanResult:
     """Pick the fastest configuration that trains `model` within the memory budget.
 
     The budget is `gpu_memory` (a size such as "12GiB", or "auto" for the local
@@ -196,7 +203,12 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
     precision (the trainer passes the loaded model's); by default it is chosen
     from the GPU. `deepspeed_layout` = (zero_stage, offload_optimizer,
     offload_param) fixes the layout to a DeepSpeed config the user already has
-    (the trainer passes it); the rest is searched around it.
+    (the trainer passes it); the rest is searched around it. `cpu_memory` is
+    the host RAM per node for offloaded state: a size, "auto" (this machine)
+    or "none"; unset, it is "auto" with `gpu_memory="auto"` and unchecked
+    otherwise. Fast-mode choices within `CONFIRM_IN_EXACT_MARGIN` of the
+    budget are re-estimated in exact mode before they are chosen (`mode="exact"`
+    confirms every choice); `progress(text)` hears about those slower steps.
 
     Levers that change the training are used only when allowed:
     `allow_pure_bf16` lets the plan drop the fp32 master weights (bf16 weights,
@@ -232,7 +244,7 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
         problems.append(f"`--allow-optimizers` {', '.join(unknown)} not modelled; use names from "
                         f"{', '.join(optimizers.OPTIMIZERS)}")
     check_all(problems)
-    cpu_limit = parse_bytes(cpu_memory, "--cpu-memory") if cpu_memory is not None else None
+    host = _host_limit(cpu_memory, gpu_memory)
 
     if isinstance(lora_target_modules, str):
         lora_target_modules = tuple(t for t in lora_target_modules.split(",") if t)
@@ -246,7 +258,7 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
         attn_implementation=attn, lora_r=lora_r, lora_alpha=lora_alpha,
         lora_target_modules=tuple(lora_target_modules) if lora_target_modules else None,
         load_in_4bit=load_in_4bit, num_gpus=num_gpus, num_nodes=num_nodes, device=device,
-        gpu=gpu_info.name if gpu_info else None, mode="fast",
+        gpu=gpu_info.name if gpu_info else None, mode="fast", expandable_segments=expandable_segments,
     ).validate(spec)
 
     per_rank = global_batch_size // world
@@ -258,32 +270,70 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
         optims = optimizers.PURE_BF16_LADDER
     grid = _grid(base, per_rank, allow_offload, keep_optimizer, world, deepspeed_layout, optims,
                  _low_rank_targets(spec, base))
-    candidates = [_evaluate(spec, s, usable, cpu_limit, gpu_info) for s in grid]
+    candidates = [_evaluate(spec, s, usable, host, gpu_info) for s in grid]
     fitting = sorted((c for c in candidates if c.fits), key=lambda c: c.step_seconds)
-    if mode == "exact":
-        fitting = _confirm_exact(spec, fitting, usable, cpu_limit)
+    fast_total = fitting[0].estimate.device_total_bytes if fitting else 0
+    fitting = _confirm_exact(spec, fitting, usable, host, everything=mode == "exact", progress=progress)
     pure_base = _pure_bf16_base(base, gpu_info, deepspeed_layout)
     if not fitting and allow_pure_bf16 and pure_base is not None:
         # Only once no mixed-precision plan fits: pure bf16 changes the numerics.
-        pure = [_evaluate(spec, s, usable, cpu_limit, gpu_info) for s in _pure_bf16_grid(pure_base, per_rank)]
+        pure = [_evaluate(spec, s, usable, host, gpu_info) for s in _pure_bf16_grid(pure_base, per_rank)]
         candidates += pure
         fitting = sorted((c for c in pure if c.fits), key=lambda c: c.step_seconds)
-        if mode == "exact":
-            fitting = _confirm_exact(spec, fitting, usable, cpu_limit)
+        fast_total = fitting[0].estimate.device_total_bytes if fitting else 0
+        fitting = _confirm_exact(spec, fitting, usable, host, everything=mode == "exact", progress=progress)
     if not fitting:
         raise MemFitError(_nothing_fits(spec, base, candidates, usable, budget, allow_offload, world, per_rank,
-                                        cpu_limit=cpu_limit,
-                                        pure_bf16_base=pure_base if not allow_pure_bf16 else None))
+                                        host, optims, pure_bf16_base=pure_base if not allow_pure_bf16 else None))
     best = fitting[0]
     alternatives = _runners_up(best, fitting, candidates)
     ideal = _ideal_seconds(spec, best.settings, best.estimate, gpu_info)
     largest = max(spec.vocab_size * (spec.embedding_dim or spec.hidden_size),
                   max((m.weight_numel for m in spec.linear_modules(base.task, num_labels)), default=0))
     if best.settings.precision == "bf16" and base.precision != "bf16":
-        precision_reason = _pure_bf16_reason(best, candidates, cpu_limit)
+        precision_reason = _pure_bf16_reason(best, candidates, host)
     chosen = _make_plan(best, candidates, usable, budget, ideal, [precision_reason, attn_reason], nvme_path,
-                        keep_optimizer, largest)
+                        keep_optimizer, largest, host, fast_total)
     return PlanResult(chosen, best.estimate, alternatives, len(candidates))
+
+
+@dataclass(frozen=True)
+class HostLimit:
+    """Host RAM per node that offloaded and paged state must fit in, and where the figure came from."""
+
+    bytes: int | None  # None: not checked
+    source: str
+
+    def check(self, est: MemoryEstimate) -> str:
+        """'' when `est`'s host memory per node fits, else why not."""
+        need = host_bytes_per_node(est)
+        if self.bytes is None or need <= self.bytes:
+            return ""
+        return (f"needs {format_bytes(need)} of host memory per node, over the {format_bytes(self.bytes)} "
+                f"of {self.source}")
+
+
+def host_bytes_per_node(est: MemoryEstimate) -> int:
+    """Host memory one node needs: each of its ranks holds `cpu_bytes` (offloaded or paged state)."""
+    return est.cpu_bytes * est.settings.num_gpus
+
+
+def _host_limit(cpu_memory, gpu_memory) -> HostLimit:
+    """`--cpu-memory`: a size per node, `auto` (this machine's RAM), or `none`.
+
+    Unset, it is `auto` when the plan is for this machine's own GPU (`--gpu-memory
+    auto`, and always in `MemFitTrainer`), else not checked, and the plan says so.
+    """
+    if cpu_memory is None:
+        planning_here = isinstance(gpu_memory, str) and gpu_memory.strip().lower() == "auto"
+        cpu_memory = "auto" if planning_here else "none"
+    if isinstance(cpu_memory, str) and cpu_memory.strip().lower() == "none":
+        return HostLimit(None, "not checked: pass `--cpu-memory SIZE` per node, or `auto`")
+    if isinstance(cpu_memory, str) and cpu_memory.strip().lower() == "auto":
+        from hf_memfit.hardware import host_memory_auto
+
+        return HostLimit(host_memory_auto(), "this machine's RAM (`--cpu-memory auto`)")
+    return HostLimit(parse_bytes(cpu_memory, "--cpu-memory"), "`--cpu-memory` per node")
 
 
 def _gpu_info(gpu: str | None):
@@ -366,15 +416,15 @@ def _pure_bf16_grid(pure: TrainSettings, per_rank: int):
                                    gradient_checkpointing=checkpointing, optim=optim)
 
 
-def _pure_bf16_reason(best: "Candidate", candidates: list["Candidate"], cpu_limit: int | None) -> str:
+def _pure_bf16_reason(best: "Candidate", candidates: list["Candidate"], host: "HostLimit") -> str:
     """Why the plan dropped the fp32 master weights, and why stochastic rounding."""
     mixed = [c for c in candidates if c.settings.precision != "bf16"]
-    host = [c for c in mixed if "host memory" in c.why_not]
+    host_bound = [c for c in mixed if "host memory" in c.why_not]
     why = "no mixed-precision plan fits"
-    if host and cpu_limit is not None:
-        least = min(host, key=lambda c: c.estimate.cpu_bytes)
-        why += (f": those that fit the GPU need at least {format_bytes(least.estimate.cpu_bytes)} of host memory, "
-                f"over `--cpu-memory` {format_bytes(cpu_limit)}")
+    if host_bound and host.bytes is not None:
+        least = min(host_bound, key=lambda c: host_bytes_per_node(c.estimate))
+        why += (f": those that fit the GPU need at least {format_bytes(host_bytes_per_node(least.estimate))} of "
+                f"host memory per node, over the {format_bytes(host.bytes)} of {host.source}")
     elif mixed:
         least = min(mixed, key=lambda c: c.estimate.device_total_bytes)
         why += f": the smallest needs {format_bytes(least.estimate.device_total_bytes)}"
@@ -424,23 +474,53 @@ def _grid(base: TrainSettings, per_rank: int, allow_offload: str, keep_optimizer
                                        if low_rank else None)
 
 
-def _evaluate(spec, settings: TrainSettings, usable: int, cpu_limit: int | None, gpu_info) -> Candidate:
+def _evaluate(spec, settings: TrainSettings, usable: int, host: HostLimit, gpu_info) -> Candidate:
     est = estimate_settings(spec, settings)
-    used = est.device_total_bytes
-    fits = used <= usable
-    why = "" if fits else f"needs {format_bytes(used)}, over the {format_bytes(usable)} usable"
-    if fits and cpu_limit is not None and est.cpu_bytes > cpu_limit:
-        fits, why = False, f"needs {format_bytes(est.cpu_bytes)} of host memory, over `--cpu-memory` {format_bytes(cpu_limit)}"
-    return Candidate(settings, est, step_seconds(spec, settings, est, gpu_info), fits, why)
+    why = _why_not(est, usable, host)
+    return Candidate(settings, est, step_seconds(spec, settings, est, gpu_info), not why, why)
 
 
-def _confirm_exact(spec, fitting: list[Candidate], usable: int, cpu_limit) -> list[Candidate]:
-    """Re-estimate the fastest fitting candidates in exact mode; keep the first that still fits."""
-    for candidate in fitting[:5]:
+def _why_not(est: MemoryEstimate, usable: int, host: HostLimit) -> str:
+    """'' when the estimate fits the device and the host, else why not (with its numbers)."""
+    if est.device_total_bytes > usable:
+        return f"needs {format_bytes(est.device_total_bytes)}, over the {format_bytes(usable)} usable"
+    return host.check(est)
+
+
+# Fast mode agrees with exact mode to within a few percent on the device total
+# (docs/benchmarks.md, "Fast vs exact"); a fast-mode choice closer to the budget
+# than this is confirmed in exact mode before it is chosen.
+CONFIRM_IN_EXACT_MARGIN = 0.05
+# At most this many near-budget candidates are traced before giving up on them.
+MAX_EXACT_CONFIRMATIONS = 5
+
+
+def _confirm_exact(spec, fitting: list[Candidate], usable: int, host: HostLimit, *, everything: bool,
+                   progress=None) -> list[Candidate]:
+    """The fitting candidates, fastest first, with the first one confirmed in exact mode where needed.
+
+    A candidate needs confirming when `everything` (plan --mode exact) or when its
+    fast estimate is within CONFIRM_IN_EXACT_MARGIN of `usable`. A confirmed one
+    carries its exact estimate; one that exact mode rejects is marked as not
+    fitting, with the exact figure, so nothing printed later calls it a fit.
+    """
+    traced = 0
+    for i, candidate in enumerate(fitting):
+        if not everything and candidate.estimate.device_total_bytes <= (1 - CONFIRM_IN_EXACT_MARGIN) * usable:
+            return fitting[i:]
+        if traced == MAX_EXACT_CONFIRMATIONS:
+            break
+        if progress is not None:
+            progress(f"confirming in exact mode: micro-batch {candidate.settings.batch_size}, "
+                     f"fast estimate {format_bytes(candidate.estimate.device_total_bytes)} of "
+                     f"{format_bytes(usable)} usable")
         exact = estimate_settings(spec, candidate.settings.replace(mode="exact"))
-        if exact.device_total_bytes <= usable and (cpu_limit is None or exact.cpu_bytes <= cpu_limit):
-            candidate.estimate = exact
-            return [candidate] + [c for c in fitting if c is not candidate]
+        traced += 1
+        candidate.estimate = exact
+        why = _why_not(exact, usable, host)
+        if not why:
+            return fitting[i:]
+        candidate.fits, candidate.why_not = False, f"exact mode: {why}"
     return []
 
 
@@ -607,10 +687,22 @@ def _lookup(candidates: list[Candidate], settings: TrainSettings) -> Candidate |
 
 
 def _make_plan(best: Candidate, candidates, usable: int, budget: int, ideal_seconds: float, fixed_reasons: list[str],
-               nvme_path: str | None, keep_optimizer: bool, largest_param_numel: int) -> Plan:
+               nvme_path: str | None, keep_optimizer: bool, largest_param_numel: int, host: HostLimit,
+               fast_total: int) -> Plan:
     s, est = best.settings, best.estimate
     reasons = [f"budget: {format_bytes(usable)} usable of {format_bytes(budget)}; plan peaks at "
                f"{format_bytes(est.device_total_bytes)} ({100 * est.device_total_bytes / usable:.0f}% of usable)"]
+    if est.settings.mode == "exact":
+        reasons.append(f"confirmed in exact mode (the real model traced on fake tensors): "
+                       f"{format_bytes(est.device_total_bytes)}"
+                       + (f"; the fastest fast-mode choice ({format_bytes(fast_total)}) was within "
+                          f"{100 * CONFIRM_IN_EXACT_MARGIN:.0f}% of the budget" if fast_total else ""))
+    if est.cpu_bytes:
+        need = host_bytes_per_node(est)
+        checked = (f"fits the {format_bytes(host.bytes)} of {host.source}" if host.bytes is not None
+                   else host.source)
+        reasons.append(f"host memory: {format_bytes(est.cpu_bytes)} per GPU, {format_bytes(need)} per node "
+                       f"({s.num_gpus} GPU(s)); {checked}")
     global_batch = s.batch_size * s.gradient_accumulation_steps * s.world_size
     bigger = [c for c in candidates if c.settings.batch_size > s.batch_size and _knobs(c.settings) == _knobs(s)]
     batch_reason = f"micro-batch {s.batch_size} x accumulation {s.gradient_accumulation_steps} x {s.world_size} GPU(s) = global batch {global_batch}"
@@ -634,14 +726,17 @@ def _make_plan(best: Candidate, candidates, usable: int, budget: int, ideal_seco
                        "skipping ~33% recompute")
     precision_reason, attn_reason = fixed_reasons
     reasons.append(precision_reason)
-    reasons.append(_optimizer_reason(s, candidates, keep_optimizer))
+    if s.offload_optimizer != "none":
+        reasons.append(f"optimizer: DeepSpeed's {OFFLOADED_OPTIMIZER} on the host ({s.offload_optimizer} offload), from "
+                       "the config's `optimizer` section; the Trainer's `optim` is not used")
+    else:
+        reasons.append(_optimizer_reason(s, candidates, keep_optimizer))
     reasons.append(attn_reason)
     if s.zero_stage:
         plain = _lookup(candidates, s.replace(zero_stage=0, offload_optimizer="none", offload_param="none"))
         detail = (f"; without it the peak would be {format_bytes(plain.estimate.device_total_bytes)}"
                   if plain is not None and not plain.fits else "")
-        reasons.append(f"DeepSpeed {_layout_text(s)}{detail}"
-                       + (f"; host memory needed {format_bytes(est.cpu_bytes)}" if est.cpu_bytes else ""))
+        reasons.append(f"DeepSpeed {_layout_text(s)}{detail}")
     elif s.world_size > 1:
         reasons.append("DDP: model states fit on every GPU, so no sharding traffic")
     deepspeed = None
@@ -708,33 +803,51 @@ def _optimizer_reason(s: TrainSettings, candidates, keep_optimizer: bool) -> str
 
 
 def _nothing_fits(spec, base: TrainSettings, candidates, usable: int, budget: int, allow_offload: str, world: int,
-                  per_rank: int, *, cpu_limit: int | None = None, pure_bf16_base: TrainSettings | None = None) -> str:
-    """The one-line error when no candidate fits: the smallest footprint, and which remedies would fit.
+                  per_rank: int, host: HostLimit, optims: tuple[str, ...], *,
+                  pure_bf16_base: TrainSettings | None = None) -> str:
+    """The one-line error when no candidate fits: what binds (device or host), and which remedies would fit.
 
     Remedies are tried from the least to the most change to the training: offload,
-    more GPUs, LoRA, QLoRA, then a shorter sequence (the longest power-of-two
-    fraction that fits). Each is checked with the same estimator, so every
-    suggestion printed is one that fits.
+    more GPUs, LoRA, QLoRA, more host memory, then a shorter sequence (the longest
+    that fits). Each is checked with the same estimator and the same device and
+    host limits as the plan, over the same optimizers, so every suggestion printed
+    is one that fits.
     """
     smallest = min(candidates, key=lambda c: c.estimate.device_total_bytes)
+    on_device = [c for c in candidates if c.estimate.device_total_bytes <= usable]
     on_gpu = base.device == "cuda"
+    optims = tuple(o for o in optims if not optimizers.OPTIMIZERS[o].low_rank)  # no targets to project here
     lean = dict(gradient_checkpointing=True, zero_stage=0, offload_optimizer="none", offload_param="none")
     offload = dict(zero_stage=3, offload_optimizer="cpu", offload_param="cpu", optim="adamw_torch_fused")
 
-    def need(global_batch: int = per_rank * world, **changes) -> int:
-        """The smallest footprint with `changes`, over micro-batch 1 or the whole per-rank batch."""
+    def best_fit(global_batch: int = per_rank * world, **changes) -> MemoryEstimate | None:
+        """The smallest fitting footprint with `changes`: micro-batch 1 or the whole per-rank batch, each optimizer."""
         settings = base.replace(**{**lean, **changes})
         ranks = settings.world_size
-        sizes = []
-        for micro in sorted({1, global_batch // ranks}):
-            trial = settings.replace(batch_size=micro, gradient_accumulation_steps=global_batch // ranks // micro)
-            sizes.append(estimate_settings(spec, trial).device_total_bytes)
-        return min(sizes)
+        choices = (settings.optim,) if "optim" in changes else optims
+        fitting = []
+        for optim in choices:
+            for micro in sorted({1, global_batch // ranks}):
+                trial = settings.replace(optim=optim, batch_size=micro,
+                                         gradient_accumulation_steps=global_batch // ranks // micro)
+                est = estimate_settings(spec, trial)
+                if not _why_not(est, usable, host):
+                    fitting.append(est)
+        return min(fitting, key=lambda e: e.device_total_bytes, default=None)
 
+    if on_device:  # the GPU could hold some of them: host memory is what binds
+        lightest = min(on_device, key=lambda c: host_bytes_per_node(c.estimate))
+        head = (f"nothing fits: {_difference_text(lightest.settings)} would take "
+                f"{format_bytes(lightest.estimate.device_total_bytes)} of the {format_bytes(usable)} usable on the GPU, "
+                f"but it {lightest.why_not}")
+    else:
+        head = (f"nothing fits in {format_bytes(usable)} ({format_bytes(budget)} less headroom): the smallest "
+                f"footprint found is {format_bytes(smallest.estimate.device_total_bytes)} "
+                f"({_difference_text(smallest.settings)})")
     helps = []
     if pure_bf16_base is not None:
         # The least change that keeps a full fine-tune: bf16 weights, no fp32 master (see `_pure_bf16_grid`).
-        fits = [c for c in (_evaluate(spec, s, usable, cpu_limit, None)
+        fits = [c for c in (_evaluate(spec, s, usable, host, None)
                             for s in _pure_bf16_grid(pure_bf16_base, per_rank)
                             if s.batch_size in (1, per_rank)) if c.fits]
         if fits:
@@ -759,42 +872,58 @@ def _nothing_fits(spec, base: TrainSettings, candidates, usable: int, budget: in
     for text, changes in remedies:
         if "num_gpus" in changes and any("--num-gpus" in h for h in helps):
             continue  # the fewest GPUs that fit is enough to name
-        size = need(**changes)
-        if size <= usable:
-            helps.append(f"{text} ({format_bytes(size)})")
+        est = best_fit(**changes)
+        if est is not None:
+            helps.append(f"{text} ({format_bytes(est.device_total_bytes)})")
+    if on_device and host.bytes is not None:
+        need = min(host_bytes_per_node(c.estimate) for c in on_device)
+        helps.append(f"a node with at least {format_bytes(need)} of RAM (`--cpu-memory {math.ceil(need / GiB)}GiB`)")
     # A shorter sequence changes the data, so it comes last: alone (with offload where the
     # user allowed it), then, only if nothing else fits, together with offload or QLoRA.
+    # It shrinks activations only, so it cannot help when host memory binds.
     can_offload = on_gpu and not base.load_in_4bit
     shorter = [("", [{}] + ([offload] if can_offload and allow_offload != "none" else []))]
     if can_offload and allow_offload == "none":
         shorter.append(("`--allow-offload cpu` with ", [offload]))
     if can_offload:
         shorter.append(("QLoRA with ", [qlora]))
-    for prefix, variants in shorter:
+    for prefix, variants in ([] if on_device else shorter):
         if prefix and helps:
             break
-        seq, size = base.seq_len // 2, None
-        while seq >= 16:
-            size = min(need(seq_len=seq, **changes) for changes in variants)
-            if size <= usable:
-                break
-            seq //= 2
-        if seq >= 16:
-            helps.append(f"{prefix}a shorter sequence `--seq-len {seq}` ({format_bytes(size)})")
+        found = _longest_fitting_seq(base.seq_len, lambda seq: _first_fit(best_fit, seq, variants))
+        if found is not None:
+            seq, est = found
+            helps.append(f"{prefix}a shorter sequence `--seq-len {seq}` ({format_bytes(est.device_total_bytes)})")
     suggestion = "; ".join(helps) if helps else "a larger GPU"
-    host_bound = [c for c in candidates if "host memory" in c.why_not]
-    if host_bound and cpu_limit is not None:
-        # Host RAM is the limit, not the GPU: say so first, with what the host would need.
-        least = min(host_bound, key=lambda c: c.estimate.cpu_bytes)
-        return (f"nothing fits in {format_bytes(usable)} of GPU memory and `--cpu-memory` {format_bytes(cpu_limit)} "
-                f"of host memory: {len(host_bound)} configurations fit the GPU, but host memory is the limit: the "
-                f"least they need is {format_bytes(least.estimate.cpu_bytes)} ({_difference_text(least.settings)}); "
-                f"what would fit: {suggestion}")
-    return (f"nothing fits in {format_bytes(usable)} ({format_bytes(budget)} less headroom): the smallest footprint "
-            f"found is {smallest.estimate.device_total_bytes / GiB:.1f} GiB ({_difference_text(smallest.settings)}); "
-            f"what would fit: {suggestion}")
+    return f"{head}; what would fit: {suggestion}"
+
+
+def _first_fit(best_fit, seq: int, variants: list[dict]) -> MemoryEstimate | None:
+    fits = [est for changes in variants if (est := best_fit(seq_len=seq, **changes)) is not None]
+    return min(fits, key=lambda e: e.device_total_bytes, default=None)
+
+
+def _longest_fitting_seq(seq_len: int, fit, shortest: int = 16) -> tuple[int, MemoryEstimate] | None:
+    """The longest sequence below `seq_len` for which `fit(seq)` finds a fit (a multiple of 16, or 64 above 256)."""
+    low, est = seq_len // 2, None
+    while low >= shortest and (est := fit(low)) is None:
+        low //= 2
+    if low < shortest:
+        return None
+    high = min(2 * low, seq_len)  # does not fit (or is the sequence asked for)
+    step = 64 if low >= 256 else 16
+    while high - low > step:  # bisect between a length that fits and one that does not
+        mid = (low + high) // 2 // step * step
+        if mid <= low:
+            break
+        trial = fit(mid)
+        if trial is None:
+            high = mid
+        else:
+            low, est = mid, trial
+    return low, est
 
 
 def _difference_text(s: TrainSettings) -> str:
-    return (f"micro-batch {s.batch_size}, checkpointing {'on' if s.gradient_checkpointing else 'off'}, {s.optim}, "
-            f"{_layout_text(s)}")
+    return (f"micro-batch {s.batch_size} x accumulation {s.gradient_accumulation_steps}, checkpointing "
+            f"{'on' if s.gradient_checkpointing else 'off'}, {s.optim}, {_layout_text(s)}")

@@ -46,6 +46,7 @@ class TrainSettings:
     offload_param: str = "none"
     device: str = "cuda"
     gpu: str | None = None  # a hardware.py name; decides flash support and CUDA overheads
+    expandable_segments: bool = False  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
     mode: str = "fast"
 
     @property
@@ -153,12 +154,39 @@ class TrainSettings:
             problems.append("`--device cpu` with `--zero-stage` estimates one DeepSpeed process: drop `--num-gpus/--num-nodes`")
         if self.device == "cpu" and self.attn_implementation == "flash_attention_2":
             problems.append("`--attn-implementation flash_attention_2` needs `--device cuda`")
+        if self.attn_implementation == "flash_attention_2" and self.compute_dtype == "float32":
+            problems.append("`--attn-implementation flash_attention_2` runs in fp16/bf16 only: add `--precision "
+                            "bf16-mixed` (or fp16-mixed), or use `--attn-implementation sdpa`")
+        if self.load_in_4bit and self.lora_r is None:
+            problems.append("`--load-in-4bit` trains LoRA adapters on the 4-bit base: add `--lora-r` (e.g. 16)")
+        if self.gpu is not None and self.device == "cuda":
+            problems += _gpu_problems(self)
         settings = self
         if spec is not None and not problems:
             settings, model_problems = _validate_against_model(self, spec)
             problems += model_problems
         check_all(problems)
         return settings
+
+
+def _gpu_problems(settings: TrainSettings) -> list[str]:
+    """What the named GPU cannot run: bf16 before Ampere, flash-attention-2 before sm80."""
+    from hf_memfit.errors import MemFitError
+    from hf_memfit.hardware import find_gpu
+
+    try:
+        gpu = find_gpu(settings.gpu)
+    except MemFitError as error:
+        return [str(error)]
+    problems = []
+    if settings.precision.startswith("bf16") and not gpu.supports_bf16:
+        fix = settings.precision.replace("bf16", "fp16")
+        problems.append(f"`--precision {settings.precision}`: the {gpu.name} has no bf16 support; use "
+                        f"`--precision {fix}`")
+    if settings.attn_implementation == "flash_attention_2" and not gpu.supports_flash_attention:
+        problems.append(f"`--attn-implementation flash_attention_2` needs compute capability 8.0+, and the {gpu.name} "
+                        f"is {gpu.compute_capability[0]}.{gpu.compute_capability[1]}; use `--attn-implementation sdpa`")
+    return problems
 
 
 def _validate_against_model(settings: TrainSettings, spec) -> tuple[TrainSettings, list[str]]:

@@ -76,7 +76,10 @@ def build_model(config: dict, settings: TrainSettings):
     model = instantiate(config, settings.task, settings.num_labels, dtype=torch_dtype(weights_dtype),
                         attn_implementation=attn)
     if settings.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x; the old name warns
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if settings.uses_lora:
         model = _add_lora(model, settings)
     model.train()

@@ -21,8 +21,8 @@ explicitly, each item sourced in `shared/CUDA_MEMORY_FACTS.md`:
   keep for backward, by `_GpuAttentionMemory`;
 - CUDA autocast's fp32 op list (layer_norm, softmax, ...) by `_CudaAutocastPolicy`;
 - torch's default foreach optimizer path on CUDA (`step.make_optimizer`);
-- the caching allocator's 512-byte rounding, and its reserved memory, by replaying
-  the allocation sequence through `cuda_overhead.CachingAllocatorSimulator`.
+- the caching allocator's 512-byte rounding (its reserved memory beyond that is
+  `cuda_overhead.allocator_slack_bytes`, the same model as fast mode's).
 """
 
 import contextlib
@@ -827,17 +827,14 @@ def _exact_candidates(spec, settings: TrainSettings, *, extrapolate: bool = True
 
 
 def _exact_result(candidates, traces, real, base, trace, settings, spec=None) -> StepMemory:
-    gap = _reserved_gap(trace) if settings.device == "cuda" else None
     step = StepMemory(candidates, trace.trainable_params, trace.total_params, trace.largest_param_numel,
-                      trace.quantizable_linear_params, trace.largest_linear_numel, gap)
+                      trace.quantizable_linear_params, trace.largest_linear_numel)
     moe = getattr(spec, "moe", None)
     if moe:
         from hf_memfit.generic import moe_note
 
         step.notes.append(moe_note(moe, settings))
     return step
-
-
 
 
 def _depth_of(stack: str, depths: tuple[int, ...]) -> int:
@@ -860,21 +857,3 @@ def _config_with_depths(spec, depths: tuple[int, ...]) -> dict:
     for key, depth in zip(keys, depths):
         _set_path(config, key, depth)
     return config
-
-
-def _reserved_gap(trace: TraceResult) -> int:
-    """What the caching allocator reserves beyond the traced live bytes, replaying the allocation sequence.
-
-    The simulator's reserved peak includes unsplit-block slack and cached free
-    segments. It is measured at the traced depth and added as is: most of it is
-    per-size-class segment caching, which does not grow with the depth.
-    """
-    from hf_memfit.cuda_overhead import CachingAllocatorSimulator
-
-    sim = CachingAllocatorSimulator()
-    for index, nbytes in trace.tracker.events:
-        if index > 0:
-            sim.malloc(index, nbytes)
-        else:
-            sim.free(-index)
-    return max(0, sim.peak_reserved_bytes - trace.peak_bytes)

@@ -62,7 +62,7 @@ def test_dry_run_needs_zero_where_model_states_cannot_fit(capsys):
 def test_dry_run_on_two_nodes(capsys):
     one = execute(recipe("llama2_70b_8x80gb"), ["--dry-run"])
     two = execute(recipe("llama2_70b_8x80gb"), ["--dry-run", "--num-nodes", "2"])
-    assert "GPUs                                             8 x 2 node(s)" in capsys.readouterr().out
+    assert re.search(r"^GPUs +8 x 2 node\(s\)$", capsys.readouterr().out, re.MULTILINE)
     p = two.plan
     assert (p.num_gpus, p.num_nodes, p.settings.world_size) == (8, 2, 16)
     assert p.per_device_train_batch_size * p.gradient_accumulation_steps * 16 == 64
