@@ -525,7 +525,7 @@ class _Forward:
 # ---------------------------------------------------------------------------
 
 
-def _rope(f: _Forward, x: _T, cos_dtype: str, rotary_frac: float, cat_style: bool) -> _T:
+def rope(f: _Forward, x: _T, cos_dtype: str, rotary_frac: float, cat_style: bool) -> _T:
     """q * cos + rotate_half(q) * sin. mul saves cos/sin (shared); nothing of q.
 
     Partial rotary (NeoX) and Phi-3 concatenate the rotated part with the rest:
@@ -542,8 +542,11 @@ def _rope(f: _Forward, x: _T, cos_dtype: str, rotary_frac: float, cat_style: boo
     return out
 
 
-class _Family:
-    """Builds one family's forward on a `_Forward`: embedding, layers, final norm and head input."""
+class FamilyForward:
+    """Builds one family's forward on a `_Forward`: embedding, layers, final norm and head input.
+
+    Each family module (`models/<family>.py`) subclasses it as `Forward`.
+    """
 
     def __init__(self, spec, settings, f: _Forward):
         self.spec, self.settings, self.f = spec, settings, f
@@ -556,6 +559,10 @@ class _Family:
     def rdt(self) -> str:
         return self.ctx.wdt
 
+    def seq_cls_logits(self, head_in: _T, width: int, num_labels: int, trainable: bool) -> _T:
+        """A decoder's `score` on every position (transformers picks the last one afterwards)."""
+        return self.f.linear(head_in, width, num_labels, "score", False, trainable=trainable, lora=False)
+
     def token_embedding(self, width: int) -> _T:
         """The token-embedding lookup. With a frozen table made to require grad (peft's
         `enable_input_require_grads` under checkpointing) the output is a leaf the graph keeps."""
@@ -566,310 +573,11 @@ class _Family:
         return x
 
 
-class _GPT2(_Family):
-    def embed(self):
-        f, T, h = self.f, self.T, self.h
-        tok = self.token_embedding(h)
-        pos = f.new(T * h, self.rdt, self.ctx.full_ft)
-        x = f.add(tok, pos)
-        return f.dropout(x, self.spec.embedding_dropout)
+def _family(spec):
+    """The hand-written family module (models/<family>.py) whose `Forward` fast mode runs."""
+    from hf_memfit import models
 
-    def layer(self, x, index):
-        f, s, h, T = self.f, self.spec, self.h, self.T
-        hd, nh = s.head_dim, s.num_attention_heads
-        a = f.layer_norm(x, h)
-        qkv = f.linear(a, h, 3 * h, "c_attn", True)
-        q, k, v = (f.view(qkv, T * h) for _ in range(3))
-        k, v = f.kv_cache(k, v)
-        o = f.attention(q, k, v, nh, nh, hd, dropout=s.attention_dropout, eager_style="gpt2")
-        o = f.linear(o, h, h, "c_proj", True)
-        o = f.dropout(o, s.hidden_dropout)
-        x = f.add(o, x)
-        m = f.layer_norm(x, h)
-        m = f.linear(m, h, s.intermediate_size, "c_fc", True)
-        m = f.activation(m, s.hidden_act)
-        m = f.linear(m, s.intermediate_size, h, "c_proj", True)
-        m = f.dropout(m, s.hidden_dropout)
-        return f.add(x, m)
-
-    def final(self, x):
-        return self.f.layer_norm(x, self.h)
-
-
-class _Bert(_Family):
-    def embed(self):
-        f, T, h = self.f, self.T, self.h
-        word = self.token_embedding(h)
-        tt = f.new(T * h, self.rdt, self.ctx.full_ft)
-        x = f.add(word, tt)
-        pos = f.new(T * h, self.rdt, self.ctx.full_ft)
-        x = f.add(x, pos)
-        x = f.layer_norm(x, h)
-        x = f.dropout(x, self.spec.embedding_dropout)
-        f.hold(x)  # BertModel.forward keeps `embedding_output` until it returns
-        return x
-
-    def layer(self, x, index):
-        f, s, h, T = self.f, self.spec, self.h, self.T
-        q = f.linear(x, h, h, "query", True)
-        k = f.linear(x, h, h, "key", True)
-        v = f.linear(x, h, h, "value", True)
-        o = f.attention(q, k, v, s.num_attention_heads, s.num_attention_heads, s.head_dim,
-                        dropout=s.attention_dropout, causal=False, eager_style="bert")
-        o = f.linear(o, h, h, "dense", True)
-        o = f.dropout(o, s.hidden_dropout)
-        x = f.layer_norm(f.add(o, x), h)
-        m = f.linear(x, h, s.intermediate_size, "dense", True)
-        m = f.activation(m, s.hidden_act)
-        m = f.linear(m, s.intermediate_size, h, "dense", True)
-        m = f.dropout(m, s.hidden_dropout)
-        return f.layer_norm(f.add(m, x), h)
-
-    def final(self, x):
-        self.f.hold(x)  # last_hidden_state, returned by BertModel
-        return x
-
-
-class _OPT(_Family):
-    @property
-    def pre_ln(self) -> bool:
-        return bool(self.spec.config.get("do_layer_norm_before", True))
-
-    def embed(self):
-        f, T, h, p = self.f, self.T, self.h, self.spec.embedding_dim
-        x = self.token_embedding(p)
-        if p != h:
-            x = f.linear(x, p, h, "project_in", False)
-        pos = f.new(T * h, self.rdt, self.ctx.full_ft)
-        return f.add(x, pos)
-
-    def layer(self, x, index):
-        f, s, h = self.f, self.spec, self.h
-        hd, nh = s.head_dim, s.num_attention_heads
-        a = f.layer_norm(x, h) if self.pre_ln else x
-        q = f.scale(f.linear(a, h, h, "q_proj", s.qkv_bias))  # q_proj(x) * scaling
-        k = f.linear(a, h, h, "k_proj", s.qkv_bias)
-        v = f.linear(a, h, h, "v_proj", s.qkv_bias)
-        k, v = f.kv_cache(k, v)
-        o = f.attention(q, k, v, nh, nh, hd, dropout=s.attention_dropout, eager_style="llama")
-        o = f.linear(o, h, h, "out_proj", s.attn_out_bias)
-        o = f.dropout(o, s.hidden_dropout)
-        x = f.add(x, o)
-        if not self.pre_ln:
-            x = f.layer_norm(x, h)
-        m = f.layer_norm(x, h) if self.pre_ln else x
-        m = f.linear(m, h, s.intermediate_size, "fc1", s.mlp_bias)
-        m = f.activation(m, s.hidden_act)
-        m = f.linear(m, s.intermediate_size, h, "fc2", s.mlp_bias)
-        m = f.dropout(m, s.hidden_dropout)
-        x = f.add(x, m)
-        if not self.pre_ln:
-            x = f.layer_norm(x, h)
-        return x
-
-    def final(self, x):
-        f, s = self.f, self.spec
-        if self.pre_ln and not s.config.get("_remove_final_layer_norm", False):
-            x = f.layer_norm(x, self.h)
-        if s.embedding_dim != self.h:
-            x = f.linear(x, self.h, s.embedding_dim, "project_out", False)
-        return x
-
-
-class _LlamaLike(_Family):
-    """llama, mistral, qwen2, gemma2, phi3 and gpt_neox: rotary position embeddings, pre-norm."""
-
-    def embed(self):
-        f, T, h, s = self.f, self.T, self.h, self.spec
-        x = self.token_embedding(h)
-        if s.model_type == "gemma2":
-            x = f.scale(x)  # inputs_embeds * sqrt(hidden_size)
-        if s.model_type == "gpt_neox":
-            x = f.dropout(x, s.embedding_dropout)
-        # cos and sin, [b, s, rotary_dim] in the hidden states' dtype, used by every layer
-        self.rot_dim = self._rotary_dim()
-        cos = f.new(self.ctx.b * self.ctx.s * self.rot_dim, self.rdt, False)
-        sin = f.new(self.ctx.b * self.ctx.s * self.rot_dim, self.rdt, False)
-        f.save(cos, sin)
-        return x
-
-    def _rotary_dim(self) -> int:
-        s = self.spec
-        cfg = s.config
-        if s.model_type == "gpt_neox":
-            rp = cfg.get("rotary_pct", (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", 0.25))
-            return int(s.head_dim * rp)
-        if s.model_type == "phi3":
-            rp = cfg.get("partial_rotary_factor", (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0))
-            return int(s.head_dim * (rp or 1.0))
-        return s.head_dim
-
-    def _norm(self, x):
-        s, f = self.spec, self.f
-        if s.norm_type == "layernorm":
-            return f.layer_norm(x, self.h)
-        return f.rms_norm(x, self.h, "gemma" if s.model_type == "gemma2" else "llama")
-
-    def layer(self, x, index):
-        f, s, h, T = self.f, self.spec, self.h, self.T
-        nh, kvh, hd = s.num_attention_heads, s.num_key_value_heads, s.head_dim
-        q_dim, kv_dim = nh * hd, kvh * hd
-        a = self._norm(x)
-        cat = s.model_type in ("gpt_neox", "phi3")
-        if s.fused_qkv:
-            name = "query_key_value" if s.model_type == "gpt_neox" else "qkv_proj"
-            qkv = f.linear(a, h, q_dim + 2 * kv_dim, name, s.qkv_bias)
-            q, k, v = f.view(qkv, T * q_dim), f.view(qkv, T * kv_dim), f.view(qkv, T * kv_dim)
-        else:
-            q = f.linear(a, h, q_dim, "q_proj", s.qkv_bias)
-            k = f.linear(a, h, kv_dim, "k_proj", s.qkv_bias)
-            v = f.linear(a, h, kv_dim, "v_proj", s.qkv_bias)
-        frac = self.rot_dim / hd
-        q = _rope(f, q, self.rdt, frac, cat)
-        k = _rope(f, k, self.rdt, frac, cat)
-        k, v = f.kv_cache(k, v)
-        o = f.attention(q, k, v, nh, kvh, hd, dropout=s.attention_dropout, eager_style="llama",
-                        softcap=s.attn_logit_softcapping)
-        o = f.linear(o, q_dim, h, "dense" if s.model_type == "gpt_neox" else "o_proj", s.attn_out_bias)
-        sandwich = s.norms_per_layer == 4  # Gemma-2 also norms each block's output
-        if sandwich:
-            o = self._norm(o)  # post_attention_layernorm
-        o = f.dropout(o, s.hidden_dropout)
-        if s.model_type == "gpt_neox" and s.config.get("use_parallel_residual", True):
-            m = self._mlp(self._norm(x))
-            m = f.dropout(m, s.hidden_dropout)
-            return f.add(f.add(m, o), x)
-        x = f.add(x, o)
-        m = self._mlp(self._norm(x))
-        if sandwich:
-            m = self._norm(m)  # post_feedforward_layernorm
-        m = f.dropout(m, s.hidden_dropout)
-        return f.add(x, m)
-
-    def _mlp(self, x):
-        f, s, h, i = self.f, self.spec, self.h, self.spec.intermediate_size
-        if s.model_type == "gpt_neox":
-            m = f.linear(x, h, i, "dense_h_to_4h", True)
-            m = f.activation(m, s.hidden_act)
-            return f.linear(m, i, h, "dense_4h_to_h", True)
-        if s.model_type == "phi3":
-            gu = f.linear(x, h, 2 * i, "gate_up_proj", False)
-            gate, up = f.view(gu, gu.numel // 2), f.view(gu, gu.numel // 2)
-            act = f.activation(gate, s.hidden_act)
-            return f.linear(f.mul(up, act), i, h, "down_proj", False)
-        gate = f.linear(x, h, i, "gate_proj", s.mlp_bias)
-        up = f.linear(x, h, i, "up_proj", s.mlp_bias)
-        act = f.activation(gate, s.hidden_act)
-        return f.linear(f.mul(act, up), i, h, "down_proj", s.mlp_bias)
-
-    def final(self, x):
-        return self._norm(x)
-
-
-class _T5(_Family):
-    """T5: relative-position bias from layer 0 of each stack, RMS norms, dropout everywhere."""
-
-    def embed(self):
-        f = self.f
-        x = self.token_embedding(self.h)
-        return f.dropout(x, self.spec.embedding_dropout)
-
-    def _bias(self, kv_len: int, relative: bool, causal: bool):
-        """The position bias of a stack's layer 0 (shared by the stack), [1, heads, s, kv]."""
-        f, nh, s = self.f, self.spec.num_attention_heads, self.ctx.s
-        if relative:
-            buckets = f.new(s * kv_len, "i64", False)
-            f.save(buckets)  # the embedding lookup's indices
-            bias = f.new(nh * s * kv_len, self.rdt, self.ctx.full_ft)
-        else:
-            # torch.zeros((1, heads, s, kv), dtype=query_states.dtype)
-            bias = f.new(nh * s * kv_len, self.ctx.ac or self.rdt, False)
-        f.hold(bias)
-        return bias
-
-    def _mask(self, bias, causal):
-        """create_position_bias_mask: the bias itself, or where(causal, bias, min) (saving the bool mask)."""
-        f = self.f
-        if self.ctx.attn == "eager":
-            return bias
-        if not causal:
-            return bias
-        cond = f.new(self.ctx.s * self.ctx.s, "bool", False)
-        f.save(cond)
-        return f.new(bias.numel, bias.dtype, bias.rg, inputs=(bias, cond))
-
-    def _attn(self, x, kv_src, bias, causal, cache):
-        f, s, h, T = self.f, self.spec, self.h, self.T
-        nh, hd = s.num_attention_heads, s.head_dim
-        inner = nh * hd
-        q = f.linear(x, h, inner, "q", False)
-        k = f.linear(kv_src, h, inner, "k", False)
-        v = f.linear(kv_src, h, inner, "v", False)
-        if cache:
-            k, v = f.kv_cache(k, v)
-        mask = self._mask(bias, causal)
-        if self.ctx.attn == "eager":
-            o = f.attention(q, k, v, nh, nh, hd, dropout=s.attention_dropout, mask=mask, causal=causal,
-                            eager_style="bert")
-        else:
-            o = f.attention(q, k, v, nh, nh, hd, dropout=s.attention_dropout, mask=mask, causal=False)
-        return f.linear(o, inner, h, "o", False)
-
-    def _ff(self, x):
-        f, s, h, i = self.f, self.spec, self.h, self.spec.intermediate_size
-        n = f.rms_norm(x, h, "t5")
-        if s.gated_mlp:
-            g = f.activation(f.linear(n, h, i, "wi_0", False), s.hidden_act)
-            m = f.mul(g, f.linear(n, h, i, "wi_1", False))
-        else:
-            m = f.activation(f.linear(n, h, i, "wi", False), s.hidden_act)
-        m = f.dropout(m, s.activation_dropout)
-        if m.dtype != self.ctx.wdt:
-            m = f.cast(m, self.ctx.wdt)  # hidden_states.to(self.wo.weight.dtype)
-        m = f.linear(m, i, h, "wo", False)
-        return f.add(x, f.dropout(m, s.hidden_dropout))
-
-    def encoder_layer(self, x, index):
-        f, s, h = self.f, self.spec, self.h
-        if index == 0:
-            self.enc_bias = self._bias(self.ctx.s, True, False)
-        n = f.rms_norm(x, h, "t5")
-        o = self._attn(n, n, self.enc_bias, False, cache=False)
-        x = f.add(x, f.dropout(o, s.hidden_dropout))
-        return self._ff(x)
-
-    def encoder_final(self, x):
-        f = self.f
-        x = f.rms_norm(x, self.h, "t5")
-        return f.dropout(x, self.spec.hidden_dropout)
-
-    def decoder_layer(self, x, index, enc):
-        f, s, h = self.f, self.spec, self.h
-        if index == 0:
-            self.dec_bias = self._bias(self.ctx.s, True, True)
-            self.cross_bias = None
-        n = f.rms_norm(x, h, "t5")
-        o = self._attn(n, n, self.dec_bias, True, cache=True)
-        x = f.add(x, f.dropout(o, s.hidden_dropout))
-        n = f.rms_norm(x, h, "t5")
-        if self.cross_bias is None:
-            self.cross_bias = self._bias(self.ctx.s, False, False)
-        o = self._attn(n, enc, self.cross_bias, False, cache=True)
-        x = f.add(x, f.dropout(o, s.hidden_dropout))
-        return self._ff(x)
-
-    def final(self, x):
-        f = self.f
-        x = f.rms_norm(x, self.h, "t5")
-        x = f.dropout(x, self.spec.hidden_dropout)
-        return f.scale(x)  # sequence_output * model_dim**-0.5 (tied lm_head)
-
-
-_FAMILIES = {
-    "gpt2": _GPT2, "bert": _Bert, "opt": _OPT, "t5": _T5,
-    "llama": _LlamaLike, "mistral": _LlamaLike, "qwen2": _LlamaLike, "gemma2": _LlamaLike,
-    "phi3": _LlamaLike, "gpt_neox": _LlamaLike,
-}
+    return models.family(spec.model_type)
 
 
 # ---------------------------------------------------------------------------
@@ -898,26 +606,19 @@ class _Param:
 
 
 def _embedding_tables(spec) -> list[tuple[int, int, bool]]:
-    """(rows, cols, decay) of every embedding-like table of the family."""
-    cfg, h, v = spec.config, spec.hidden_size, spec.vocab_size
-    t = spec.model_type
-    if t == "gpt2":
-        return [(v, h, True), (spec.max_position_embeddings, h, True)]
-    if t == "bert":
-        return [(v, h, True), (spec.max_position_embeddings, h, True), (cfg.get("type_vocab_size", 2), h, True)]
-    if t == "opt":
-        return [(v, spec.embedding_dim, True), (spec.max_position_embeddings + 2, h, True)]
-    if t == "t5":
-        buckets = cfg.get("relative_attention_num_buckets", 32)
-        # relative_attention_bias: in layer 0 of each stack; "bias" in its name keeps it out of weight decay
-        return [(v, h, True), (buckets, spec.num_attention_heads, False), (buckets, spec.num_attention_heads, False)]
-    return [(v, h, True)]
+    """(rows, cols, decay) of every embedding-like table: the family's own list, else the token table."""
+    tables = getattr(_family(spec), "embedding_tables", None)
+    return tables(spec) if tables is not None else [(spec.vocab_size, spec.hidden_size, True)]
 
 
 def _lora_targets(spec, settings) -> frozenset:
     if not settings.uses_lora:
         return frozenset()
     if settings.lora_target_modules is not None:
+        if "all-linear" in settings.lora_target_modules:
+            # peft's "all-linear": every Linear / Conv1D but the output layer.
+            return frozenset(m.name for m in spec.linear_modules(settings.task, settings.num_labels)
+                             if m.scope != "head")
         return frozenset(settings.lora_target_modules)
     return frozenset(spec.default_lora_target_modules())
 
@@ -1009,7 +710,8 @@ def _low_rank_targets(spec, settings) -> frozenset:
     if not settings.optim_target_modules:
         return frozenset()
     linears = spec.linear_modules(settings.task, settings.num_labels)
-    names = {m.name for m in linears if not (spec.model_type == "gpt2" and m.scope != "head")}
+    conv1d_body = getattr(_family(spec), "CONV1D_BODY", False)  # GPT-2: the body's projections are Conv1D
+    names = {m.name for m in linears if not (conv1d_body and m.scope != "head")}
     if settings.optim_target_modules == ("all-linear",):
         return frozenset(names)
     return frozenset(names & set(settings.optim_target_modules))
@@ -1092,14 +794,14 @@ def _ctx(spec, settings) -> _Ctx:
     if settings.load_in_4bit and wdt == "f32":
         wdt = _TAG[settings.compute_dtype]  # the base is built in the compute dtype (4-bit packing is applied later)
     attn = "eager" if settings.attn_implementation == "eager" else "sdpa"
-    if spec.model_type == "gemma2":
-        attn = "eager"  # transformers has no SDPA path for Gemma-2 (its logit soft-capping)
+    if getattr(_family(spec), "EAGER_ATTENTION_ONLY", False):
+        attn = "eager"  # transformers has no SDPA path for this family (Gemma-2: its logit soft-capping)
     flash_ok = True
     if settings.gpu is not None:
         from hf_memfit.hardware import find_gpu
 
         flash_ok = find_gpu(settings.gpu).compute_capability >= (8, 0)
-    use_cache = spec.model_type != "bert" and not settings.gradient_checkpointing and \
+    use_cache = getattr(_family(spec), "USES_KV_CACHE", True) and not settings.gradient_checkpointing and \
         bool(spec.config.get("use_cache", True))
     return _Ctx(b=settings.batch_size, s=settings.seq_len, wdt=wdt, ac=ac, cuda=settings.device == "cuda",
                 attn=attn, full_ft=not settings.uses_lora, lora_r=(settings.lora_r or 8) if settings.uses_lora else None,
@@ -1198,11 +900,11 @@ def _layer_backward(f: _Forward, scope: str, accumulate: bool, residual_grad: in
 def _run_forward(spec, settings, ctx: _Ctx) -> tuple[_Forward, dict]:
     """The symbolic forward: embedding, three layers per stack, the final norm. Returns the head input too."""
     f = _Forward(ctx)
-    fam = _FAMILIES[spec.model_type](spec, settings, f)
+    fam = _family(spec).Forward(spec, settings, f)
     out = {}
     f.scope = "emb"
     x = fam.embed()
-    if spec.model_type == "t5":
+    if spec.is_encoder_decoder:
         for i in range(3):
             f.scope = f"s0.L{i}"
             x = fam.encoder_layer(x, i)
@@ -1228,21 +930,14 @@ def _head(spec, settings, ctx: _Ctx, f: _Forward, head_in: _T) -> _Head:
     """The head and the loss, forward and backward, as short event sequences."""
     f.scope = "head"
     T, cuda = ctx.tokens, ctx.cuda
-    width = spec.embedding_dim if spec.model_type == "opt" else spec.hidden_size
+    width = spec.embedding_dim or spec.hidden_size  # OPT's word_embed_proj_dim after project_out
     nb = lambda numel, dt: _nbytes(numel, _SIZE[dt], cuda)  # noqa: E731
     if settings.task == "seq-cls":
         # score / classifier on every position (decoder models) or on the pooled [CLS]
         # (BERT's pooler: dense + tanh + dropout): a few [b, labels] tensors.
         head_trainable = True  # fully trained, or peft's trainable copy (modules_to_save)
-        if spec.model_type == "bert":
-            cls = f.view(head_in, ctx.b * width)
-            pooled = f.activation(f.linear(cls, width, width, "dense", True, lora=False), "tanh")
-            pooled = f.dropout(pooled, spec.hidden_dropout)
-            logits = f.linear(pooled, width, settings.num_labels, "classifier", True, trainable=head_trainable,
-                              lora=False)
-        else:
-            logits = f.linear(head_in, width, settings.num_labels, "score", False, trainable=head_trainable,
-                              lora=False)
+        logits = _family(spec).Forward(spec, settings, f).seq_cls_logits(head_in, width, settings.num_labels,
+                                                                          head_trainable)
         f.hold(logits)
         saved = f.scope_bytes("head", held=False)
         held = f.scope_bytes("head", held=True) - saved
@@ -1371,7 +1066,7 @@ def _activations(spec, settings) -> _Activations:
         gc_f, _ = _run_forward(spec, settings, ctx)
     head = _head(spec, settings, ctx, f, out["head_in"])
     stacks = [_stack_summary(f, "s0", spec.num_layers, out["carry0"], gc_f)]
-    if spec.model_type == "t5":
+    if spec.is_encoder_decoder:
         stacks.append(_stack_summary(f, "s1", spec.num_decoder_layers, out["carry1"], gc_f))
 
     def part(scope):
@@ -1522,7 +1217,7 @@ def fast_step_memory(spec, settings) -> StepMemory:
                     lb.temp + tied_tmp, below_w + st.first_saved_w + lb.acts_w)
             grads += st.depth * lb.layer_grads
             # Then the stack's embedding backward (T5's decoder reuses the shared table).
-            if k == 0 or spec.model_type == "t5":
+            if k == 0 or spec.is_encoder_decoder:  # T5's decoder reuses the shared table
                 grads_now = G if (m or k == 0) else grads + tied_tmp
                 if emb_grads:
                     # The embedding ops' saved tensors are gone by the dense backward.

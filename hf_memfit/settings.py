@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field, replace
 from hf_memfit.errors import check_all
 from hf_memfit.optimizers import OPTIMIZERS  # the one optimizer model: every optim name we plan
 
-TASKS = ("causal-lm", "seq-cls", "seq2seq")
+TASKS = ("causal-lm", "seq-cls", "seq2seq", "token-cls", "image-text-to-text")
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16", "fp16")
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2")
 OFFLOAD_TARGETS = ("none", "cpu", "nvme")
@@ -266,7 +266,7 @@ def _validate_against_model(settings: TrainSettings, spec) -> tuple[TrainSetting
                             f"modules are {', '.join(known)} (or use all-linear)")
     if settings.uses_lora and settings.lora_target_modules is not None:
         known = sorted({m.name for m in spec.linear_modules()})
-        missing = [m for m in settings.lora_target_modules if m not in known]
+        missing = [m for m in settings.lora_target_modules if m not in known and m != "all-linear"]
         if missing:
             problems.append(f"`--lora-target-modules` {', '.join(missing)} not found in {spec.name}; its linear modules are {', '.join(known)}")
     return settings.replace(task=task), problems

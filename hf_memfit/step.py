@@ -30,11 +30,9 @@ def torch_dtype(name: str) -> torch.dtype:
 def auto_model_class(task: str):
     import transformers
 
-    return {
-        "causal-lm": transformers.AutoModelForCausalLM,
-        "seq-cls": transformers.AutoModelForSequenceClassification,
-        "seq2seq": transformers.AutoModelForSeq2SeqLM,
-    }[task]
+    from hf_memfit.generic import TASK_AUTO
+
+    return getattr(transformers, TASK_AUTO[task][0])
 
 
 @contextlib.contextmanager
@@ -69,26 +67,14 @@ def build_model(config: dict, settings: TrainSettings):
     base stays in the compute dtype here; `trace.py` accounts for the packed
     4-bit storage (bitsandbytes cannot run on fake tensors).
     """
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-    hf_config = transformers.AutoConfig.for_model(**config)
-    if settings.task == "seq-cls":
-        hf_config.num_labels = settings.num_labels
-        if getattr(hf_config, "pad_token_id", None) is None:
-            # Sequence classification on decoder models needs a pad id to find the last token.
-            hf_config.pad_token_id = getattr(hf_config, "eos_token_id", None) or 0
-            if isinstance(hf_config.pad_token_id, list):
-                hf_config.pad_token_id = hf_config.pad_token_id[0]
     attn = settings.attn_implementation
     if attn == "flash_attention_2":
         attn = "sdpa"  # the flash kernel's memory is modelled on the sdpa path (trace.py)
     weights_dtype = settings.weights_dtype
     if settings.load_in_4bit and weights_dtype == "float32":
         weights_dtype = settings.compute_dtype
-    model = auto_model_class(settings.task).from_config(
-        hf_config, dtype=torch_dtype(weights_dtype), attn_implementation=attn or "sdpa"
-    )
+    model = instantiate(config, settings.task, settings.num_labels, dtype=torch_dtype(weights_dtype),
+                        attn_implementation=attn)
     if settings.gradient_checkpointing:
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x; the old name warns
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -104,15 +90,43 @@ def build_model(config: dict, settings: TrainSettings):
     return model
 
 
+def instantiate(config: dict, task: str, num_labels: int, *, dtype, attn_implementation: str | None):
+    """The task's transformers model from a config dict, as `AutoModelFor<task>.from_config` builds it.
+
+    With no attention implementation asked for, SDPA where the model supports
+    it and eager otherwise, which is what transformers itself picks.
+    """
+    from hf_memfit.generic import hf_config as make_hf_config
+
+    hf_config = make_hf_config(config)
+    if task in ("seq-cls", "token-cls"):
+        hf_config.num_labels = num_labels
+        if task == "seq-cls" and getattr(hf_config, "pad_token_id", None) is None:
+            # Sequence classification on decoder models needs a pad id to find the last token.
+            text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+            pad = getattr(hf_config, "eos_token_id", None) or getattr(text, "eos_token_id", None) or 0
+            hf_config.pad_token_id = pad[0] if isinstance(pad, list) else pad
+    cls = auto_model_class(task)
+    try:
+        return cls.from_config(hf_config, dtype=dtype, attn_implementation=attn_implementation or "sdpa")
+    except ValueError as exc:
+        if attn_implementation is not None or "scaled_dot_product_attention" not in str(exc):
+            raise
+    return cls.from_config(hf_config, dtype=dtype, attn_implementation="eager")  # no SDPA for this model
+
+
 def _add_lora(model, settings: TrainSettings):
     from peft import LoraConfig, get_peft_model
 
-    task_type = {"causal-lm": "CAUSAL_LM", "seq-cls": "SEQ_CLS", "seq2seq": "SEQ_2_SEQ_LM"}[settings.task]
+    task_type = {"causal-lm": "CAUSAL_LM", "seq-cls": "SEQ_CLS", "seq2seq": "SEQ_2_SEQ_LM", "token-cls": "TOKEN_CLS",
+                 "image-text-to-text": "CAUSAL_LM"}[settings.task]
     kwargs = {"r": settings.lora_r or 8, "task_type": task_type}  # peft's default r is 8
     if settings.lora_alpha is not None:
         kwargs["lora_alpha"] = settings.lora_alpha
     if settings.lora_target_modules is not None:
-        kwargs["target_modules"] = list(settings.lora_target_modules)
+        targets = list(settings.lora_target_modules)
+        # peft takes the string "all-linear" (every linear layer but the output one), not a list holding it.
+        kwargs["target_modules"] = "all-linear" if targets == ["all-linear"] else targets
     if settings.load_in_4bit:
         for param in model.parameters():
             param.requires_grad_(False)
@@ -255,11 +269,14 @@ def _liger_causal_lm_forward(model, in_place_accumulation: bool):
 
 def make_batch(settings: TrainSettings, config: dict, device: str = "cpu") -> dict:
     """A batch of the settings' shape: labels = input ids (LM tasks) or class ids (classification)."""
-    vocab = config.get("vocab_size", 1000)
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    vocab = config.get("vocab_size") or text.get("vocab_size") or 1000
     shape = (settings.batch_size, settings.seq_len)
     input_ids = torch.randint(0, vocab, shape, device=device)
     if settings.task == "seq-cls":
         labels = torch.randint(0, settings.num_labels, (settings.batch_size,), device=device)
+    elif settings.task == "token-cls":
+        labels = torch.randint(0, settings.num_labels, shape, device=device)
     else:
         labels = input_ids.clone()
     batch = {"input_ids": input_ids, "labels": labels}

@@ -24,7 +24,8 @@ from hf_memfit.units import format_bytes
 logger = logging.getLogger(__name__)
 
 _TASK_BY_CLASS_SUFFIX = {"ForCausalLM": "causal-lm", "ForSequenceClassification": "seq-cls",
-                         "ForConditionalGeneration": "seq2seq", "ForSeq2SeqLM": "seq2seq"}
+                         "ForConditionalGeneration": "seq2seq", "ForSeq2SeqLM": "seq2seq",
+                         "ForTokenClassification": "token-cls"}
 
 
 # Written into every checkpoint: the knobs the run was really trained with (the plan,
@@ -396,6 +397,8 @@ def _plan_for(model, args: MemFitArguments, train_dataset, data_collator, proces
     config = base.config.to_dict()
     spec = ModelSpec.from_config(getattr(base.config, "_name_or_path", "") or base.config.model_type, config)
     task = next((t for suffix, t in _TASK_BY_CLASS_SUFFIX.items() if type(base).__name__.endswith(suffix)), None)
+    if task == "seq2seq" and not spec.is_encoder_decoder:
+        task = spec.default_task  # a decoder's *ForConditionalGeneration (Gemma-3 with vision) trains as a causal LM
     lora = _lora_settings(model)
     on_gpu = _on_cuda(args)
     world = max(1, args.world_size)
