@@ -189,7 +189,9 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
          load_in_4bit: bool = False, allow_offload: str = "cpu", cpu_memory: str | int | None = None,
          nvme_path: str | None = None, headroom: float = 0.05, keep_optimizer: bool = False,
          optim: str = "adamw_torch_fused", device: str = "cuda", mode: str = "fast",
-         precision: str | None = None, deepspeed_layout: tuple[int, str, str] | None = None) -> PlanResult:
+         precision: str | None = None, deepspeed_layout: tuple[int, str, str] | None = None,
+         attn_implementation: str | None = None, trainer: str = "trainer", padding_free: bool = False,
+         reference_model: str | None = None, decoder_seq_len: int | None = None) -> PlanResult:
     """Pick the fastest configuration that trains `model` within the memory budget.
 
     The budget is `gpu_memory` (a size such as "12GiB", or "auto" for the local
@@ -198,7 +200,10 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
     precision (the trainer passes the loaded model's); by default it is chosen
     from the GPU. `deepspeed_layout` = (zero_stage, offload_optimizer,
     offload_param) fixes the layout to a DeepSpeed config the user already has
-    (the trainer passes it); the rest is searched around it. Raises
+    (the trainer passes it); the rest is searched around it.
+    `attn_implementation` pins the attention (the trainer passes the loaded
+    model's); `trainer`, `padding_free`, `reference_model` and
+    `decoder_seq_len` describe the step as `TrainSettings` does. Raises
     `MemFitError` when the request is invalid or nothing fits, saying what would.
     """
     spec = model if isinstance(model, ModelSpec) else resolve_model(model)
@@ -229,13 +234,17 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
         precision, precision_reason = _precision(gpu_info, device, load_in_4bit)
     else:
         precision_reason = f"precision {precision}: as the model was loaded"
-    attn, attn_reason = _attention(gpu_info, device)
+    if attn_implementation is None:
+        attn, attn_reason = _attention(gpu_info, device)
+    else:
+        attn, attn_reason = attn_implementation, f"attention {attn_implementation}: as the model was loaded"
     base = TrainSettings(
         batch_size=1, seq_len=seq_len, task=task, num_labels=num_labels, precision=precision, optim=optim,
         attn_implementation=attn, lora_r=lora_r, lora_alpha=lora_alpha,
         lora_target_modules=tuple(lora_target_modules) if lora_target_modules else None,
         load_in_4bit=load_in_4bit, num_gpus=num_gpus, num_nodes=num_nodes, device=device,
-        gpu=gpu_info.name if gpu_info else None, mode="fast",
+        gpu=gpu_info.name if gpu_info else None, mode="fast", trainer=trainer, padding_free=padding_free,
+        reference_model=reference_model, decoder_seq_len=decoder_seq_len,
     ).validate(spec)
 
     per_rank = global_batch_size // world
