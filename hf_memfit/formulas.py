@@ -1167,7 +1167,8 @@ def _ctx(spec, settings) -> _Ctx:
         flash_ok = find_gpu(settings.gpu).compute_capability >= (8, 0)
     use_cache = spec.model_type != "bert" and not settings.gradient_checkpointing and \
         bool(spec.config.get("use_cache", True))
-    return _Ctx(b=settings.batch_size, s=settings.seq_len, wdt=wdt, ac=ac, cuda=settings.device == "cuda",
+    # the rows the model sees: DPO's chosen + rejected, or one padding-free row (settings.rows / row_len)
+    return _Ctx(b=settings.rows, s=settings.row_len, wdt=wdt, ac=ac, cuda=settings.device == "cuda",
                 attn=attn, full_ft=not settings.uses_lora, lora_r=(settings.lora_r or 8) if settings.uses_lora else None,
                 lora_targets=_lora_targets(spec, settings), use_cache=use_cache, flash_ok=flash_ok,
                 checkpointing=settings.gradient_checkpointing)
@@ -1318,6 +1319,8 @@ def _head(spec, settings, ctx: _Ctx, f: _Forward, head_in: _T) -> _Head:
         grad_in = nb(T * width, head_in.dtype)
         return _Head(saved, held, small, grad_in + small, 0, grad_in, saved_w, held_w)
     head_trainable = ctx.full_ft
+    if settings.trainer != "trainer":
+        return _trl_fused_head(spec, settings, ctx, head_in, width, head_trainable)
     logits = f.linear(head_in, width, spec.vocab_size, "lm_head", False, trainable=head_trainable, lora=False)
     L = logits.numel
     cdt = logits.dtype
@@ -1374,6 +1377,62 @@ def _head(spec, settings, ctx: _Ctx, f: _Forward, head_in: _T) -> _Head:
         steps.append((0, cur + hidden_grad, 0))
     acts_extra, bwd_peak, peak_w = max(steps, key=lambda x: x[0] + x[1])
     return _Head(saved, held, fwd_extra, bwd_peak, grad_w, hidden_grad, saved_w, held_w, peak_w, acts_extra)
+
+
+# TRL 1.16's fused LM head (`add_fused_lm_head`, trl/trainer/utils.py; the kernel in
+# trl/kernels/chunked_logprob.py), which TRL's SFT and DPO trainers patch into the model.
+_TRL_TOKEN_CHUNK = 4096  # TOKEN_CHUNK_SIZE: tokens projected per tile
+_TRL_VOCAB_CHUNK = 32768  # _CHUNKED_LOGPROB_CHUNK_SIZE: the scratch tile's width, whatever the vocabulary
+# Per-token outputs each trainer asks the head for (the same table as step.TRL_HEAD_OUTPUTS).
+_TRL_HEAD_OUTPUTS = {"sft": ("log_probs", "entropy", "is_top1"), "dpo": ("log_probs", "entropy", "mean_logits", "is_top1")}
+# Without Triton (the CPU) torch ops fold each tile (`_forward_tile`, `_backward_tile`); their fp32
+# temporaries of the tile's shape [tokens, min(vocab, chunk)] at their most, counted by exact mode
+# running TRL 1.16's own code on fake tensors (head alone: fp32 and bf16 autocast, 126 to 4792 tokens,
+# vocab 1000 and 5000): 3 in forward (+ 2 bool masks, a quarter each, for `is_top1`), 7.25 in backward.
+# On CUDA the Triton kernels fold the tile in registers, in place.
+_TRL_CPU_FORWARD_TILES = 3.0
+_TRL_CPU_TOP1_TILES = 0.25
+_TRL_CPU_BACKWARD_TILES = 7.25
+
+
+def _trl_fused_head(spec, settings, ctx: _Ctx, head_in: _T, width: int, head_trainable: bool) -> _Head:
+    """TRL's fused LM head and loss: per-token log-probs in tiles, never the logits.
+
+    Forward: the shifted hidden states [N, H] (a copy; saved for backward), a
+    scratch tile [min(N, 4096), 32768] in the compute dtype, seven fp32 running
+    statistics per token, and on the CPU the torch fold's tile temporaries.
+    Backward: the tile again, fp32 accumulators for the hidden-state and (when
+    trained) the head-weight gradients, and the fold's temporaries.
+    """
+    cuda = ctx.cuda
+    nb = lambda numel, dt: _nbytes(numel, _SIZE[dt], cuda)  # noqa: E731
+    hd = head_in.dtype
+    cd = ctx.ac or hd
+    rows_tokens = ctx.b * (ctx.s - 1)  # labels shifted by one in every row
+    tile_rows = min(rows_tokens, _TRL_TOKEN_CHUNK)
+    tile_cols = min(spec.vocab_size, _TRL_VOCAB_CHUNK)
+    scratch = nb(tile_rows * _TRL_VOCAB_CHUNK, cd)
+    tile_f32 = nb(tile_rows * tile_cols, "f32")
+    outputs = _TRL_HEAD_OUTPUTS[settings.trainer]
+    fwd_tiles = 0 if cuda else int((_TRL_CPU_FORWARD_TILES + (_TRL_CPU_TOP1_TILES if "is_top1" in outputs else 0))
+                                   * tile_f32)
+    bwd_tiles = 0 if cuda else int(_TRL_CPU_BACKWARD_TILES * tile_f32)
+    hidden = nb(rows_tokens * width, hd)
+    hidden_cast = nb(tile_rows * width, cd) if cd != hd else 0
+    # saved: the hidden states, log Z and the entropy (fp32), the targets (int64)
+    saved = hidden + 2 * nb(rows_tokens, "f32") + nb(rows_tokens, "i64")
+    # returned: log-probs, entropy, the label mask and top-1 hits per token, with their masked copies
+    held = 4 * nb(rows_tokens, "f32") + 3 * nb(rows_tokens, "bool")
+    # during the head: the final norm's output (the backbone's output, until the forward returns), the
+    # running statistics, the clamped labels, the scratch tile and the fold's temporaries
+    fwd_extra = nb(ctx.tokens * width, hd) + 7 * nb(rows_tokens, "f32") + nb(rows_tokens, "i64") + \
+        scratch + hidden_cast + fwd_tiles
+    grad_w = nb(spec.vocab_size * width, ctx.wdt) if head_trainable else 0
+    accumulators = nb(rows_tokens * width, "f32") + (nb(spec.vocab_size * width, "f32") if head_trainable else 0)
+    weight_cast = nb(tile_cols * width, cd) if ctx.wdt != cd else 0
+    bwd_peak = scratch + bwd_tiles + accumulators + hidden_cast + weight_cast
+    hidden_grad = nb(ctx.tokens * width, hd)  # the shift's backward pads the grad back to [b, s, H]
+    return _Head(saved, held, fwd_extra, bwd_peak, grad_w, hidden_grad)
 
 
 def _activations(spec, settings) -> _Activations:
@@ -1440,6 +1499,8 @@ def fast_step_memory(spec, settings) -> StepMemory:
     params = _parameters(spec, settings, ctx.wdt)
     trainable = [p for p in params if p.trainable]
     W = sum(_param_bytes(p, cuda) for p in params)
+    if settings.reference == "copy":  # DPO's frozen reference model: the base model again, without adapters
+        W += sum(_param_bytes(p, cuda) for p in params if p.kind not in ("lora", "head_copy"))
     G = sum(_param_bytes(p, cuda) for p in trainable)
     O = sum(_optimizer_state_bytes(p, settings.optim, settings.optimizer_family, cuda) for p in trainable)
     opt_tmp = _optimizer_temporary_bytes(params, settings, cuda)
