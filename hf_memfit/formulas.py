@@ -34,7 +34,7 @@ GPU (see `_EXACT_CUDA_EMULATION`) the fast mode follows exact mode and says so.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hf_memfit.breakdown import CATEGORIES, StepMemory
 
@@ -109,6 +109,7 @@ class _Ctx:
     use_cache: bool  # the model builds a DynamicCache in forward (copies of k and v)
     flash_ok: bool  # the GPU can run SDPA's flash kernel
     checkpointing: bool = False
+    decoder_s: int | None = None  # seq2seq: the decoder's (labels') length; None: s
 
     @property
     def embeddings_need_grad(self) -> bool:
@@ -415,8 +416,9 @@ class _Forward:
                   softcap: float | None = None) -> _T:
         """Attention core; returns the [b, s, heads*head_dim] input of the output projection."""
         ctx = self.ctx
-        b, s = ctx.b, ctx.s
-        rows = b * heads * s
+        b = ctx.b
+        s = k.numel // (b * kv_heads * head_dim)  # the keys' length (the encoder's, in cross-attention)
+        rows = b * heads * (q.numel // (b * heads * head_dim))
         out_numel = rows * head_dim
         if ctx.attn == "eager":
             return self._eager(q, k, v, heads, kv_heads, head_dim, dropout, mask, causal, eager_style, softcap)
@@ -430,7 +432,8 @@ class _Forward:
             flash = ctx.flash_ok and mask is None and half and head_dim <= 256
             # flash / memory-efficient kernels save q, k, v, the output and the fp32 logsumexp
             # (memory-efficient pads s to a multiple of 32); no s x s matrix.
-            lse_s = s if flash else -(-s // 32) * 32
+            q_len = rows // (b * heads)
+            lse_s = q_len if flash else -(-q_len // 32) * 32
             out = self.new(out_numel, q.dtype, True, layout="bshd", inputs=(q, k, v, mask))
             self.save(q, k, v, out, self.new(b * heads * lse_s, "f32", False))
             if mask is not None and mask.rg:
@@ -470,8 +473,9 @@ class _Forward:
     def _eager(self, q, k, v, heads, kv_heads, head_dim, dropout, mask, causal, style, softcap):
         """transformers' eager_attention_forward (per family `style`)."""
         ctx = self.ctx
-        b, s = ctx.b, ctx.s
-        rows = b * heads * s
+        b = ctx.b
+        s = k.numel // (b * kv_heads * head_dim)  # the keys' length
+        rows = b * heads * (q.numel // (b * heads * head_dim))
         if kv_heads != heads and style == "llama":  # repeat_kv copies
             k = self.new(k.numel * heads // kv_heads, k.dtype, k.rg, inputs=(k,))
             v = self.new(v.numel * heads // kv_heads, v.dtype, v.rg, inputs=(v,))
@@ -847,6 +851,13 @@ class _T5(_Family):
         x = f.rms_norm(x, self.h, "t5")
         return f.dropout(x, self.spec.hidden_dropout)
 
+    def start_decoder(self):
+        """The decoder runs at the labels' length (`decoder_s`); cross-attention keys keep the encoder's."""
+        self.encoder_s = self.ctx.s
+        if self.ctx.decoder_s is not None:
+            self.ctx = self.f.ctx = replace(self.ctx, s=self.ctx.decoder_s)
+            self.T = self.ctx.tokens
+
     def decoder_layer(self, x, index, enc):
         f, s, h = self.f, self.spec, self.h
         if index == 0:
@@ -857,7 +868,7 @@ class _T5(_Family):
         x = f.add(x, f.dropout(o, s.hidden_dropout))
         n = f.rms_norm(x, h, "t5")
         if self.cross_bias is None:
-            self.cross_bias = self._bias(self.ctx.s, False, False)
+            self.cross_bias = self._bias(self.encoder_s, False, False)
         o = self._attn(n, enc, self.cross_bias, False, cache=True)
         x = f.add(x, f.dropout(o, s.hidden_dropout))
         return self._ff(x)
@@ -1171,7 +1182,7 @@ def _ctx(spec, settings) -> _Ctx:
     return _Ctx(b=settings.rows, s=settings.row_len, wdt=wdt, ac=ac, cuda=settings.device == "cuda",
                 attn=attn, full_ft=not settings.uses_lora, lora_r=(settings.lora_r or 8) if settings.uses_lora else None,
                 lora_targets=_lora_targets(spec, settings), use_cache=use_cache, flash_ok=flash_ok,
-                checkpointing=settings.gradient_checkpointing)
+                checkpointing=settings.gradient_checkpointing, decoder_s=settings.decoder_seq_len)
 
 
 def _stack_summary(f: _Forward, name: str, depth: int, carry: _T, gc_f: _Forward | None) -> _Stack:
@@ -1276,6 +1287,7 @@ def _run_forward(spec, settings, ctx: _Ctx) -> tuple[_Forward, dict]:
             out.setdefault("carry0", x) if i == 1 else None
         f.scope = "mid"
         enc = fam.encoder_final(x)
+        fam.start_decoder()
         x = fam.embed()
         for i in range(3):
             f.scope = f"s1.L{i}"
@@ -1442,7 +1454,7 @@ def _activations(spec, settings) -> _Activations:
     if settings.gradient_checkpointing:
         # the recompute inside backward runs the layer as an ordinary forward (no KV cache)
         gc_f, _ = _run_forward(spec, settings, ctx)
-    head = _head(spec, settings, ctx, f, out["head_in"])
+    head = _head(spec, settings, f.ctx, f, out["head_in"])  # f.ctx: the decoder's, for seq2seq
     stacks = [_stack_summary(f, "s0", spec.num_layers, out["carry0"], gc_f)]
     if spec.model_type == "t5":
         stacks.append(_stack_summary(f, "s1", spec.num_decoder_layers, out["carry1"], gc_f))

@@ -563,16 +563,24 @@ class MemoryCheckCallback(TrainerCallback):
 def _existing_state(trainer: MemFitMixin):
     """(tensor, category) for parameters, buffers, gradients and optimizer state that exist now.
 
+    The plan counts every model the trainer holds (DPO's reference model too), so
+    every one of them is registered.
+
     Optimizers are followed through their wrappers (accelerate's, DeepSpeed's ZeRO
     optimizer and the one it wraps), so DeepSpeed's flat fp32 master partitions and
     their states count too.
     """
-    for param in trainer.model.parameters():
-        yield param, "weights"
-        if param.grad is not None:
-            yield param.grad, "gradients"
-    for buffer in trainer.model.buffers():
-        yield buffer, "weights"
+    # the model, and any other model the trainer keeps (TRL's reference model, a teacher, ...)
+    models = [trainer.model] + [value for name, value in vars(trainer).items()
+                                if isinstance(value, torch.nn.Module) and value is not trainer.model
+                                and name not in ("model_wrapped",)]
+    for model in models:
+        for param in model.parameters():
+            yield param, "weights"
+            if param.grad is not None:
+                yield param.grad, "gradients"
+        for buffer in model.buffers():
+            yield buffer, "weights"
     optimizer, visited = trainer.optimizer, set()
     while optimizer is not None and id(optimizer) not in visited:
         visited.add(id(optimizer))

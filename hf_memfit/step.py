@@ -79,7 +79,15 @@ def build_model(config: dict, settings: TrainSettings):
     """
     import transformers
 
-    transformers.logging.set_verbosity_error()
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # building from a config warns about what it initialises
+    try:
+        return _build_model(transformers, config, settings)
+    finally:
+        transformers.logging.set_verbosity(verbosity)  # not for the whole process: a trainer plans inside the user's
+
+
+def _build_model(transformers, config: dict, settings: TrainSettings):
     hf_config = transformers.AutoConfig.for_model(**config)
     if settings.task == "seq-cls":
         hf_config.num_labels = settings.num_labels
