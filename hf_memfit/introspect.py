@@ -353,6 +353,9 @@ def plan_inputs(trainer, model, args, fields, train_dataset, collator, tokenizer
     attention = attention_implementation(model)
     if attention is None:
         notes.append(f"attention {base.config._attn_implementation!r} is not modelled; planned as sdpa")
+    if getattr(args, "activation_offloading", False):
+        notes.append("TRL's activation_offloading is not modelled: the activations are planned on the device, so "
+                     "the plan keeps more headroom than the run needs")
     lora = lora_settings(model)
     return dict(
         model=spec, seq_len=shape.seq_len, global_batch_size=global_batch, gpu_memory=fields.memory_budget,

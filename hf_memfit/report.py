@@ -126,7 +126,8 @@ def explain_command(model: str, s) -> str:
     flags = [f"--batch-size {s.batch_size}", f"--seq-len {s.seq_len}"]
     if s.gradient_accumulation_steps != 1:
         flags.append(f"--gradient-accumulation-steps {s.gradient_accumulation_steps}")
-    for name in ("task", "precision", "optim", "attn_implementation", "lora_r", "lora_alpha", "gpu"):
+    for name in ("task", "precision", "optim", "attn_implementation", "lora_r", "lora_alpha", "gpu", "trainer",
+                 "reference_model", "decoder_seq_len"):
         value = getattr(s, name)
         if value is not None and value != getattr(default, name):
             flags.append(f"--{name.replace('_', '-')} {value}")
@@ -134,7 +135,7 @@ def explain_command(model: str, s) -> str:
         flags.append(f"--num-labels {s.num_labels}")
     if s.lora_target_modules:
         flags.append(f"--lora-target-modules {','.join(s.lora_target_modules)}")
-    for name in ("gradient_checkpointing", "load_in_4bit"):
+    for name in ("gradient_checkpointing", "load_in_4bit", "padding_free"):
         if getattr(s, name):
             flags.append(f"--{name.replace('_', '-')}")
     for name in ("num_gpus", "num_nodes", "zero_stage", "offload_optimizer", "offload_param", "device"):
