@@ -292,7 +292,7 @@ def _collate(collator, rows: list):
 
 # --- the trainer's step -------------------------------------------------------------------
 
-def trl_step(trainer, args, call_arguments: dict) -> dict:
+def trl_step(trainer, args, call_arguments: dict, model=None) -> dict:
     """The TRL knobs of the step `trainer` runs (`TrainSettings` fields), {} for a trainer that is not TRL's.
 
     Read from the trainer while `Trainer.__init__` runs, after TRL prepared the
@@ -310,7 +310,7 @@ def trl_step(trainer, args, call_arguments: dict) -> dict:
     if isinstance(trainer, trl.DPOTrainer):
         if getattr(args, "precompute_ref_log_probs", False) and not uses_fsdp(args):
             reference = "precomputed"
-        elif call_arguments.get("ref_model") is None and lora_settings(call_arguments.get("model")):
+        elif call_arguments.get("ref_model") is None and lora_settings(model):  # the model as wrapped by DPOTrainer
             reference = "adapters"
         else:
             reference = "copy"  # the ref_model given, or the copy DPOTrainer loads from the model's path
@@ -344,7 +344,7 @@ def plan_inputs(trainer, model, args, fields, train_dataset, collator, tokenizer
     if str(fields.memory_budget).strip().lower() == "auto" and not on_gpu:
         raise MemFitError("`memory_budget='auto'` needs a CUDA GPU and none is in use; give a size such as "
                           "memory_budget='16GiB'")
-    step = trl_step(trainer, args, call_arguments(trainer))
+    step = trl_step(trainer, args, call_arguments(trainer), model)
     shape = longest_batch(spec, train_dataset, collator, tokenizer, getattr(args, "max_length", None))
     notes = list(shape.notes)
     padding_free = step.get("padding_free", False) or shape.padding_free

@@ -162,6 +162,14 @@ def test_dpo_takes_a_reference_model_and_plans_both_rows(tmp_path):
     trainer.train()
     assert abs(checked_error(trainer)) < 0.10
 
+    # with a peft_config and no ref_model, DPO's reference is the base model with the adapters disabled
+    from peft import LoraConfig
+
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    adapters = MemFitDPOTrainer(tiny_llama(), args=args, train_dataset=preference_data(), processing_class=tokenizer(),
+                                peft_config=lora)
+    assert adapters.ref_model is None and adapters.memfit_result.estimate.settings.reference == "adapters"
+
 
 def test_seq2seq_plans_the_decoder_at_the_label_length(tmp_path):
     from transformers import AutoModelForSeq2SeqLM, DataCollatorForSeq2Seq
