@@ -105,6 +105,10 @@ def test_gives_up_after_the_ladder_with_a_checkpoint(tmp_path):
     trainer = MemFitTrainer(model=model, args=make_args(tmp_path), train_dataset=TokenDataset())
     with pytest.raises(MemFitError, match="checkpoint"):
         trainer.train()
+    # the memory check's dispatch mode is uninstalled, not left counting every later op in the process
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    assert _get_current_dispatch_mode() is None and trainer._memfit_check.tracker == "done"
     assert any(p.name.startswith("checkpoint-") for p in (tmp_path / "out").iterdir())
     postmortem = json.loads((tmp_path / "out" / "memfit_postmortem.json").read_text())
     assert postmortem["reason"].startswith("out of memory")
