@@ -110,6 +110,7 @@ class _Ctx:
     flash_ok: bool  # the GPU can run SDPA's flash kernel
     checkpointing: bool = False
     decoder_s: int | None = None  # seq2seq: the decoder's (labels') length; None: s
+    packed: bool = False  # padding-free: several sequences in one row, kept apart by a block-diagonal mask
 
     @property
     def embeddings_need_grad(self) -> bool:
@@ -443,6 +444,10 @@ class _Forward:
         if ctx.ac:
             q, k, v = self.cast(q, ctx.ac), self.cast(k, ctx.ac), self.cast(v, ctx.ac)
         origin = q.dtype
+        if ctx.packed and mask is None:
+            # Packed rows get transformers' block-diagonal boolean mask; SDPA turns it into an additive
+            # mask in q's dtype (convert_boolean_attn_mask), which the kernel keeps for backward.
+            mask = self.new(b * (q.numel // (b * heads * head_dim)) * s, q.dtype, False)
         if not dropout:
             # _scaled_dot_product_flash_attention_for_cpu (GQA native): saves q, k, v, out, logsumexp.
             out = self.new(out_numel, q.dtype, True, layout=q.layout, inputs=(q, k, v, mask))
@@ -1182,7 +1187,8 @@ def _ctx(spec, settings) -> _Ctx:
     return _Ctx(b=settings.rows, s=settings.row_len, wdt=wdt, ac=ac, cuda=settings.device == "cuda",
                 attn=attn, full_ft=not settings.uses_lora, lora_r=(settings.lora_r or 8) if settings.uses_lora else None,
                 lora_targets=_lora_targets(spec, settings), use_cache=use_cache, flash_ok=flash_ok,
-                checkpointing=settings.gradient_checkpointing, decoder_s=settings.decoder_seq_len)
+                checkpointing=settings.gradient_checkpointing, decoder_s=settings.decoder_seq_len,
+                packed=settings.padding_free)
 
 
 def _stack_summary(f: _Forward, name: str, depth: int, carry: _T, gc_f: _Forward | None) -> _Stack:
@@ -1280,6 +1286,8 @@ def _run_forward(spec, settings, ctx: _Ctx) -> tuple[_Forward, dict]:
     out = {}
     f.scope = "emb"
     x = fam.embed()
+    if ctx.packed:  # masking_utils builds the packed rows' block-diagonal mask once, [1, 1, s, s] bool
+        f.hold(f.new(ctx.b * ctx.s * ctx.s, "bool", False))
     if spec.model_type == "t5":
         for i in range(3):
             f.scope = f"s0.L{i}"
