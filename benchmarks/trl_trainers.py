@@ -13,7 +13,7 @@ Rows are long enough that every micro-batch is as long as the plan assumes
 (SFT: texts longer than `max_length`, truncated or packed; DPO: equal lengths).
 
     PYTHONPATH=$PWD python benchmarks/trl_trainers.py            # all rows, writes benchmarks/results/trl.json
-    PYTHONPATH=$PWD python benchmarks/trl_trainers.py sft-lora   # some rows
+    PYTHONPATH=$PWD python benchmarks/trl_trainers.py sft-lora   # some rows, replacing theirs in the JSON
 """
 
 from __future__ import annotations
@@ -170,10 +170,12 @@ def main(names: list[str]) -> int:
         errors = [abs(r[f"error_{mode}"]) for r in done]
         if errors:
             print(f"{mode}: median |error| {statistics.median(errors):.1%}, max {max(errors):.1%} over {len(errors)} rows")
-    if not names:
-        path = Path(__file__).parent / "results" / "trl.json"
-        path.write_text(json.dumps(rows, indent=2) + "\n")
-        print(f"wrote {path}")
+    path = Path(__file__).parent / "results" / "trl.json"
+    if names and path.exists():  # rerun rows replace their old results; the others are kept
+        fresh = {r["row"]: r for r in rows}
+        rows = [fresh.pop(r["row"], r) for r in json.loads(path.read_text())] + list(fresh.values())
+    path.write_text(json.dumps(rows, indent=2) + "\n")
+    print(f"wrote {path}")
     return 0 if len(done) == len(rows) else 1
 
 

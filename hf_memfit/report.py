@@ -45,6 +45,14 @@ def settings_line(settings) -> str:
         parts.append(f"optimizer offload {settings.offload_optimizer}")
     if settings.offload_param != "none":
         parts.append(f"param offload {settings.offload_param}")
+    if settings.trainer != "trainer":
+        parts.append(f"TRL {settings.trainer.upper()} step (fused LM head)")
+    if settings.reference:
+        parts.append(f"reference {settings.reference}")
+    if settings.padding_free:
+        parts.append("padding-free")
+    if settings.decoder_seq_len is not None:
+        parts.append(f"decoder seq {settings.decoder_seq_len}")
     return ", ".join(p for p in parts if p)
 
 
