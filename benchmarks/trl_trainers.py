@@ -45,10 +45,11 @@ ROWS = {
     "sft-padding-free-wrapped": ("sft", {"packing": True, "packing_strategy": "wrapped", "padding_free": True}, {}),
     "sft-lora": ("sft", {}, {"lora": True}),
     "sft-bf16-weights": ("sft", {}, {"dtype": "bfloat16"}),
-    "sft-tight-budget": ("sft", {"bf16": False}, {"budget_fraction": 0.4}),
+    # 16 layers, so that activations (not TRL's head scratch) decide: the budget forces accumulation + checkpointing
+    "sft-tight-budget": ("sft", {"bf16": False}, {"budget_fraction": 0.2, "layers": 16}),
     "dpo-defaults": ("dpo", {}, {}),  # a frozen reference copy
     "dpo-lora": ("dpo", {}, {"lora": True}),  # the reference is the base with adapters disabled
-    "dpo-tight-budget": ("dpo", {"bf16": False}, {"budget_fraction": 0.4}),
+    "dpo-tight-budget": ("dpo", {"bf16": False}, {"budget_fraction": 0.35, "layers": 16}),
 }
 
 
@@ -79,12 +80,13 @@ def dataset(trainer: str):
                               "rejected": texts(64, third, third, 4)})
 
 
-def model(dtype: str = "float32"):
+def model(dtype: str = "float32", layers: int | None = None):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
+    shape = {**MODEL, "num_hidden_layers": layers or MODEL["num_hidden_layers"]}
     config = AutoConfig.for_model("llama", vocab_size=VOCAB_WORDS + 3, pad_token_id=0, eos_token_id=1, bos_token_id=1,
-                                  **MODEL)
+                                  **shape)
     return AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
 
 
@@ -98,13 +100,13 @@ def make_trainer(trainer: str, fields: dict, extras: dict, budget: str, out: str
                   max_length=MAX_LENGTH, disable_tqdm=True, seed=0, dataloader_num_workers=0)
     lora = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
                       task_type="CAUSAL_LM") if extras.get("lora") else None
-    policy = model(extras.get("dtype", "float32"))
+    policy = model(extras.get("dtype", "float32"), extras.get("layers"))
     if trainer == "sft":
         args = MemFitSFTConfig(**common, **fields)
         return MemFitSFTTrainer(model=policy, args=args, train_dataset=dataset("sft"), processing_class=tokenizer(),
                                 peft_config=lora)
     args = MemFitDPOConfig(**{**common, "per_device_train_batch_size": 4}, **fields)
-    reference = None if lora is not None else model(extras.get("dtype", "float32"))
+    reference = None if lora is not None else model(extras.get("dtype", "float32"), extras.get("layers"))
     return MemFitDPOTrainer(policy, reference, args=args, train_dataset=dataset("dpo"), processing_class=tokenizer(),
                             peft_config=lora)
 
