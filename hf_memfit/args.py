@@ -34,6 +34,19 @@ class MemFitFields:
     allow_offload: str = field(default="cpu", metadata={"help": "DeepSpeed offload the plan may use: none, cpu or nvme."})
     headroom: float = field(default=0.05, metadata={"help": "Fraction of the budget kept free."})
     keep_optimizer: bool = field(default=False, metadata={"help": "Never switch AdamW to its 8-bit variants."})
+    allow_pure_bf16: bool = field(
+        default=False,
+        metadata={"help": "Let the plan train full bf16 weights with no fp32 master copy (torchao's low-bit AdamW "
+                          "with bf16 stochastic rounding) when no mixed-precision plan fits. It changes the "
+                          "numerics, so it is never chosen without this flag. A model loaded in bf16 for full "
+                          "fine-tuning gets the stochastic-rounding optimizers too."},
+    )
+    allow_optimizers: str = field(
+        default="",
+        metadata={"help": "Comma-separated optimizers the plan may switch to beyond the AdamW ladder, because "
+                          "they change the training dynamics: galore_adamw, galore_adamw_8bit, apollo_adamw, "
+                          "adafactor."},
+    )
     memfit_max_recoveries: int = field(default=3, metadata={"help": "OOM recoveries before saving and stopping."})
     memfit_debug_memory: bool = field(
         default=False,
@@ -50,6 +63,11 @@ class MemFitFields:
             problems.append(f"`allow_offload` must be none, cpu or nvme, got {self.allow_offload!r}")
         if not 0 <= self.headroom < 1:
             problems.append(f"`headroom` must be in [0, 1), got {self.headroom}")
+        from hf_memfit.optimizers import OPTIMIZERS
+
+        unknown = [o for o in str(self.allow_optimizers or "").split(",") if o.strip() and o.strip() not in OPTIMIZERS]
+        if unknown:
+            problems.append(f"`allow_optimizers` {', '.join(unknown)} not modelled; use names from {', '.join(OPTIMIZERS)}")
         if self.global_batch_size is not None and self.global_batch_size <= 0:
             problems.append(f"`global_batch_size` must be positive, got {self.global_batch_size}")
         if str(self.memory_budget).strip().lower() != "auto":

@@ -30,7 +30,6 @@ class StepMemory:
     largest_param_numel: int
     quantizable_linear_params: int = 0  # Linear weights bitsandbytes would pack to 4 bits
     largest_linear_numel: int = 0
-    reserved_gap_bytes: int | None = None  # CUDA reserved - allocated from the allocator replay (exact mode)
 
     @property
     def peak_region(self) -> str:

@@ -55,6 +55,8 @@ def add_step_arguments(parser: argparse.ArgumentParser, *, with_batch: bool = Tr
     parser.add_argument("--num-nodes", type=_positive_int, default=1)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="memory semantics to estimate for")
     parser.add_argument("--gpu", help="GPU model (a100, h100, rtx3060, ...): flash support and CUDA overheads")
+    parser.add_argument("--expandable-segments", action="store_true",
+                        help="the run sets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (less allocator slack)")
     parser.add_argument("--mode", choices=("fast", "exact"), default="fast",
                         help="fast: formulas (ms); exact: trace the real model on fake tensors (seconds)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -76,6 +78,10 @@ def add_step_arguments(parser: argparse.ArgumentParser, *, with_batch: bool = Tr
         parser.add_argument("--precision", choices=PRECISIONS, default="fp32",
                             help="*-mixed: autocast over fp32 weights; bf16/fp16: weights stored in that dtype")
         parser.add_argument("--optim", default="adamw_torch", help=f"TrainingArguments.optim: {', '.join(OPTIMIZERS)}")
+        parser.add_argument("--optim-args", help='TrainingArguments.optim_args, e.g. "bf16_stochastic_round=True" '
+                                                 'or "rank=64" (GaLore / APOLLO)')
+        parser.add_argument("--optim-target-modules",
+                            help="GaLore / APOLLO: comma-separated linear module names, or all-linear")
         parser.add_argument("--gradient-checkpointing", action="store_true")
         parser.add_argument("--attn-implementation", choices=ATTN_IMPLEMENTATIONS)
         parser.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=0)
@@ -108,14 +114,17 @@ def settings_from_args(args: argparse.Namespace):
 
     targets = tuple(t.strip() for t in args.lora_target_modules.split(",") if t.strip()) \
         if args.lora_target_modules else None
+    optim_targets = tuple(t.strip() for t in args.optim_target_modules.split(",") if t.strip()) \
+        if args.optim_target_modules else None
     return TrainSettings(
         batch_size=args.batch_size, **step_shape(args), task=args.task, num_labels=args.num_labels,
-        precision=args.precision, optim=args.optim, gradient_checkpointing=args.gradient_checkpointing,
+        precision=args.precision, optim=args.optim, optim_args=args.optim_args, optim_target_modules=optim_targets,
+        gradient_checkpointing=args.gradient_checkpointing,
         attn_implementation=args.attn_implementation, gradient_accumulation_steps=args.gradient_accumulation_steps,
         lora_r=args.lora_r, lora_alpha=args.lora_alpha, lora_target_modules=targets,
         load_in_4bit=args.load_in_4bit, num_gpus=args.num_gpus, num_nodes=args.num_nodes,
         zero_stage=args.zero_stage, offload_optimizer=args.offload_optimizer, offload_param=args.offload_param,
-        device=args.device, gpu=args.gpu, mode=args.mode,
+        device=args.device, gpu=args.gpu, mode=args.mode, expandable_segments=args.expandable_segments,
     )
 
 
@@ -152,10 +161,18 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-memory", help="budget per GPU: a size (12GiB, 24GB) or `auto` for the local GPU")
     parser.add_argument("--allow-offload", choices=("none", "cpu", "nvme"), default="cpu",
                         help="how far DeepSpeed may offload when the GPU is too small (default: cpu)")
-    parser.add_argument("--cpu-memory", help="host memory available for offload (default: not checked)")
+    parser.add_argument("--cpu-memory",
+                        help="host RAM per node for offloaded state: a size (64GiB), `auto` (this machine) or `none`; "
+                             "default: `auto` with `--gpu-memory auto`, else not checked")
     parser.add_argument("--nvme-path", help="NVMe directory for ZeRO-Infinity (with --allow-offload nvme)")
     parser.add_argument("--headroom", type=float, default=0.05, help="fraction of the budget kept free (default 0.05)")
     parser.add_argument("--keep-optimizer", action="store_true", help="do not switch AdamW to 8-bit variants")
+    parser.add_argument("--allow-pure-bf16", action="store_true",
+                        help="allow bf16 weights with no fp32 master copy (torchao low-bit AdamW with bf16 "
+                             "stochastic rounding) when no mixed-precision plan fits; it changes the numerics")
+    parser.add_argument("--allow-optimizers", default="", metavar="NAMES",
+                        help="comma-separated optimizers that change the training dynamics the plan may use: "
+                             "galore_adamw, galore_adamw_8bit, apollo_adamw, adafactor")
     parser.add_argument("--optim", default="adamw_torch_fused", help="the optimizer to start from")
     parser.add_argument("--deepspeed-config-out", help="write the plan's DeepSpeed config (JSON) here")
     parser.add_argument("--explain", nargs="?", const="", metavar="FILE.png",
@@ -166,6 +183,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from hf_memfit.planner import plan
     from hf_memfit.report import format_plan
 
+    if args.deepspeed_config_out:
+        _check_writable(args.deepspeed_config_out, "--deepspeed-config-out")  # before planning, not after
+    if args.explain:
+        _check_writable(args.explain, "--explain")
     targets = args.lora_target_modules
     result = plan(
         args.model, **step_shape(args), global_batch_size=args.global_batch_size, gpu_memory=args.gpu_memory,
@@ -173,7 +194,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         lora_r=args.lora_r, lora_alpha=args.lora_alpha, lora_target_modules=targets, load_in_4bit=args.load_in_4bit,
         allow_offload=args.allow_offload, cpu_memory=args.cpu_memory, nvme_path=args.nvme_path,
         headroom=args.headroom, keep_optimizer=args.keep_optimizer, optim=args.optim, device=args.device,
-        mode=args.mode,
+        mode=args.mode, expandable_segments=args.expandable_segments, progress=_progress,
+        allow_pure_bf16=args.allow_pure_bf16, allow_optimizers=args.allow_optimizers,
     )
     if args.deepspeed_config_out:
         if result.plan.deepspeed is None:
@@ -273,17 +295,34 @@ def _trace(spec, configs, plot: str | None, flag: str = "--plot") -> list:
     return timelines
 
 
+def _progress(text: str) -> None:
+    print(f"hf-memfit: {text} ...", file=sys.stderr, flush=True)
+
+
 def _check_writable(path: str, flag: str) -> None:
-    """Make `path`'s folder if needed and check that a file can be written there; one-line error otherwise."""
+    """Make `path`'s folder if needed and check that a file can be created there; one-line error otherwise.
+
+    Creating (and removing) a scratch file is the only test that covers every case:
+    a folder, a path under a file, read-only mounts and pseudo-filesystems such as /proc.
+    """
     import os
+    import tempfile
 
     folder = os.path.dirname(os.path.abspath(path))
+    hint = "give a file path in a writable folder"
+    if os.path.isdir(path):
+        raise MemFitError(f"`{flag} {path}` is a folder; {hint}")
+    ancestor = folder
+    while not os.path.exists(ancestor) and os.path.dirname(ancestor) != ancestor:
+        ancestor = os.path.dirname(ancestor)
+    if not os.path.isdir(ancestor):
+        raise MemFitError(f"`{flag} {path}`: {ancestor} is a file, not a folder; {hint}")
     try:
         os.makedirs(folder, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".hf-memfit-", suffix=".tmp"):
+            pass
     except OSError as error:
-        raise MemFitError(f"`{flag} {path}`: cannot create the folder {folder} ({error.strerror})") from None
-    if os.path.isdir(path) or not os.access(folder, os.W_OK):
-        raise MemFitError(f"`{flag} {path}`: not a writable file path; give a file such as where.png in a writable folder")
+        raise MemFitError(f"`{flag} {path}`: cannot write in {folder} ({error.strerror}); {hint}") from None
 
 
 def _timeline_dict(t) -> dict:

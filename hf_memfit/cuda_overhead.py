@@ -15,7 +15,6 @@ from __future__ import annotations
 from bisect import bisect_left, insort
 from dataclasses import dataclass
 
-from hf_memfit.errors import MemFitError
 from hf_memfit.hardware import GPU
 from hf_memfit.units import GiB, MiB
 
@@ -60,19 +59,32 @@ K_LARGE_BUFFER = 20 * MiB  # kLargeBuffer: "'large' allocations may be packed in
 K_MIN_LARGE_ALLOC = 10 * MiB  # kMinLargeAlloc: "allocations between 1 and 10 MiB may use kLargeBuffer"
 K_ROUND_LARGE = 2 * MiB  # kRoundLarge: "round up large allocations to 2 MiB"
 
-# Reserved / allocated at the peak, for fast mode only, when no event trace is
-# available to replay through `CachingAllocatorSimulator` (which is preferred:
-# replaying the trace predicts reserved memory far better than any ratio).
-# Reports span 1.02x to 2.1x (cosmos-rl#388, torchtune#1185). A training step
-# with fixed shapes reuses its blocks almost exactly from step 2 on, and what is
-# left is the 20 MiB segments of 1-10 MiB tensors, 2 MiB rounding of large ones
-# and up to 1 MiB unsplit slack per block: we take 1.15, the low-middle of the
-# range. With shapes that change every step (dynamic padding, no packing)
-# segments sized for one batch strand slivers in the next; torchtune#1185
-# measured 16.39 GiB reserved without expandable_segments against 10.83 GiB
-# with it on a QLoRA 8B run (1.51x), so we take 1.5 there.
-RESERVED_HEADROOM_STATIC_SHAPES = 1.15
-RESERVED_HEADROOM_DYNAMIC_SHAPES = 1.5
+# Allocator slack: what the caching allocator needs beyond the allocated peak.
+# One model serves both estimator modes, so that they agree: fast mode cannot
+# replay an allocation sequence, and exact mode's trace is of 2-3 layers, whose
+# replay is not the real depth's (benchmarks/allocator.py: gpt2-large's
+# unlimited-device gap is 476 MiB at 2 layers and 2344 MiB at its 36). The
+# slack is a share of the activations and temporaries live at the peak: the
+# weights, gradients and optimizer states are allocated once, in the same sizes
+# every step, and reuse their blocks; what fragments is the churn of transient
+# tensors of many sizes (forward activations freed in backward, gradients made
+# where they were, the loss's vocabulary-sized buffers).
+# The share comes from replaying full-depth traces of 18 configurations through
+# `CachingAllocatorSimulator` and finding, for each, the smallest capacity the
+# step runs in (the allocator empties its cache and retries before an OOM, as
+# torch does): that capacity minus the allocated peak, over the activations and
+# temporaries at the peak, had quartiles 0.062 / 0.103 / 0.251 (range 0.020 to
+# 0.857; `python benchmarks/allocator.py`, docs/benchmarks.md). We take the upper
+# quartile: an under-predicted slack is an OOM.
+ALLOCATOR_FRAGMENTATION_RATIO = 0.25
+# With PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (torch >= 2.1) each pool
+# is one virtual segment per stream that maps and unmaps physical pages as it
+# grows and shrinks, so freed memory is reusable for any size and fragmentation
+# mostly disappears: torchtune#1185 measured 16.39 GiB reserved without it and
+# 10.83 GiB with it on the same QLoRA 8B run. What is left is the partly used
+# last page of each pool's segment: 2 MiB pages for the small pool and 20 MiB
+# (kLargeBuffer) for the large one (CUDACachingAllocator.cpp, ExpandableSegment).
+EXPANDABLE_SEGMENTS_SLACK_BYTES = K_SMALL_BUFFER + K_LARGE_BUFFER
 
 
 def cuda_context_bytes(gpu: GPU | None) -> int:
@@ -125,14 +137,17 @@ def segment_bytes(nbytes: int) -> int:
     return K_ROUND_LARGE * ((size + K_ROUND_LARGE - 1) // K_ROUND_LARGE)
 
 
-def reserved_headroom_ratio(dynamic_shapes: bool = False) -> float:
-    """Fallback reserved/allocated ratio for fast mode, when no event trace exists.
+def allocator_slack_bytes(transient_bytes: int, *, expandable_segments: bool = False) -> int:
+    """Reserved memory the caching allocator needs beyond the allocated peak.
 
-    1.15 for fixed shapes, 1.5 when shapes change between steps (see the
-    constants' comment). Replaying a trace through `CachingAllocatorSimulator`
-    is preferred whenever one is available.
+    `transient_bytes` is the activations plus temporaries live at the peak;
+    both estimator modes pass their own figure for it, and nothing else, so
+    they can differ only by what they disagree on there. See
+    ALLOCATOR_FRAGMENTATION_RATIO for the evidence.
     """
-    return RESERVED_HEADROOM_DYNAMIC_SHAPES if dynamic_shapes else RESERVED_HEADROOM_STATIC_SHAPES
+    if expandable_segments:
+        return EXPANDABLE_SEGMENTS_SLACK_BYTES
+    return int(ALLOCATOR_FRAGMENTATION_RATIO * max(0, transient_bytes))
 
 
 # --- The allocator simulator ----------------------------------------------------
@@ -419,123 +434,5 @@ class CachingAllocatorSimulator:
 
 
 # --- Optimizer step temporaries ---------------------------------------------------
-# Read in the installed torch 2.13 and transformers 5.23, and checked by running
-# each step on CPU tensors under a dispatch mode that tracks live storages.
-#
-# Which torch code path runs (torch/optim/optimizer.py, _default_to_fused_or_foreach;
-# adam.py, adam()): with neither `foreach` nor `fused` given, foreach is chosen when
-# every param is on a device in _get_foreach_kernels_supported_devices() =
-# ["cuda", "xpu", "mtia", privateuse1]; fused is never the default ("we want to
-# give the fused impl bake-in time"). So CUDA runs foreach and CPU runs the
-# single-tensor loop. HF maps "adamw_torch" to AdamW() and "adamw_torch_fused" to
-# AdamW(fused=True) (trainer_optimizer.py _get_adamw_torch); the latter is the
-# TrainingArguments default from torch 2.8 on.
-#
-# torch optimizers keep their state in the parameter's dtype (zeros_like(p)), so
-# for them `state_dtype_bytes` is also the size of a gradient element.
-
-_TORCH_ADAM, _FUSED, _SGD, _ADAGRAD, _RMSPROP, _ADAFACTOR, _BNB = (
-    "torch_adam", "fused", "sgd", "adagrad", "rmsprop", "adafactor", "bnb")
-_OPTIMIZERS: dict[str, str] = {
-    "adamw_torch": _TORCH_ADAM, "adamw": _TORCH_ADAM, "adam": _TORCH_ADAM,
-    "adamw_torch_fused": _FUSED, "adamw_apex_fused": _FUSED,
-    "sgd": _SGD, "adagrad": _ADAGRAD, "rmsprop": _RMSPROP,
-    "adafactor": _ADAFACTOR,
-    **{name: _BNB for name in (
-        "adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit",
-        "lion_8bit", "lion_32bit", "paged_lion_8bit", "paged_lion_32bit",
-        "rmsprop_bnb", "rmsprop_bnb_8bit", "rmsprop_bnb_32bit",
-        "ademamix", "ademamix_8bit", "paged_ademamix_32bit", "paged_ademamix_8bit")},
-}
-
-
-def optimizer_step_temporary_bytes(optim: str, trainable_params: int, state_dtype_bytes: int = 4,
-                                   largest_param_numel: int = 0, device: str = "cuda", *,
-                                   param_dtype_bytes: int | None = None,
-                                   weight_decay: bool = False, one_flat_tensor: bool = False) -> int:
-    """Most bytes of temporaries alive at once inside `optimizer.step()`, beyond states and grads.
-
-    `optim` is an HF `TrainingArguments.optim` name. `largest_param_numel` is the
-    element count of the largest trainable tensor; paths that work one tensor at
-    a time need it, and use `trainable_params` as a safe bound when it is 0.
-    `param_dtype_bytes` (default: `state_dtype_bytes`) matters for Adafactor,
-    whose states are always fp32. `weight_decay` is for SGD, Adagrad and RMSprop,
-    which copy the gradients to add it (HF's default weight_decay is 0.0).
-    `one_flat_tensor`: the parameters are a single flat tensor (DeepSpeed ZeRO's
-    master partition), so no previous tensor's temporaries are still bound.
-    """
-    kind = _OPTIMIZERS.get(optim.strip().lower())
-    if kind is None:
-        known = ", ".join(_OPTIMIZERS)
-        raise MemFitError(f"`--optim` got {optim!r}, whose step temporaries are not modelled; "
-                          f"use one of {known}")
-    if device not in ("cuda", "cpu"):
-        raise MemFitError(f"`device` got {device!r}; use cuda or cpu")
-    s = state_dtype_bytes
-    group = trainable_params * s  # one state-sized copy of every trainable tensor
-    largest = (largest_param_numel or trainable_params) * s  # one copy of the largest tensor
-    foreach = device == "cuda"  # the default path on each device, see above
-
-    if kind == _BNB and device == "cpu":
-        # bitsandbytes' CPU kernels (backends/cpu/ops.py, _optimizer_update_8bit_blockwise_cpu
-        # and _optimizer_update_32bit_cpu) work one tensor at a time in fp32 temporaries: the
-        # dequantized state1 and state2 (8-bit only), grad.float() * gnorm_scale, p.data.float()
-        # (a copy for half params) and denom = state2.sqrt() / correction2, with the sqrt alive.
-        # Measured (profiler, bitsandbytes 0.50): 20 / 24 B per element of the tensor for 8-bit
-        # with fp32 / half params, 12 / 16 for 32-bit. Paged optimizers fall back to these on the CPU.
-        numel = largest_param_numel or trainable_params
-        half = (param_dtype_bytes if param_dtype_bytes is not None else s) < 4
-        return ((20 if "8bit" in optim else 12) + (4 if half else 0)) * numel
-    if kind in (_FUSED, _BNB):
-        # fused: one kernel updates params and states in place (torch._fused_adamw_;
-        # apex multi_tensor_adam). bitsandbytes on CUDA: Optimizer2State/1State.update_step
-        # launches F.optimizer_update_8bit_blockwise / optimizer_update_32bit once
-        # per parameter, in place; paged states live in managed memory, not here.
-        return 0
-    if kind == _TORCH_ADAM:
-        if foreach:
-            # _multi_tensor_adam: lerp_/mul_/addcmul_ are in place; with a float lr
-            # and capturable=False the bias corrections are Python floats; then
-            # exp_avg_sq_sqrt = torch._foreach_sqrt(device_exp_avg_sqs) makes one
-            # state-sized tensor per param of the device/dtype group, updated in
-            # place (div_, add_) until addcdiv_. Each param group is a separate
-            # call, so the real peak is the largest group; HF's no-decay group
-            # (biases, norms) is tiny, so the whole trainable set is the bound.
-            return group
-        # _single_tensor_adam: denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
-        # holds sqrt and quotient at once, while the previous param's denom is
-        # still bound: at most 3 x the largest tensor (2 x for one flat tensor, as
-        # measured under DeepSpeed on the CPU: benchmarks/zero.py).
-        return (2 if one_flat_tensor else 3) * largest
-    if kind == _SGD:
-        # _multi_tensor_sgd: momentum buffers update in place and nesterov adds into
-        # the grads in place; only weight decay makes device_grads = _foreach_add(
-        # grads, params): a grads-sized list (per tensor on the single-tensor path).
-        if not weight_decay:
-            return 0
-        return group if foreach else largest
-    if kind == _ADAGRAD:
-        # _multi_tensor_adagrad: std = _foreach_sqrt(state_sums) and numerator =
-        # _foreach_mul(grads, minus_clr) (or the weight-decayed grads copy) are
-        # alive together. Single tensor: std = state_sum.sqrt() plus the previous
-        # param's std, and a grad copy with weight decay.
-        if foreach:
-            return 2 * group
-        return (3 if weight_decay else 2) * largest
-    if kind == _RMSPROP:
-        # _multi_tensor_rmsprop: avg = _foreach_sqrt(square_avgs), plus the
-        # weight-decayed grads copy, which stays alive until addcdiv_. Single
-        # tensor: avg = square_avg.sqrt() plus the previous param's avg.
-        if foreach:
-            return (2 if weight_decay else 1) * group
-        return (3 if weight_decay else 2) * largest
-    # Adafactor (transformers/optimization.py, Adafactor.step) works one tensor at
-    # a time in fp32. At `update = (grad**2) + eps` these are alive: grad**2, the
-    # sum, and the previous tensor's final `update`; later the new update plus
-    # the old one, and `-update` beside `update` in p_data_fp32.add_(-update). For
-    # fp16/bf16 params, the fp32 copies grad.float() and p.float() live through
-    # the whole iteration. Measured on CPU: 3x (fp32 params) and 5x (half params)
-    # the largest tensor's fp32 size, for same-sized tensors in a row.
-    numel = largest_param_numel or trainable_params
-    half = (param_dtype_bytes if param_dtype_bytes is not None else s) < 4
-    return (5 if half else 3) * numel * 4
+# Modelled with every other optimizer fact in `hf_memfit.optimizers`; the old name stays importable.
+from hf_memfit.optimizers import step_temporary_bytes as optimizer_step_temporary_bytes  # noqa: E402,F401

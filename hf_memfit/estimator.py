@@ -125,16 +125,16 @@ def assemble(spec: ModelSpec, settings: TrainSettings, step: StepMemory) -> Memo
         gpu = _gpu(settings)
         workspace = cuda_overhead.cublas_workspace_bytes(gpu)
         allocated += workspace
-        if step.reserved_gap_bytes is not None:
-            slack = step.reserved_gap_bytes  # replayed through the caching-allocator simulation
-        else:
-            slack = int(allocated * (cuda_overhead.reserved_headroom_ratio() - 1))
+        # One slack model for both modes: a share of what churns (activations and temporaries).
+        slack = cuda_overhead.allocator_slack_bytes(breakdown["activations"] + breakdown["temporary"],
+                                                    expandable_segments=settings.expandable_segments)
         reserved = allocated + slack
         context = cuda_overhead.cuda_context_bytes(gpu)
         total = reserved + context + rank.outside_allocator_bytes
         breakdown["overhead"] += workspace + slack + context + rank.outside_allocator_bytes
         notes.append(f"CUDA overhead: cuBLAS workspaces {workspace / 2**20:.0f} MiB, allocator slack "
-                     f"{slack / 2**20:.0f} MiB, CUDA context {context / 2**20:.0f} MiB")
+                     f"{slack / 2**20:.0f} MiB{' (expandable_segments)' if settings.expandable_segments else ''}, "
+                     f"CUDA context {context / 2**20:.0f} MiB")
     return MemoryEstimate(
         model=spec.name,
         settings=settings,

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from hf_memfit import optimizers
 from hf_memfit.breakdown import CATEGORIES, StepMemory
 
 # Element sizes by our dtype tags.
@@ -44,11 +45,6 @@ _TAG = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 
 # CUDACachingAllocator rounds every block to 512 bytes (kMinBlockSize).
 _CUDA_BLOCK = 512
-
-# bitsandbytes 8-bit optimizers keep 8-bit states only for tensors with at
-# least this many elements, with one fp32 absmax per block (Optimizer8bit).
-_BNB_MIN_8BIT_SIZE = 4096
-_BNB_BLOCK = 256
 
 # Exact mode emulates CUDA on fake CPU tensors. Two CPU behaviours survive in
 # it, and fast mode follows them so that both modes agree (they are real
@@ -907,6 +903,7 @@ class _Param:
     trainable: bool
     decay: bool  # the Trainer's weight-decay group (not biases or norms)
     kind: str  # embedding | layer | other | norm | head | lora | head_copy
+    module: str = ""  # the linear module's name, for the weights of linear modules
 
     @property
     def numel(self) -> int:
@@ -958,7 +955,7 @@ def _parameters(spec, settings, wdt: str) -> list[_Param]:
     head = [m for m in linears if m.scope == "head"]
     for m in body:
         kind = "layer" if m.scope == "layer" else "other"
-        params.append(_Param((m.out_features, m.in_features), m.count, wdt, base_trainable, True, kind))
+        params.append(_Param((m.out_features, m.in_features), m.count, wdt, base_trainable, True, kind, m.name))
         accounted += m.weight_numel * m.count
         if m.bias:
             params.append(_Param((m.out_features,), m.count, wdt, base_trainable, False, kind))
@@ -966,7 +963,7 @@ def _parameters(spec, settings, wdt: str) -> list[_Param]:
     head_params = []
     if not tied_head:
         for m in head:
-            head_params.append(_Param((m.out_features, m.in_features), 1, wdt, base_trainable, True, "head"))
+            head_params.append(_Param((m.out_features, m.in_features), 1, wdt, base_trainable, True, "head", m.name))
             accounted += m.weight_numel
             if m.bias:
                 head_params.append(_Param((m.out_features,), 1, wdt, base_trainable, False, "head"))
@@ -1010,92 +1007,28 @@ def _param_bytes(p: _Param, cuda: bool, dtype: str | None = None) -> int:
     return p.count * _nbytes(p.numel, _SIZE[dtype or p.dtype], cuda)
 
 
-def _optimizer_state_bytes(p: _Param, optim: str, family: str, cuda: bool) -> int:
-    """The optimizer state one trainable tensor gets (x its count)."""
-    n = p.numel
-    if family == "sgd":
-        return 0  # the Trainer's SGD has no momentum: no state
-    if family == "adafactor":
-        # transformers Adafactor (beta1=None: no exp_avg). States are made from
-        # grad.float(): fp32. 2-D tensors are factored into a row and a column vector;
-        # state["RMS"] = self._rms(p) is a 0-d fp32 tensor.
-        rms = _nbytes(1, 4, cuda)
-        if len(p.shape) >= 2:
-            rows, cols = p.shape[0], p.shape[-1]
-            return p.count * (_nbytes(rows, 4, cuda) + _nbytes(cols, 4, cuda) + rms)
-        return p.count * (_nbytes(n, 4, cuda) + rms)
-    if family == "adam8bit":
-        if n >= _BNB_MIN_8BIT_SIZE:
-            blocks = -(-n // _BNB_BLOCK)
-            return p.count * 2 * (_nbytes(n, 1, cuda) + _nbytes(blocks, 4, cuda))
-        return p.count * 2 * _nbytes(n, 4, cuda)
-    if optim == "paged_adamw_32bit":
-        return p.count * 2 * _nbytes(n, 4, cuda)  # bitsandbytes 32-bit states
-    # torch AdamW: exp_avg and exp_avg_sq are zeros_like(param) (the param's dtype),
-    # plus a scalar fp32 `step` tensor.
-    return p.count * (2 * _nbytes(n, _SIZE[p.dtype], cuda) + _nbytes(1, 4, cuda))
+def _optimizer_tensors(params: list[_Param], settings, spec) -> list:
+    """The trainable tensors as `optimizers.TensorGroup`s, in `model.parameters()` order."""
+    from hf_memfit.optimizers import TensorGroup
+
+    targets = _low_rank_targets(spec, settings)
+    return [TensorGroup(p.shape, p.count, _SIZE[p.dtype], p.decay,
+                        low_rank_target=len(p.shape) == 2 and p.module in targets) for p in params if p.trainable]
 
 
-def flat_partition_state_bytes(optim: str, family: str, numel: int) -> int:
-    """Optimizer state for one flat fp32 tensor of `numel` elements.
+def _low_rank_targets(spec, settings) -> frozenset:
+    """Module names whose weights GaLore / APOLLO project: `optim_target_modules` among the nn.Linear modules.
 
-    DeepSpeed ZeRO hands the optimizer a flattened fp32 master partition (one
-    1-D tensor per parameter group), so the state follows the optimizer's layout
-    for a 1-D fp32 tensor: AdamW 8 B/param, 8-bit AdamW ~2 B/param, Adafactor
-    unfactored (4 B/param), SGD without momentum nothing.
+    The Trainer (`_setup_low_rank_optimizer`) takes only `nn.Linear` modules; GPT-2's
+    Conv1D layers are not, so for GPT-2 only its untied heads could be targets.
     """
-    return _optimizer_state_bytes(_Param((numel,), 1, "f32", True, True, "layer"), optim, family, cuda=False)
-
-
-def _optimizer_temporary_bytes(params: list[_Param], settings, cuda: bool) -> int:
-    """Most temporary bytes inside optimizer.step(), on the path torch takes for the device."""
-    from hf_memfit.cuda_overhead import optimizer_step_temporary_bytes
-
-    trainable = [p for p in params if p.trainable]
-    if not trainable:
-        return 0
-    optim = settings.optim
-    family = settings.optimizer_family
-    if family == "adam8bit" or optim == "paged_adamw_32bit":
-        # bitsandbytes: in place on CUDA; on the CPU fp32 temporaries of one tensor at a time
-        # (tensors under 4096 elements keep fp32 states and take the 32-bit kernel).
-        return max(optimizer_step_temporary_bytes(optim if p.numel >= _BNB_MIN_8BIT_SIZE else "paged_adamw_32bit",
-                                                  p.numel, largest_param_numel=p.numel, device=settings.device,
-                                                  param_dtype_bytes=_SIZE[p.dtype]) for p in trainable)
-    if family == "adam" and optim != "adamw_torch":
-        return 0  # fused AdamW updates params and states in place
-    if family == "sgd":
-        return optimizer_step_temporary_bytes(optim, sum(p.numel * p.count for p in trainable), device=settings.device)
-    if family == "adafactor":
-        # transformers' Adafactor works one tensor at a time in fp32: grad**2 and grad**2 + eps
-        # (then the factored estimate beside the old update, then -update beside update) are two
-        # fp32 copies; half-precision params add grad.float() and p.float(). The previous
-        # tensor's `update` is still bound when the next one starts.
-        best = prev = 0
-        for g in ([p for p in trainable if p.decay], [p for p in trainable if not p.decay]):
-            for p in g:
-                one = _nbytes(p.numel, 4, cuda)
-                k = 2 if p.dtype == "f32" else 4
-                best = max(best, k * one + prev)
-                prev = one
-        return best
-    # torch AdamW. The Trainer makes two param groups (decay, no decay); each is one
-    # `_multi_tensor_adam` / `_single_tensor_adam` call, so only one group's temporaries live at once.
-    groups = [[p for p in trainable if p.decay], [p for p in trainable if not p.decay]]
-    if cuda:
-        # foreach: exp_avg_sq_sqrt = _foreach_sqrt(exp_avg_sqs) is one state-sized tensor per
-        # param of the group, updated in place until addcdiv_.
-        return max(sum(_param_bytes(p, cuda) for p in g) for g in groups)
-    # single tensor: denom = (exp_avg_sq.sqrt() / bc2).add_(eps) holds sqrt and the quotient,
-    # while the previous param's denom is still bound.
-    best = 0
-    for g in groups:
-        prev = 0
-        for p in g:
-            one = _nbytes(p.numel, _SIZE[p.dtype], False)
-            best = max(best, 2 * one + prev)
-            prev = one
-    return best
+    if not settings.optim_target_modules:
+        return frozenset()
+    linears = spec.linear_modules(settings.task, settings.num_labels)
+    names = {m.name for m in linears if not (spec.model_type == "gpt2" and m.scope != "head")}
+    if settings.optim_target_modules == ("all-linear",):
+        return frozenset(names)
+    return frozenset(names & set(settings.optim_target_modules))
 
 
 # ---------------------------------------------------------------------------
@@ -1501,8 +1434,7 @@ def fast_step_memory(spec, settings) -> StepMemory:
     here when None). Returns a `StepMemory` for one process on one device, no
     sharding: bytes by category at each region's maximum, plus the parameter
     facts (trainable / total params with LoRA, the largest tensor, and for
-    4-bit the linear weights bitsandbytes would pack). `reserved_gap_bytes` is
-    None: fast mode has no allocation trace to replay.
+    4-bit the linear weights bitsandbytes would pack).
 
     Regions follow exact mode's names: "1.<micro>|fwd|pre" (embeddings),
     "|fwd|s<k>.last" (inside stack k's last layer), "|fwd|s<k>.post" (the end of
@@ -1522,8 +1454,10 @@ def fast_step_memory(spec, settings) -> StepMemory:
     if settings.reference == "copy":  # DPO's frozen reference model: the base model again, without adapters
         W += sum(_param_bytes(p, cuda) for p in params if p.kind not in ("lora", "head_copy"))
     G = sum(_param_bytes(p, cuda) for p in trainable)
-    O = sum(_optimizer_state_bytes(p, settings.optim, settings.optimizer_family, cuda) for p in trainable)
-    opt_tmp = _optimizer_temporary_bytes(params, settings, cuda)
+    opt_tensors = _optimizer_tensors(params, settings, spec)
+    O = sum(optimizers.state_bytes(t, settings.optim, cuda, optim_args=settings.optim_args) for t in opt_tensors)
+    opt_tmp = optimizers.tensors_step_temporary_bytes(opt_tensors, settings.optim, settings.device,
+                                                      optim_args=settings.optim_args)
     acts = _activations(spec, settings)
     head = acts.head
     emb_grads = [_param_bytes(p, cuda) for p in params if p.trainable and p.kind == "embedding"]

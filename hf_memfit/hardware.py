@@ -235,3 +235,14 @@ def gpu_memory_auto() -> int:
         raise MemFitError("`--gpu-memory auto` needs a CUDA GPU, and none was found; "
                           "give a size such as `--gpu-memory 24GiB` or `--gpu NAME`")
     return found[1]
+
+
+def host_memory_auto() -> int:
+    """Total RAM of this machine in bytes (what `--cpu-memory auto` checks host memory against)."""
+    import os
+
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):  # not a POSIX system that reports it
+        raise MemFitError("`--cpu-memory auto` cannot read this machine's RAM here; "
+                          "give a size such as `--cpu-memory 64GiB`, or `--cpu-memory none`") from None

@@ -365,7 +365,8 @@ def plan_inputs(trainer, model, args, fields, train_dataset, collator, tokenizer
         allow_offload=fields.allow_offload if on_gpu else "none", headroom=fields.headroom,
         keep_optimizer=fields.keep_optimizer, optim=str(getattr(args.optim, "value", args.optim)),
         device="cuda" if on_gpu else "cpu", mode=fields.memfit_mode, precision=model_precision(model, args, on_gpu),
-        deepspeed_layout=fixed_layout(args), attn_implementation=attention or "sdpa",
+        deepspeed_layout=fixed_layout(args), allow_pure_bf16=fields.allow_pure_bf16,
+        allow_optimizers=fields.allow_optimizers, attn_implementation=attention or "sdpa",
         trainer=step.get("trainer", "trainer"), padding_free=padding_free,
         reference_model=step.get("reference_model"), decoder_seq_len=decoder, notes=notes,
     )

@@ -459,6 +459,7 @@ def apply_plan(plan, args):
     sizes and prepares accelerate for it. The arguments keep their class.
     """
     changes = _with_checkpointing_aliases(args, plan.training_arguments())
+    changes.pop("deepspeed", None)
     if plan.deepspeed is not None and args.deepspeed is None and not uses_fsdp(args):  # the user's sharding stays
         changes["deepspeed"] = plan.deepspeed
     return dataclasses.replace(args, **changes)
@@ -468,7 +469,7 @@ def overridden_settings(args, plan) -> dict:
     """{field: (the user's value, the plan's)} for every argument the plan changes."""
     changed = {}
     for name, value in plan.training_arguments().items():
-        if name == "gradient_checkpointing_kwargs" or not hasattr(args, name):
+        if name in ("gradient_checkpointing_kwargs", "deepspeed") or not hasattr(args, name):
             continue
         before = getattr(args, name)
         before = str(getattr(before, "value", before))

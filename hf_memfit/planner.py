@@ -15,15 +15,24 @@ import importlib.util
 import math
 from dataclasses import dataclass, field
 
+from hf_memfit import optimizers
 from hf_memfit.errors import MemFitError, check_all
 from hf_memfit.estimator import MemoryEstimate, assemble, estimate_settings
 from hf_memfit.settings import TrainSettings
 from hf_memfit.spec import ModelSpec, resolve_model
 from hf_memfit.units import GiB, format_bytes, parse_bytes
 
-# The optimizer family, fastest first. 8-bit AdamW stores 2 B/param of state
-# instead of 8 (bitsandbytes), paged 8-bit lets the driver move it to the host.
-ADAM_LADDER = ("adamw_torch_fused", "adamw_bnb_8bit", "paged_adamw_8bit")
+# What runs the step when ZeRO offloads the optimizer: deepspeed.py writes an
+# `optimizer` section (AdamW), which DeepSpeed builds as DeepSpeedCPUAdam on the host.
+OFFLOADED_OPTIMIZER = "DeepSpeedCPUAdam"
+
+# The AdamW ladder, fastest first (`optimizers.ADAMW_LADDER`): 8-bit AdamW stores ~2 B/param of state
+# instead of 8 (bitsandbytes), paged 8-bit lets the driver move it to the host, torchao's 8-bit and 4-bit
+# AdamW (~2 and ~1 B/param) quantize the states the same way. On the CPU the ladder stops at bitsandbytes:
+# torchao compiles one update per tensor shape with torch.compile (37 s for the first one on this 2-core
+# machine, a C++ toolchain required), which no per-step speed figure can rank fairly.
+ADAM_LADDER = optimizers.ADAMW_LADDER
+CPU_ADAM_LADDER = ("adamw_torch_fused", "adamw_bnb_8bit", "paged_adamw_8bit")
 
 # --- speed model constants (relative ranking, not wall-clock promises) -------
 # Matmul efficiency grows with the tokens in a micro-batch (the M dimension of
@@ -31,11 +40,8 @@ ADAM_LADDER = ("adamw_torch_fused", "adamw_bnb_8bit", "paged_adamw_8bit")
 # of peak is a planning figure in line with GEMM roofline curves on A100-class
 # GPUs (cuBLAS reaches most of peak once M is in the low thousands).
 TOKENS_FOR_HALF_UTILISATION = 512
-# bitsandbytes' 8-bit AdamW step is memory-bound like fused AdamW but does
-# block-wise (de)quantisation; we charge 25% more step time (a planning figure)
-# and paging another 25% for page migrations under pressure.
-EIGHT_BIT_STEP_FACTOR = 1.25
-PAGED_STEP_FACTOR = 1.25
+# Each optimizer's step cost relative to fused AdamW on a GPU, and its throughput on the CPU, live with the
+# rest of the optimizer model: `optimizers.Optimizer.gpu_step_factor` / `cpu_params_per_s`.
 # Fused AdamW touches params, grads and two states, read and written: ~32 B/param (fp32).
 ADAM_BYTES_MOVED_PER_PARAM = 32
 # DeepSpeedCPUAdam updates roughly 1e9 parameters per second on a many-core
@@ -65,21 +71,8 @@ CPU_TOKENS_FOR_HALF_UTILISATION = 22
 # FLOPs alone say 8/6 = 1.33x; the recomputed dropout, softmax and norms cost more on a CPU than their FLOPs say.
 CPU_CHECKPOINTED_LAYER_FACTOR = 1.5
 # Optimizer step throughput in parameters per second, each optimizer built as the HF Trainer builds it, over
-# 4.2M fp32 parameters in 16 tensors. torch's fused AdamW: 0.75-1.65e9 (median 1.2e9); bitsandbytes' 8-bit AdamW,
-# paged or not: 4.1-5.0e7 (median 4.6e7), about 25x slower: its CPU path dequantizes both states to fp32 tensors
-# and runs the update in separate torch ops (the GPU figures charge it only 1.25x). Paging means nothing on the CPU
-# (bitsandbytes falls back to the non-paged optimizer): paged 8-bit measured the same as 8-bit. adamw_torch (the
-# single-tensor loop torch picks for CPU tensors): 3.0-5.6e8; adafactor: 3.8-5.2e8; sgd: 1.8-4.3e9 (median 3.8e9).
-# Optimizers not listed fall back to adamw_torch's figure.
-CPU_OPTIMIZER_PARAMS_PER_S = {
-    "adamw_torch_fused": 1.2e9,
-    "adamw_torch": 5e8,
-    "adamw_bnb_8bit": 4.5e7,
-    "adamw_8bit": 4.5e7,
-    "paged_adamw_8bit": 4.5e7,
-    "adafactor": 4.5e8,
-    "sgd": 3.8e9,
-}
+# 4.2M fp32 parameters in 16 tensors: `optimizers.Optimizer.cpu_params_per_s` (torch's fused AdamW 1.2e9,
+# bitsandbytes' 8-bit AdamW 4.5e7 (its CPU path dequantizes both states to fp32 tensors), adamw_torch 5e8, ...).
 
 
 @dataclass
@@ -103,6 +96,8 @@ class Plan:
     predicted_step_seconds: float
     settings: TrainSettings = field(repr=False)
     budget_bytes: int = 0
+    optim_args: str | None = None  # TrainingArguments.optim_args ("bf16_stochastic_round=True" for pure bf16)
+    optim_target_modules: list[str] | None = None  # GaLore / APOLLO
 
     def to_dict(self) -> dict:
         return {
@@ -115,6 +110,8 @@ class Plan:
             "fp16": self.fp16,
             "torch_dtype": self.torch_dtype,
             "optim": self.optim,
+            "optim_args": self.optim_args,
+            "optim_target_modules": self.optim_target_modules,
             "attn_implementation": self.attn_implementation,
             "deepspeed": self.deepspeed,
             "per_device_eval_batch_size": self.per_device_eval_batch_size,
@@ -137,8 +134,14 @@ class Plan:
             "fp16": self.fp16,
             "optim": self.optim,
         }
+        if self.optim_args:
+            kwargs["optim_args"] = self.optim_args
+        if self.optim_target_modules:
+            kwargs["optim_target_modules"] = list(self.optim_target_modules)
         if self.gradient_checkpointing:
             kwargs["gradient_checkpointing_kwargs"] = {"use_reentrant": False}
+        if self.deepspeed is not None:  # the plan's peak depends on this layout (TrainingArguments takes a dict)
+            kwargs["deepspeed"] = self.deepspeed
         return kwargs
 
 
@@ -190,8 +193,10 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
          nvme_path: str | None = None, headroom: float = 0.05, keep_optimizer: bool = False,
          optim: str = "adamw_torch_fused", device: str = "cuda", mode: str = "fast",
          precision: str | None = None, deepspeed_layout: tuple[int, str, str] | None = None,
-         attn_implementation: str | None = None, trainer: str = "trainer", padding_free: bool = False,
-         reference_model: str | None = None, decoder_seq_len: int | None = None) -> PlanResult:
+         allow_pure_bf16: bool = False, allow_optimizers=(), expandable_segments: bool = False,
+         progress=None, attn_implementation: str | None = None, trainer: str = "trainer",
+         padding_free: bool = False, reference_model: str | None = None,
+         decoder_seq_len: int | None = None) -> PlanResult:
     """Pick the fastest configuration that trains `model` within the memory budget.
 
     The budget is `gpu_memory` (a size such as "12GiB", or "auto" for the local
@@ -200,11 +205,22 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
     precision (the trainer passes the loaded model's); by default it is chosen
     from the GPU. `deepspeed_layout` = (zero_stage, offload_optimizer,
     offload_param) fixes the layout to a DeepSpeed config the user already has
-    (the trainer passes it); the rest is searched around it.
+    (the trainer passes it); the rest is searched around it. `cpu_memory` is
+    the host RAM per node for offloaded state: a size, "auto" (this machine)
+    or "none"; unset, it is "auto" with `gpu_memory="auto"` and unchecked
+    otherwise. Fast-mode choices within `CONFIRM_IN_EXACT_MARGIN` of the
+    budget are re-estimated in exact mode before they are chosen (`mode="exact"`
+    confirms every choice); `progress(text)` hears about those slower steps.
+
+    Levers that change the training are used only when allowed:
+    `allow_pure_bf16` lets the plan drop the fp32 master weights (bf16 weights,
+    gradients and torchao's low-bit AdamW with bf16 stochastic rounding) when no
+    mixed-precision plan fits; `allow_optimizers` names optimizers the planner may
+    switch to beyond the AdamW ladder (galore_adamw, apollo_adamw, adafactor, ...).
     `attn_implementation` pins the attention (the trainer passes the loaded
     model's); `trainer`, `padding_free`, `reference_model` and
-    `decoder_seq_len` describe the step as `TrainSettings` does. Raises
-    `MemFitError` when the request is invalid or nothing fits, saying what would.
+    `decoder_seq_len` describe the step as `TrainSettings` does.
+    Raises `MemFitError` when the request is invalid or nothing fits, saying what would.
     """
     spec = model if isinstance(model, ModelSpec) else resolve_model(model)
     gpu_info = _gpu_info(gpu)
@@ -225,8 +241,15 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
                         + (f", e.g. {lower} or {lower + world}" if lower else f", e.g. {world}"))
     if allow_offload == "nvme" and not nvme_path and device == "cuda":
         problems.append("`--allow-offload nvme` needs `--nvme-path DIR` (a fast local NVMe mount)")
+    if isinstance(allow_optimizers, str):
+        allow_optimizers = tuple(o.strip() for o in allow_optimizers.split(",") if o.strip())
+    allow_optimizers = tuple(allow_optimizers or ())
+    unknown = [o for o in allow_optimizers if o not in optimizers.OPTIMIZERS]
+    if unknown:
+        problems.append(f"`--allow-optimizers` {', '.join(unknown)} not modelled; use names from "
+                        f"{', '.join(optimizers.OPTIMIZERS)}")
     check_all(problems)
-    cpu_limit = parse_bytes(cpu_memory, "--cpu-memory") if cpu_memory is not None else None
+    host = _host_limit(cpu_memory, gpu_memory)
 
     if isinstance(lora_target_modules, str):
         lora_target_modules = tuple(t for t in lora_target_modules.split(",") if t)
@@ -243,26 +266,83 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
         attn_implementation=attn, lora_r=lora_r, lora_alpha=lora_alpha,
         lora_target_modules=tuple(lora_target_modules) if lora_target_modules else None,
         load_in_4bit=load_in_4bit, num_gpus=num_gpus, num_nodes=num_nodes, device=device,
-        gpu=gpu_info.name if gpu_info else None, mode="fast", trainer=trainer, padding_free=padding_free,
-        reference_model=reference_model, decoder_seq_len=decoder_seq_len,
+        gpu=gpu_info.name if gpu_info else None, mode="fast", expandable_segments=expandable_segments,
+        trainer=trainer, padding_free=padding_free, reference_model=reference_model, decoder_seq_len=decoder_seq_len,
     ).validate(spec)
 
     per_rank = global_batch_size // world
-    grid = _grid(base, per_rank, allow_offload, keep_optimizer, world, deepspeed_layout)
-    candidates = [_evaluate(spec, s, usable, cpu_limit, gpu_info) for s in grid]
+    optims = _allowed_optimizers(base, allow_optimizers, keep_optimizer)
+    if allow_pure_bf16 and base.precision == "bf16" and not base.uses_lora and not keep_optimizer:
+        # A model already loaded in bf16 for full fine-tuning (the trainer passes its dtype): the same
+        # stochastic-rounding optimizers as a pure-bf16 plan.
+        base = base.replace(optim_args=optimizers.BF16_STOCHASTIC_ROUND_ARGS)
+        optims = optimizers.PURE_BF16_LADDER
+    grid = _grid(base, per_rank, allow_offload, keep_optimizer, world, deepspeed_layout, optims,
+                 _low_rank_targets(spec, base))
+    candidates = [_evaluate(spec, s, usable, host, gpu_info) for s in grid]
     fitting = sorted((c for c in candidates if c.fits), key=lambda c: c.step_seconds)
-    if mode == "exact":
-        fitting = _confirm_exact(spec, fitting, usable, cpu_limit)
+    fast_total = fitting[0].estimate.device_total_bytes if fitting else 0
+    fitting = _confirm_exact(spec, fitting, usable, host, everything=mode == "exact", progress=progress)
+    pure_base = _pure_bf16_base(base, gpu_info, deepspeed_layout)
+    if not fitting and allow_pure_bf16 and pure_base is not None:
+        # Only once no mixed-precision plan fits: pure bf16 changes the numerics.
+        pure = [_evaluate(spec, s, usable, host, gpu_info) for s in _pure_bf16_grid(pure_base, per_rank)]
+        candidates += pure
+        fitting = sorted((c for c in pure if c.fits), key=lambda c: c.step_seconds)
+        fast_total = fitting[0].estimate.device_total_bytes if fitting else 0
+        fitting = _confirm_exact(spec, fitting, usable, host, everything=mode == "exact", progress=progress)
     if not fitting:
-        raise MemFitError(_nothing_fits(spec, base, candidates, usable, budget, allow_offload, world, per_rank))
+        raise MemFitError(_nothing_fits(spec, base, candidates, usable, budget, allow_offload, world, per_rank,
+                                        host, optims, pure_bf16_base=pure_base if not allow_pure_bf16 else None))
     best = fitting[0]
     alternatives = _runners_up(best, fitting, candidates)
     ideal = _ideal_seconds(spec, best.settings, best.estimate, gpu_info)
     largest = max(spec.vocab_size * (spec.embedding_dim or spec.hidden_size),
                   max((m.weight_numel for m in spec.linear_modules(base.task, num_labels)), default=0))
+    if best.settings.precision == "bf16" and base.precision != "bf16":
+        precision_reason = _pure_bf16_reason(best, candidates, host)
     chosen = _make_plan(best, candidates, usable, budget, ideal, [precision_reason, attn_reason], nvme_path,
-                        keep_optimizer, largest)
+                        keep_optimizer, largest, host, fast_total)
     return PlanResult(chosen, best.estimate, alternatives, len(candidates))
+
+
+@dataclass(frozen=True)
+class HostLimit:
+    """Host RAM per node that offloaded and paged state must fit in, and where the figure came from."""
+
+    bytes: int | None  # None: not checked
+    source: str
+
+    def check(self, est: MemoryEstimate) -> str:
+        """'' when `est`'s host memory per node fits, else why not."""
+        need = host_bytes_per_node(est)
+        if self.bytes is None or need <= self.bytes:
+            return ""
+        return (f"needs {format_bytes(need)} of host memory per node, over the {format_bytes(self.bytes)} "
+                f"of {self.source}")
+
+
+def host_bytes_per_node(est: MemoryEstimate) -> int:
+    """Host memory one node needs: each of its ranks holds `cpu_bytes` (offloaded or paged state)."""
+    return est.cpu_bytes * est.settings.num_gpus
+
+
+def _host_limit(cpu_memory, gpu_memory) -> HostLimit:
+    """`--cpu-memory`: a size per node, `auto` (this machine's RAM), or `none`.
+
+    Unset, it is `auto` when the plan is for this machine's own GPU (`--gpu-memory
+    auto`, and always in `MemFitTrainer`), else not checked, and the plan says so.
+    """
+    if cpu_memory is None:
+        planning_here = isinstance(gpu_memory, str) and gpu_memory.strip().lower() == "auto"
+        cpu_memory = "auto" if planning_here else "none"
+    if isinstance(cpu_memory, str) and cpu_memory.strip().lower() == "none":
+        return HostLimit(None, "not checked: pass `--cpu-memory SIZE` per node, or `auto`")
+    if isinstance(cpu_memory, str) and cpu_memory.strip().lower() == "auto":
+        from hf_memfit.hardware import host_memory_auto
+
+        return HostLimit(host_memory_auto(), "this machine's RAM (`--cpu-memory auto`)")
+    return HostLimit(parse_bytes(cpu_memory, "--cpu-memory"), "`--cpu-memory` per node")
 
 
 def _gpu_info(gpu: str | None):
@@ -306,10 +386,70 @@ def _attention(gpu_info, device: str) -> tuple[str, str]:
     return "sdpa", "attention sdpa (memory-efficient kernel): this GPU predates flash attention (sm80+)"
 
 
+def _allowed_optimizers(base: TrainSettings, allowed: tuple[str, ...], keep_optimizer: bool) -> tuple[str, ...]:
+    """The optimizers to search: the AdamW ladder (unless kept), plus those the user allowed."""
+    if keep_optimizer:
+        return (base.optim,)
+    ladder = ADAM_LADDER if base.device == "cuda" else CPU_ADAM_LADDER
+    optims = ladder if base.optim in ADAM_LADDER else (base.optim,)
+    for name in allowed:
+        o = optimizers.OPTIMIZERS[name]
+        if o.low_rank and (base.uses_lora or o.layerwise):
+            continue  # low-rank optimizers are for full fine-tuning; layerwise ones are not planned
+        if name not in optims:
+            optims += (name,)
+    return optims
+
+
+def _low_rank_targets(spec: ModelSpec, base: TrainSettings) -> tuple[str, ...]:
+    """GaLore / APOLLO's `optim_target_modules` when the planner picks one: the layers' linear modules (attention
+    and MLP), as both papers apply them."""
+    return tuple(sorted({m.name for m in spec.linear_modules(base.task, base.num_labels) if m.scope == "layer"}))
+
+
+def _pure_bf16_base(base: TrainSettings, gpu_info, fixed_layout) -> TrainSettings | None:
+    """The base settings with bf16 weights, or None where pure bf16 cannot apply (LoRA, no bf16 GPU, ZeRO)."""
+    if base.uses_lora or base.precision == "bf16" or fixed_layout is not None:
+        return None
+    if base.device == "cuda" and gpu_info is not None and not gpu_info.supports_bf16:
+        return None
+    return base.replace(precision="bf16", optim_args=optimizers.BF16_STOCHASTIC_ROUND_ARGS)
+
+
+def _pure_bf16_grid(pure: TrainSettings, per_rank: int):
+    """Pure bf16: torchao's low-bit AdamW with stochastic rounding, no ZeRO (DeepSpeed keeps an fp32 master)."""
+    for micro in [m for m in range(1, per_rank + 1) if per_rank % m == 0]:
+        for checkpointing in (False, True):
+            for optim in optimizers.PURE_BF16_LADDER:
+                yield pure.replace(batch_size=micro, gradient_accumulation_steps=per_rank // micro,
+                                   gradient_checkpointing=checkpointing, optim=optim)
+
+
+def _pure_bf16_reason(best: "Candidate", candidates: list["Candidate"], host: "HostLimit") -> str:
+    """Why the plan dropped the fp32 master weights, and why stochastic rounding."""
+    mixed = [c for c in candidates if c.settings.precision != "bf16"]
+    host_bound = [c for c in mixed if "host memory" in c.why_not]
+    why = "no mixed-precision plan fits"
+    if host_bound and host.bytes is not None:
+        least = min(host_bound, key=lambda c: host_bytes_per_node(c.estimate))
+        why += (f": those that fit the GPU need at least {format_bytes(host_bytes_per_node(least.estimate))} of "
+                f"host memory per node, over the {format_bytes(host.bytes)} of {host.source}")
+    elif mixed:
+        least = min(mixed, key=lambda c: c.estimate.device_total_bytes)
+        why += f": the smallest needs {format_bytes(least.estimate.device_total_bytes)}"
+    return (f"pure bf16 weights, allowed by `--allow-pure-bf16` ({why}): weights and gradients take 2 B/param and "
+            f"there is no fp32 master copy, so {best.settings.optim} runs with "
+            f"`optim_args=\"{optimizers.BF16_STOCHASTIC_ROUND_ARGS}\"`: without a master copy an update smaller than "
+            "bf16's resolution (8 significant bits, ~0.4% of the weight) would be rounded away; stochastic "
+            "rounding keeps it right on average")
+
+
 def _grid(base: TrainSettings, per_rank: int, allow_offload: str, keep_optimizer: bool, world: int,
-          fixed_layout: tuple[int, str, str] | None = None):
+          fixed_layout: tuple[int, str, str] | None = None, optims: tuple[str, ...] | None = None,
+          low_rank_targets: tuple[str, ...] = ()):
     micro_batches = [m for m in range(1, per_rank + 1) if per_rank % m == 0]
-    optims = (base.optim,) if keep_optimizer or base.optim not in ADAM_LADDER else ADAM_LADDER
+    if optims is None:
+        optims = (base.optim,) if keep_optimizer or base.optim not in ADAM_LADDER else ADAM_LADDER
     if fixed_layout is not None:  # the user's own DeepSpeed config: its optimizer section, if any, wins anyway
         stage, off_opt, off_param = fixed_layout
         for micro in micro_batches:
@@ -335,28 +475,61 @@ def _grid(base: TrainSettings, per_rank: int, allow_offload: str, keep_optimizer
                         continue  # under ZeRO the states are already sharded; 8-bit states stay a plain-torch knob
                     if base.load_in_4bit and zero_stage == 3:
                         continue
+                    low_rank = optimizers.OPTIMIZERS[optim].low_rank
                     yield base.replace(batch_size=micro, gradient_accumulation_steps=per_rank // micro,
                                        gradient_checkpointing=checkpointing, optim=optim, zero_stage=zero_stage,
-                                       offload_optimizer=off_opt, offload_param=off_param)
+                                       offload_optimizer=off_opt, offload_param=off_param,
+                                       optim_target_modules=(base.optim_target_modules or low_rank_targets)
+                                       if low_rank else None)
 
 
-def _evaluate(spec, settings: TrainSettings, usable: int, cpu_limit: int | None, gpu_info) -> Candidate:
+def _evaluate(spec, settings: TrainSettings, usable: int, host: HostLimit, gpu_info) -> Candidate:
     est = estimate_settings(spec, settings)
-    used = est.device_total_bytes
-    fits = used <= usable
-    why = "" if fits else f"needs {format_bytes(used)}, over the {format_bytes(usable)} usable"
-    if fits and cpu_limit is not None and est.cpu_bytes > cpu_limit:
-        fits, why = False, f"needs {format_bytes(est.cpu_bytes)} of host memory, over `--cpu-memory` {format_bytes(cpu_limit)}"
-    return Candidate(settings, est, step_seconds(spec, settings, est, gpu_info), fits, why)
+    why = _why_not(est, usable, host)
+    return Candidate(settings, est, step_seconds(spec, settings, est, gpu_info), not why, why)
 
 
-def _confirm_exact(spec, fitting: list[Candidate], usable: int, cpu_limit) -> list[Candidate]:
-    """Re-estimate the fastest fitting candidates in exact mode; keep the first that still fits."""
-    for candidate in fitting[:5]:
+def _why_not(est: MemoryEstimate, usable: int, host: HostLimit) -> str:
+    """'' when the estimate fits the device and the host, else why not (with its numbers)."""
+    if est.device_total_bytes > usable:
+        return f"needs {format_bytes(est.device_total_bytes)}, over the {format_bytes(usable)} usable"
+    return host.check(est)
+
+
+# Fast mode agrees with exact mode to within a few percent on the device total
+# (docs/benchmarks.md, "Fast vs exact"); a fast-mode choice closer to the budget
+# than this is confirmed in exact mode before it is chosen.
+CONFIRM_IN_EXACT_MARGIN = 0.05
+# At most this many near-budget candidates are traced before giving up on them.
+MAX_EXACT_CONFIRMATIONS = 5
+
+
+def _confirm_exact(spec, fitting: list[Candidate], usable: int, host: HostLimit, *, everything: bool,
+                   progress=None) -> list[Candidate]:
+    """The fitting candidates, fastest first, with the first one confirmed in exact mode where needed.
+
+    A candidate needs confirming when `everything` (plan --mode exact) or when its
+    fast estimate is within CONFIRM_IN_EXACT_MARGIN of `usable`. A confirmed one
+    carries its exact estimate; one that exact mode rejects is marked as not
+    fitting, with the exact figure, so nothing printed later calls it a fit.
+    """
+    traced = 0
+    for i, candidate in enumerate(fitting):
+        if not everything and candidate.estimate.device_total_bytes <= (1 - CONFIRM_IN_EXACT_MARGIN) * usable:
+            return fitting[i:]
+        if traced == MAX_EXACT_CONFIRMATIONS:
+            break
+        if progress is not None:
+            progress(f"confirming in exact mode: micro-batch {candidate.settings.batch_size}, "
+                     f"fast estimate {format_bytes(candidate.estimate.device_total_bytes)} of "
+                     f"{format_bytes(usable)} usable")
         exact = estimate_settings(spec, candidate.settings.replace(mode="exact"))
-        if exact.device_total_bytes <= usable and (cpu_limit is None or exact.cpu_bytes <= cpu_limit):
-            candidate.estimate = exact
-            return [candidate] + [c for c in fitting if c is not candidate]
+        traced += 1
+        candidate.estimate = exact
+        why = _why_not(exact, usable, host)
+        if not why:
+            return fitting[i:]
+        candidate.fits, candidate.why_not = False, f"exact mode: {why}"
     return []
 
 
@@ -383,9 +556,7 @@ def step_seconds(spec: ModelSpec, settings: TrainSettings, est: MemoryEstimate, 
     utilisation = tokens_micro / (tokens_micro + TOKENS_FOR_HALF_UTILISATION)
     compute = micro_steps * flops / (tflops * utilisation)
 
-    optimizer = ADAM_BYTES_MOVED_PER_PARAM * trainable / hbm
-    if "8bit" in settings.optim:
-        optimizer *= EIGHT_BIT_STEP_FACTOR * (PAGED_STEP_FACTOR if settings.optim.startswith("paged") else 1)
+    optimizer = ADAM_BYTES_MOVED_PER_PARAM * trainable / hbm * settings.optimizer.gpu_step_factor
     world = settings.world_size
     w_bytes = 2 if settings.precision != "fp32" else 4
     if settings.offload_optimizer != "none":
@@ -453,8 +624,7 @@ def _cpu_step_seconds(spec: ModelSpec, settings: TrainSettings, est: MemoryEstim
     flops = _micro_batch_flops(spec, settings, est, checkpointed_layer_factor=CPU_CHECKPOINTED_LAYER_FACTOR)
     utilisation = tokens_micro / (tokens_micro + CPU_TOKENS_FOR_HALF_UTILISATION)
     compute = settings.gradient_accumulation_steps * flops / (CPU_FLOPS_PER_S * utilisation)
-    rate = CPU_OPTIMIZER_PARAMS_PER_S.get(settings.optim, CPU_OPTIMIZER_PARAMS_PER_S["adamw_torch"])
-    return compute + est.trainable_params / rate
+    return compute + est.trainable_params / settings.optimizer.cpu_params_per_s
 
 
 def _ideal_seconds(spec: ModelSpec, settings: TrainSettings, est: MemoryEstimate, gpu_info) -> float:
@@ -488,7 +658,7 @@ def _runners_up(best: Candidate, fitting: list[Candidate], candidates: list[Cand
 
 
 def _knobs(s: TrainSettings) -> tuple:
-    return (s.gradient_checkpointing, s.optim, s.zero_stage, s.offload_optimizer, s.offload_param)
+    return (s.gradient_checkpointing, s.optim, s.zero_stage, s.offload_optimizer, s.offload_param, s.precision)
 
 
 def _difference(chosen: TrainSettings, other: TrainSettings) -> str:
@@ -499,6 +669,8 @@ def _difference(chosen: TrainSettings, other: TrainSettings) -> str:
         parts.append("checkpointing " + ("on" if other.gradient_checkpointing else "off"))
     if other.optim != chosen.optim:
         parts.append(other.optim)
+    if other.precision != chosen.precision:
+        parts.append("pure bf16" if other.precision == "bf16" else other.precision)
     if (other.zero_stage, other.offload_optimizer, other.offload_param) != \
             (chosen.zero_stage, chosen.offload_optimizer, chosen.offload_param):
         parts.append(_layout_text(other))
@@ -524,10 +696,22 @@ def _lookup(candidates: list[Candidate], settings: TrainSettings) -> Candidate |
 
 
 def _make_plan(best: Candidate, candidates, usable: int, budget: int, ideal_seconds: float, fixed_reasons: list[str],
-               nvme_path: str | None, keep_optimizer: bool, largest_param_numel: int) -> Plan:
+               nvme_path: str | None, keep_optimizer: bool, largest_param_numel: int, host: HostLimit,
+               fast_total: int) -> Plan:
     s, est = best.settings, best.estimate
     reasons = [f"budget: {format_bytes(usable)} usable of {format_bytes(budget)}; plan peaks at "
                f"{format_bytes(est.device_total_bytes)} ({100 * est.device_total_bytes / usable:.0f}% of usable)"]
+    if est.settings.mode == "exact":
+        reasons.append(f"confirmed in exact mode (the real model traced on fake tensors): "
+                       f"{format_bytes(est.device_total_bytes)}"
+                       + (f"; the fastest fast-mode choice ({format_bytes(fast_total)}) was within "
+                          f"{100 * CONFIRM_IN_EXACT_MARGIN:.0f}% of the budget" if fast_total else ""))
+    if est.cpu_bytes:
+        need = host_bytes_per_node(est)
+        checked = (f"fits the {format_bytes(host.bytes)} of {host.source}" if host.bytes is not None
+                   else host.source)
+        reasons.append(f"host memory: {format_bytes(est.cpu_bytes)} per GPU, {format_bytes(need)} per node "
+                       f"({s.num_gpus} GPU(s)); {checked}")
     global_batch = s.batch_size * s.gradient_accumulation_steps * s.world_size
     bigger = [c for c in candidates if c.settings.batch_size > s.batch_size and _knobs(c.settings) == _knobs(s)]
     batch_reason = f"micro-batch {s.batch_size} x accumulation {s.gradient_accumulation_steps} x {s.world_size} GPU(s) = global batch {global_batch}"
@@ -551,21 +735,17 @@ def _make_plan(best: Candidate, candidates, usable: int, budget: int, ideal_seco
                        "skipping ~33% recompute")
     precision_reason, attn_reason = fixed_reasons
     reasons.append(precision_reason)
-    if keep_optimizer:
-        reasons.append(f"optimizer {s.optim}: kept as asked (`--keep-optimizer`)")
-    elif s.optim == "adamw_torch_fused":
-        reasons.append("optimizer adamw_torch_fused: full-precision AdamW states fit; the fastest step")
+    if s.offload_optimizer != "none":
+        reasons.append(f"optimizer: DeepSpeed's {OFFLOADED_OPTIMIZER} on the host ({s.offload_optimizer} offload), from "
+                       "the config's `optimizer` section; the Trainer's `optim` is not used")
     else:
-        fused = _lookup(candidates, s.replace(optim="adamw_torch_fused"))
-        detail = (f"; fused AdamW would need {format_bytes(fused.estimate.device_total_bytes)}" if fused and not fused.fits else "")
-        reasons.append(f"optimizer {s.optim}: 8-bit states take ~2 B/param instead of 8{detail}")
+        reasons.append(_optimizer_reason(s, candidates, keep_optimizer))
     reasons.append(attn_reason)
     if s.zero_stage:
         plain = _lookup(candidates, s.replace(zero_stage=0, offload_optimizer="none", offload_param="none"))
         detail = (f"; without it the peak would be {format_bytes(plain.estimate.device_total_bytes)}"
                   if plain is not None and not plain.fits else "")
-        reasons.append(f"DeepSpeed {_layout_text(s)}{detail}"
-                       + (f"; host memory needed {format_bytes(est.cpu_bytes)}" if est.cpu_bytes else ""))
+        reasons.append(f"DeepSpeed {_layout_text(s)}{detail}")
     elif s.world_size > 1:
         reasons.append("DDP: model states fit on every GPU, so no sharding traffic")
     deepspeed = None
@@ -595,33 +775,95 @@ def _make_plan(best: Candidate, candidates, usable: int, budget: int, ideal_seco
         predicted_step_seconds=best.step_seconds,
         settings=s,
         budget_bytes=budget,
+        optim_args=s.optim_args,
+        optim_target_modules=list(s.optim_target_modules) if s.optim_target_modules else None,
     )
 
 
+def _optimizer_reason(s: TrainSettings, candidates, keep_optimizer: bool) -> str:
+    """Why this optimizer: what its state costs per parameter, and what the faster one would have needed."""
+    o = s.optimizer
+    if keep_optimizer:
+        return f"optimizer {s.optim}: kept as asked (`--keep-optimizer`)"
+    if s.optim == "adamw_torch_fused":
+        return "optimizer adamw_torch_fused: full-precision AdamW states fit; the fastest step"
+    library = {"bnb": "bitsandbytes", "torchao": "torchao", "galore": "galore-torch",
+               "apollo": "apollo-torch"}.get(o.implementation, o.implementation)
+    if o.family in ("adam8bit", "adam4bit"):
+        what = f"{o.state_bits}-bit AdamW states ({library}) take ~{2 * o.state_bits / 8:g} B/param instead of 8"
+    elif o.low_rank:
+        what = (f"{o.name} ({library}, allowed by `--allow-optimizers`) keeps AdamW states only for a rank-"
+                f"{optimizers.low_rank_rank(s.optim_args)} projection of the gradients of "
+                f"{', '.join(s.optim_target_modules or ())}")
+    elif o.family == "adafactor":
+        what = "Adafactor (allowed by `--allow-optimizers`) keeps factored row and column second moments, no momentum"
+    else:
+        what = f"{o.name}"
+    # The faster optimizers of the ladder that did not fit this configuration, the nearest one named.
+    ladder = optimizers.PURE_BF16_LADDER if s.precision == "bf16" and s.optim_args else ADAM_LADDER
+    earlier = ladder[:ladder.index(s.optim)] if s.optim in ladder else ("adamw_torch_fused",)
+    detail = ""
+    for name in reversed(earlier):
+        c = _lookup(candidates, s.replace(optim=name, optim_target_modules=None))
+        if c is not None and not c.fits:
+            detail = f"; {name} would need {format_bytes(c.estimate.device_total_bytes)}"
+            break
+    return f"optimizer {s.optim}: {what}{detail}"
+
+
 def _nothing_fits(spec, base: TrainSettings, candidates, usable: int, budget: int, allow_offload: str, world: int,
-                  per_rank: int) -> str:
-    """The one-line error when no candidate fits: the smallest footprint, and which remedies would fit.
+                  per_rank: int, host: HostLimit, optims: tuple[str, ...], *,
+                  pure_bf16_base: TrainSettings | None = None) -> str:
+    """The one-line error when no candidate fits: what binds (device or host), and which remedies would fit.
 
     Remedies are tried from the least to the most change to the training: offload,
-    more GPUs, LoRA, QLoRA, then a shorter sequence (the longest power-of-two
-    fraction that fits). Each is checked with the same estimator, so every
-    suggestion printed is one that fits.
+    more GPUs, LoRA, QLoRA, more host memory, then a shorter sequence (the longest
+    that fits). Each is checked with the same estimator and the same device and
+    host limits as the plan, over the same optimizers, so every suggestion printed
+    is one that fits.
     """
     smallest = min(candidates, key=lambda c: c.estimate.device_total_bytes)
+    on_device = [c for c in candidates if c.estimate.device_total_bytes <= usable]
     on_gpu = base.device == "cuda"
+    optims = tuple(o for o in optims if not optimizers.OPTIMIZERS[o].low_rank)  # no targets to project here
     lean = dict(gradient_checkpointing=True, zero_stage=0, offload_optimizer="none", offload_param="none")
     offload = dict(zero_stage=3, offload_optimizer="cpu", offload_param="cpu", optim="adamw_torch_fused")
 
-    def need(global_batch: int = per_rank * world, **changes) -> int:
-        """The smallest footprint with `changes`, over micro-batch 1 or the whole per-rank batch."""
+    def best_fit(global_batch: int = per_rank * world, **changes) -> MemoryEstimate | None:
+        """The smallest fitting footprint with `changes`: micro-batch 1 or the whole per-rank batch, each optimizer."""
         settings = base.replace(**{**lean, **changes})
         ranks = settings.world_size
-        sizes = []
-        for micro in sorted({1, global_batch // ranks}):
-            trial = settings.replace(batch_size=micro, gradient_accumulation_steps=global_batch // ranks // micro)
-            sizes.append(estimate_settings(spec, trial).device_total_bytes)
-        return min(sizes)
+        choices = (settings.optim,) if "optim" in changes else optims
+        fitting = []
+        for optim in choices:
+            for micro in sorted({1, global_batch // ranks}):
+                trial = settings.replace(optim=optim, batch_size=micro,
+                                         gradient_accumulation_steps=global_batch // ranks // micro)
+                est = estimate_settings(spec, trial)
+                if not _why_not(est, usable, host):
+                    fitting.append(est)
+        return min(fitting, key=lambda e: e.device_total_bytes, default=None)
 
+    if on_device:  # the GPU could hold some of them: host memory is what binds
+        lightest = min(on_device, key=lambda c: host_bytes_per_node(c.estimate))
+        head = (f"nothing fits: {_difference_text(lightest.settings)} would take "
+                f"{format_bytes(lightest.estimate.device_total_bytes)} of the {format_bytes(usable)} usable on the GPU, "
+                f"but it {lightest.why_not}")
+    else:
+        head = (f"nothing fits in {format_bytes(usable)} ({format_bytes(budget)} less headroom): the smallest "
+                f"footprint found is {format_bytes(smallest.estimate.device_total_bytes)} "
+                f"({_difference_text(smallest.settings)})")
+    helps = []
+    if pure_bf16_base is not None:
+        # The least change that keeps a full fine-tune: bf16 weights, no fp32 master (see `_pure_bf16_grid`).
+        fits = [c for c in (_evaluate(spec, s, usable, host, None)
+                            for s in _pure_bf16_grid(pure_bf16_base, per_rank)
+                            if s.batch_size in (1, per_rank)) if c.fits]
+        if fits:
+            least = min(fits, key=lambda c: c.estimate.device_total_bytes)
+            helps.append(f"`--allow-pure-bf16` ({format_bytes(least.estimate.device_total_bytes)}: bf16 weights, "
+                         f"{least.settings.optim} with bf16 stochastic rounding"
+                         + (", no host memory" if not least.estimate.cpu_bytes else "") + ")")
     remedies: list[tuple[str, dict]] = []
     if on_gpu and allow_offload == "none" and not base.load_in_4bit:
         remedies.append(("`--allow-offload cpu`", offload))
@@ -636,38 +878,61 @@ def _nothing_fits(spec, base: TrainSettings, candidates, usable: int, budget: in
                  precision="bf16-mixed" if base.precision == "fp32" else base.precision)
     if on_gpu and not base.load_in_4bit:
         remedies.append(("QLoRA `--load-in-4bit --lora-r 16`", qlora))
-    helps = []
     for text, changes in remedies:
         if "num_gpus" in changes and any("--num-gpus" in h for h in helps):
             continue  # the fewest GPUs that fit is enough to name
-        size = need(**changes)
-        if size <= usable:
-            helps.append(f"{text} ({format_bytes(size)})")
+        est = best_fit(**changes)
+        if est is not None:
+            helps.append(f"{text} ({format_bytes(est.device_total_bytes)})")
+    if on_device and host.bytes is not None:
+        need = min(host_bytes_per_node(c.estimate) for c in on_device)
+        helps.append(f"a node with at least {format_bytes(need)} of RAM (`--cpu-memory {math.ceil(need / GiB)}GiB`)")
     # A shorter sequence changes the data, so it comes last: alone (with offload where the
     # user allowed it), then, only if nothing else fits, together with offload or QLoRA.
+    # It shrinks activations only, so it cannot help when host memory binds.
     can_offload = on_gpu and not base.load_in_4bit
     shorter = [("", [{}] + ([offload] if can_offload and allow_offload != "none" else []))]
     if can_offload and allow_offload == "none":
         shorter.append(("`--allow-offload cpu` with ", [offload]))
     if can_offload:
         shorter.append(("QLoRA with ", [qlora]))
-    for prefix, variants in shorter:
+    for prefix, variants in ([] if on_device else shorter):
         if prefix and helps:
             break
-        seq, size = base.seq_len // 2, None
-        while seq >= 16:
-            size = min(need(seq_len=seq, **changes) for changes in variants)
-            if size <= usable:
-                break
-            seq //= 2
-        if seq >= 16:
-            helps.append(f"{prefix}a shorter sequence `--seq-len {seq}` ({format_bytes(size)})")
+        found = _longest_fitting_seq(base.seq_len, lambda seq: _first_fit(best_fit, seq, variants))
+        if found is not None:
+            seq, est = found
+            helps.append(f"{prefix}a shorter sequence `--seq-len {seq}` ({format_bytes(est.device_total_bytes)})")
     suggestion = "; ".join(helps) if helps else "a larger GPU"
-    return (f"nothing fits in {format_bytes(usable)} ({format_bytes(budget)} less headroom): the smallest footprint "
-            f"found is {smallest.estimate.device_total_bytes / GiB:.1f} GiB ({_difference_text(smallest.settings)}); "
-            f"what would fit: {suggestion}")
+    return f"{head}; what would fit: {suggestion}"
+
+
+def _first_fit(best_fit, seq: int, variants: list[dict]) -> MemoryEstimate | None:
+    fits = [est for changes in variants if (est := best_fit(seq_len=seq, **changes)) is not None]
+    return min(fits, key=lambda e: e.device_total_bytes, default=None)
+
+
+def _longest_fitting_seq(seq_len: int, fit, shortest: int = 16) -> tuple[int, MemoryEstimate] | None:
+    """The longest sequence below `seq_len` for which `fit(seq)` finds a fit (a multiple of 16, or 64 above 256)."""
+    low, est = seq_len // 2, None
+    while low >= shortest and (est := fit(low)) is None:
+        low //= 2
+    if low < shortest:
+        return None
+    high = min(2 * low, seq_len)  # does not fit (or is the sequence asked for)
+    step = 64 if low >= 256 else 16
+    while high - low > step:  # bisect between a length that fits and one that does not
+        mid = (low + high) // 2 // step * step
+        if mid <= low:
+            break
+        trial = fit(mid)
+        if trial is None:
+            high = mid
+        else:
+            low, est = mid, trial
+    return low, est
 
 
 def _difference_text(s: TrainSettings) -> str:
-    return (f"micro-batch {s.batch_size}, checkpointing {'on' if s.gradient_checkpointing else 'off'}, {s.optim}, "
-            f"{_layout_text(s)}")
+    return (f"micro-batch {s.batch_size} x accumulation {s.gradient_accumulation_steps}, checkpointing "
+            f"{'on' if s.gradient_checkpointing else 'off'}, {s.optim}, {_layout_text(s)}")

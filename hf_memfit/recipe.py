@@ -47,6 +47,7 @@ class Recipe:
     num_gpus: int = 1  # per node
     num_nodes: int = 1
     num_labels: int = 2
+    cpu_memory: str | None = None  # host RAM per node the dry-run plan must fit; None: not checked
 
 
 @dataclass
@@ -57,6 +58,8 @@ class RecipeArguments:
     dry_run: bool = field(default=False, metadata={"help": "Print the plan for the real model (offline) and exit."})
     smoke: bool = field(default=False, metadata={"help": "The same code path on the CPU: a tiny model, local data "
                                                          "and tokenizer, a few steps."})
+    cpu_memory: str | None = field(default=None, metadata={"help": "Host RAM per node `--dry-run` plans for "
+                                                                   "(e.g. 16GiB), checked against offloaded state."})
     num_nodes: int = field(default=1, metadata={"help": "Nodes to plan `--dry-run` for. A launched run plans for "
                                                         "the processes accelerate started."})
 
@@ -94,7 +97,10 @@ def execute(recipe: Recipe, argv: list[str] | None = None):
         with tempfile.TemporaryDirectory(prefix="hf-memfit-smoke-") as scratch:
             return _smoke(recipe, train_args, recipe_args, Path(scratch))
     lines = read_lines(recipe, recipe_args.train_file)  # first: a missing dataset is cheaper to learn of than a model
-    model, tokenizer = load_model(recipe, recipe.model, on_cpu=train_args.use_cpu)
+    # With `--allow_pure_bf16` the weights are loaded in bf16 when the plan for this budget needs it (no
+    # mixed-precision plan fits); MemFitTrainer then plans the stochastic-rounding optimizers for them.
+    pure_bf16 = train_args.allow_pure_bf16 and plan_recipe(recipe, train_args).plan.settings.precision == "bf16"
+    model, tokenizer = load_model(recipe, recipe.model, on_cpu=train_args.use_cpu, pure_bf16=pure_bf16)
     dataset = encode_lines(recipe, tokenizer, lines, recipe.seq_len, _source(recipe_args.train_file, "wikitext-2"))
     return _train(recipe, model, tokenizer, dataset, train_args)
 
@@ -124,6 +130,7 @@ def parse_arguments(recipe: Recipe, argv: list[str] | None = None):
                         "sample per line")
     check_all(problems)
     recipe = dataclasses.replace(recipe, memory_budget=train_args.memory_budget, num_nodes=recipe_args.num_nodes,
+                                 cpu_memory=recipe_args.cpu_memory or recipe.cpu_memory,
                                  global_batch_size=train_args.global_batch_size)
     return train_args, recipe_args, recipe
 
@@ -139,12 +146,13 @@ def plan_recipe(recipe: Recipe, args=None):
     knobs = {}
     if args is not None:  # MemFitArguments: the same inputs MemFitTrainer gives the planner
         knobs = dict(allow_offload=args.allow_offload, headroom=args.headroom, keep_optimizer=args.keep_optimizer,
-                     optim=str(getattr(args.optim, "value", args.optim)), mode=args.memfit_mode)
+                     optim=str(getattr(args.optim, "value", args.optim)), mode=args.memfit_mode,
+                     allow_pure_bf16=args.allow_pure_bf16, allow_optimizers=args.allow_optimizers)
     return plan(recipe.model, seq_len=recipe.seq_len, global_batch_size=recipe.global_batch_size,
                 gpu_memory=recipe.memory_budget, task=recipe.task, num_labels=recipe.num_labels,
                 num_gpus=recipe.num_gpus, num_nodes=recipe.num_nodes, lora_r=recipe.lora_r,
                 lora_alpha=recipe.lora_alpha, load_in_4bit=recipe.load_in_4bit,
-                precision="bf16" if _half_precision_base(recipe) else None, **knobs)
+                precision="bf16" if _half_precision_base(recipe) else None, cpu_memory=recipe.cpu_memory, **knobs)
 
 
 def _half_precision_base(recipe: Recipe) -> bool:
@@ -169,7 +177,7 @@ def _train(recipe: Recipe, model, tokenizer, dataset, train_args):
 
 # --- model and data (the real run and the smoke run) -----------------------------------
 
-def load_model(recipe: Recipe, path: str, *, on_cpu: bool = False):
+def load_model(recipe: Recipe, path: str, *, on_cpu: bool = False, pure_bf16: bool = False):
     """The tokenizer and the model to train from `path` (a Hub id or a local checkpoint), with LoRA if asked."""
     import torch
     from transformers import AutoTokenizer, BitsAndBytesConfig
@@ -182,6 +190,8 @@ def load_model(recipe: Recipe, path: str, *, on_cpu: bool = False):
     # An explicit dtype: transformers' default ("auto") would load Llama-2-70B in fp16 and train it
     # without fp32 master weights, unlike the plan.
     kwargs = {"dtype": half if recipe.load_in_4bit or _half_precision_base(recipe) else torch.float32}
+    if pure_bf16:  # full fine-tuning with no fp32 master copy, as the plan chose
+        kwargs["dtype"] = torch.bfloat16
     if recipe.load_in_4bit:
         # The QLoRA recipe: NF4 with double quantisation, matmuls in half precision.
         kwargs["quantization_config"] = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
@@ -455,7 +465,9 @@ def readme_table(recipes_dir: Path = REPO / "recipes") -> str:
             f"| [{command}](recipes/{script})", f"{recipe.model} ({kind})",
             f"{gpus} x {format_bytes(p.budget_bytes)}", f"{recipe.seq_len} x {recipe.global_batch_size}",
             f"{p.per_device_train_batch_size} x {p.gradient_accumulation_steps}",
-            "on" if p.gradient_checkpointing else "off", p.optim,
+            "on" if p.gradient_checkpointing else "off",
+            p.optim + (" (pure bf16, stochastic rounding)" if p.optim_args and "bf16_stochastic_round" in p.optim_args
+                       else ""),
             sharding + "".join(f", {o}" for o in offload), format_bytes(est.device_total_bytes),
             format_bytes(est.cpu_bytes) if est.cpu_bytes else "-"]) + " |")
     return "\n".join(lines)

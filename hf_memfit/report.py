@@ -88,7 +88,7 @@ def format_estimate(est) -> str:
 
 def format_plan(result) -> str:
     """The `hf-memfit plan` table: the plan, its memory breakdown, the runners-up and the reasons."""
-    from hf_memfit.planner import _layout_text  # the same wording as the reasons
+    from hf_memfit.planner import OFFLOADED_OPTIMIZER, _layout_text, host_bytes_per_node  # the reasons' wording
 
     p, est, s = result.plan, result.estimate, result.plan.settings
     lines = [f"Plan for {est.model}: {s.seq_len} tokens x global batch "
@@ -99,15 +99,18 @@ def format_plan(result) -> str:
         ("gradient_accumulation_steps", str(p.gradient_accumulation_steps)),
         ("GPUs", f"{p.num_gpus} x {p.num_nodes} node(s)"),
         ("gradient_checkpointing", str(p.gradient_checkpointing)),
-        ("precision", "bf16 mixed" if p.bf16 else "fp16 mixed" if p.fp16 else "fp32"),
-        ("optim", p.optim),
+        ("precision", _precision_text(s.precision)),
+        ("optim", p.optim + (f" ({p.optim_args})" if p.optim_args else "") if s.offload_optimizer == "none"
+         else f"{OFFLOADED_OPTIMIZER} on the host (DeepSpeed's optimizer section)"),
         ("attn_implementation", p.attn_implementation),
         ("sharding", _layout_text(s)),
-        ("predicted peak (nvidia-smi)", format_bytes(est.device_total_bytes)),
+        (f"predicted peak per GPU ({'nvidia-smi' if s.device == 'cuda' else 'allocator'}, {est.settings.mode} mode)",
+         format_bytes(est.device_total_bytes)),
         ("predicted throughput", f"{100 * p.predicted_tokens_per_second_relative:.0f}% of the unconstrained step"),
     ]
     if est.cpu_bytes:
-        rows.append(("host memory", format_bytes(est.cpu_bytes)))
+        rows.append(("host memory per GPU", format_bytes(est.cpu_bytes)))
+        rows.append((f"host memory per node ({s.num_gpus} GPU)", format_bytes(host_bytes_per_node(est))))
     lines.append(_table(rows))
     lines += ["", "Memory at the peak:"]
     total = sum(est.breakdown.values()) or 1
@@ -121,13 +124,24 @@ def format_plan(result) -> str:
                      f"ckpt {'on' if c_s.gradient_checkpointing else 'off'}, {c_s.optim}, {_layout_text(c_s)}")
             verdict = c.why_not if c.fits else f"does not fit: {c.why_not}"
             lines.append(f"  - {label}: {verdict}")
-    lines += ["", "Where the memory goes (traces this plan's step; add --plot FILE.png to draw it):",
+    lines += ["", "The same figure from the estimator:", f"  {step_command('estimate', est.model, est.settings)}",
+              "Where the memory goes (traces this plan's step; add --plot FILE.png to draw it):",
               f"  {explain_command(est.model, s)}"]
     return "\n".join(lines)
 
 
+def _precision_text(precision: str) -> str:
+    return {"bf16-mixed": "bf16 mixed", "fp16-mixed": "fp16 mixed", "bf16": "bf16 weights (no fp32 master)",
+            "fp16": "fp16 weights (no fp32 master)"}.get(precision, precision)
+
+
 def explain_command(model: str, s) -> str:
     """The `hf-memfit explain` command line that traces the step `s` describes (flags left at their defaults are omitted)."""
+    return step_command("explain", model, s)
+
+
+def step_command(command: str, model: str, s) -> str:
+    """The `hf-memfit estimate|explain` command line for the step `s` (flags at their defaults are omitted)."""
     from hf_memfit.settings import TrainSettings
 
     default = TrainSettings()
@@ -143,13 +157,20 @@ def explain_command(model: str, s) -> str:
         flags.append(f"--num-labels {s.num_labels}")
     if s.lora_target_modules:
         flags.append(f"--lora-target-modules {','.join(s.lora_target_modules)}")
-    for name in ("gradient_checkpointing", "load_in_4bit", "padding_free"):
+    if s.optim_args:
+        flags.append(f'--optim-args "{s.optim_args}"')
+    if s.optim_target_modules:
+        flags.append(f"--optim-target-modules {','.join(s.optim_target_modules)}")
+    for name in ("gradient_checkpointing", "load_in_4bit", "expandable_segments", "padding_free"):
         if getattr(s, name):
             flags.append(f"--{name.replace('_', '-')}")
-    for name in ("num_gpus", "num_nodes", "zero_stage", "offload_optimizer", "offload_param", "device"):
+    names = ("num_gpus", "num_nodes", "zero_stage", "offload_optimizer", "offload_param", "device")
+    if command == "estimate":
+        names += ("mode",)
+    for name in names:
         if getattr(s, name) != getattr(default, name):
             flags.append(f"--{name.replace('_', '-')} {getattr(s, name)}")
-    return f"hf-memfit explain {model} " + " ".join(flags)
+    return f"hf-memfit {command} {model} " + " ".join(flags)
 
 
 def format_timeline(timeline) -> str:

@@ -8,6 +8,7 @@ imports torch. `validate()` collects every problem and reports them at once.
 from dataclasses import asdict, dataclass, field, replace
 
 from hf_memfit.errors import check_all
+from hf_memfit.optimizers import OPTIMIZERS  # the one optimizer model: every optim name we plan
 
 TASKS = ("causal-lm", "seq-cls", "seq2seq")
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16", "fp16")
@@ -23,21 +24,6 @@ TRAINERS = ("trainer", "sft", "dpo")
 # disabled, or precomputed over the dataset before training (no reference forward in the step).
 REFERENCE_MODELS = ("copy", "adapters", "precomputed")
 
-# TrainingArguments.optim names we model, and the family each belongs to. The
-# family decides the state layout; the name decides the implementation
-# (temporaries, paging).
-OPTIMIZERS = {
-    "adamw_torch": "adam",
-    "adamw_torch_fused": "adam",
-    "adamw_bnb_8bit": "adam8bit",
-    "adamw_8bit": "adam8bit",
-    "paged_adamw_8bit": "adam8bit",
-    "paged_adamw_32bit": "adam",
-    "adafactor": "adafactor",
-    "sgd": "sgd",
-}
-
-
 @dataclass(frozen=True)
 class TrainSettings:
     """One training step: the data shape, the precision and every memory knob.
@@ -51,6 +37,8 @@ class TrainSettings:
     num_labels: int = 2
     precision: str = "fp32"
     optim: str = "adamw_torch"
+    optim_args: str | None = None  # TrainingArguments.optim_args: "bf16_stochastic_round=True", "rank=64", ...
+    optim_target_modules: tuple[str, ...] | None = None  # GaLore / APOLLO: module names, or ("all-linear",)
     gradient_checkpointing: bool = False
     attn_implementation: str | None = None  # None: transformers' default (sdpa)
     gradient_accumulation_steps: int = 1
@@ -65,6 +53,7 @@ class TrainSettings:
     offload_param: str = "none"
     device: str = "cuda"
     gpu: str | None = None  # a hardware.py name; decides flash support and CUDA overheads
+    expandable_segments: bool = False  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
     mode: str = "fast"
     # What the trainer's step runs beyond the model (TRL); see TRAINERS and REFERENCE_MODELS.
     trainer: str = "trainer"
@@ -82,6 +71,11 @@ class TrainSettings:
 
     @property
     def optimizer_family(self) -> str:
+        return OPTIMIZERS[self.optim].family
+
+    @property
+    def optimizer(self):
+        """The `optimizers.Optimizer` model of `optim`."""
         return OPTIMIZERS[self.optim]
 
     @property
@@ -124,8 +118,9 @@ class TrainSettings:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        if d["lora_target_modules"] is not None:
-            d["lora_target_modules"] = list(d["lora_target_modules"])
+        for name in ("lora_target_modules", "optim_target_modules"):
+            if d[name] is not None:
+                d[name] = list(d[name])
         return d
 
     def validate(self, spec=None) -> "TrainSettings":
@@ -151,6 +146,23 @@ class TrainSettings:
             problems.append(f"`--attn-implementation` must be one of {', '.join(ATTN_IMPLEMENTATIONS)}; got {self.attn_implementation!r}")
         if self.optim not in OPTIMIZERS:
             problems.append(f"`--optim` {self.optim!r} is not modelled; use one of {', '.join(OPTIMIZERS)}")
+        elif OPTIMIZERS[self.optim].low_rank:
+            optimizer = OPTIMIZERS[self.optim]
+            if not self.optim_target_modules:
+                problems.append(f"`--optim {self.optim}` needs `--optim-target-modules` (module names such as "
+                                "q_proj,v_proj, or all-linear), as the Trainer does")
+            if optimizer.layerwise and self.gradient_accumulation_steps > 1:
+                problems.append(f"`--optim {self.optim}` steps inside backward and cannot accumulate gradients: "
+                                "use `--gradient-accumulation-steps 1`")
+            if optimizer.layerwise and self.world_size > 1:
+                problems.append(f"`--optim {self.optim}` does not support DDP (the Trainer refuses it): use one GPU")
+            if self.zero_stage:
+                problems.append(f"`--optim {self.optim}` projects 2-D gradients; ZeRO hands the optimizer a flat "
+                                "partition: drop `--zero-stage`")
+            if self.uses_lora:
+                problems.append(f"`--optim {self.optim}` is a full fine-tuning optimizer: drop `--lora-r`")
+        if self.optim_target_modules and (self.optim not in OPTIMIZERS or not OPTIMIZERS[self.optim].low_rank):
+            problems.append("`--optim-target-modules` is for GaLore / APOLLO optimizers (`--optim galore_adamw`, ...)")
         if self.zero_stage not in (0, 1, 2, 3):
             problems.append(f"`--zero-stage` must be 0, 1, 2 or 3; got {self.zero_stage!r}")
         if self.lora_r is not None and (not isinstance(self.lora_r, int) or self.lora_r <= 0):
@@ -187,12 +199,39 @@ class TrainSettings:
             problems.append(f"`--decoder-seq-len` must be a positive integer, got {self.decoder_seq_len!r}")
         if self.device == "cpu" and self.attn_implementation == "flash_attention_2":
             problems.append("`--attn-implementation flash_attention_2` needs `--device cuda`")
+        if self.attn_implementation == "flash_attention_2" and self.compute_dtype == "float32":
+            problems.append("`--attn-implementation flash_attention_2` runs in fp16/bf16 only: add `--precision "
+                            "bf16-mixed` (or fp16-mixed), or use `--attn-implementation sdpa`")
+        if self.load_in_4bit and self.lora_r is None:
+            problems.append("`--load-in-4bit` trains LoRA adapters on the 4-bit base: add `--lora-r` (e.g. 16)")
+        if self.gpu is not None and self.device == "cuda":
+            problems += _gpu_problems(self)
         settings = self
         if spec is not None and not problems:
             settings, model_problems = _validate_against_model(self, spec)
             problems += model_problems
         check_all(problems)
         return settings
+
+
+def _gpu_problems(settings: TrainSettings) -> list[str]:
+    """What the named GPU cannot run: bf16 before Ampere, flash-attention-2 before sm80."""
+    from hf_memfit.errors import MemFitError
+    from hf_memfit.hardware import find_gpu
+
+    try:
+        gpu = find_gpu(settings.gpu)
+    except MemFitError as error:
+        return [str(error)]
+    problems = []
+    if settings.precision.startswith("bf16") and not gpu.supports_bf16:
+        fix = settings.precision.replace("bf16", "fp16")
+        problems.append(f"`--precision {settings.precision}`: the {gpu.name} has no bf16 support; use "
+                        f"`--precision {fix}`")
+    if settings.attn_implementation == "flash_attention_2" and not gpu.supports_flash_attention:
+        problems.append(f"`--attn-implementation flash_attention_2` needs compute capability 8.0+, and the {gpu.name} "
+                        f"is {gpu.compute_capability[0]}.{gpu.compute_capability[1]}; use `--attn-implementation sdpa`")
+    return problems
 
 
 def _validate_against_model(settings: TrainSettings, spec) -> tuple[TrainSettings, list[str]]:
@@ -208,6 +247,12 @@ def _validate_against_model(settings: TrainSettings, spec) -> tuple[TrainSetting
     # (padding-free rows restart their position ids at every packed sequence: the limit is per sequence)
     if limit is not None and settings.seq_len > limit:
         problems.append(f"`--seq-len {settings.seq_len}` is over {spec.name}'s maximum of {limit} positions; use `--seq-len {limit}` or less")
+    if settings.optim_target_modules and settings.optim_target_modules != ("all-linear",):
+        known = sorted({m.name for m in spec.linear_modules()})
+        missing = [m for m in settings.optim_target_modules if m not in known]
+        if missing:
+            problems.append(f"`--optim-target-modules` {', '.join(missing)} not found in {spec.name}; its linear "
+                            f"modules are {', '.join(known)} (or use all-linear)")
     if settings.uses_lora and settings.lora_target_modules is not None:
         known = sorted({m.name for m in spec.linear_modules()})
         missing = [m for m in settings.lora_target_modules if m not in known]

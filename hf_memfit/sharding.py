@@ -96,8 +96,7 @@ def _zero(rank: RankMemory, step: StepMemory, settings: TrainSettings, hidden_si
       ZeRO-1/2, one `sub_group_size` group at a time under ZeRO-3) and the wrapped optimizer's
       temporaries over that flat tensor (measured on real DeepSpeed: benchmarks/zero.py).
     """
-    from hf_memfit.cuda_overhead import optimizer_step_temporary_bytes
-    from hf_memfit.formulas import flat_partition_state_bytes
+    from hf_memfit.optimizers import flat_partition_state_bytes, step_temporary_bytes
 
     dp = settings.world_size
     stage = settings.zero_stage
@@ -106,7 +105,7 @@ def _zero(rank: RankMemory, step: StepMemory, settings: TrainSettings, hidden_si
     largest = step.largest_param_numel
     trainable_part = -(-trainable // dp)
     master = 4 * trainable_part  # fp32 master partition
-    states = flat_partition_state_bytes(settings.optim, settings.optimizer_family, trainable_part)
+    states = flat_partition_state_bytes(settings.optim, trainable_part)
     buckets = (2 if stage in (1, 2) else 1) * hidden_size * hidden_size * w_bytes
 
     partition = total * w_bytes // dp
@@ -127,8 +126,8 @@ def _zero(rank: RankMemory, step: StepMemory, settings: TrainSettings, hidden_si
     # The step, one flat fp32 tensor at a time (the whole partition; ZeRO-3: one sub-group): its
     # fp32 gradient copy, and the wrapped optimizer's own temporaries on the path torch takes.
     flat = min(SUB_GROUP_SIZE, trainable_part) if stage == 3 else trainable_part
-    step_temp = 4 * flat + optimizer_step_temporary_bytes(settings.optim, flat, 4, largest_param_numel=flat,
-                                                          device=settings.device, one_flat_tensor=True)
+    step_temp = 4 * flat + step_temporary_bytes(settings.optim, flat, 4, largest_param_numel=flat,
+                                                device=settings.device, one_flat_tensor=True)
 
     cpu = nvme = 0
     if settings.offload_optimizer != "none":

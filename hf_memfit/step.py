@@ -106,7 +106,10 @@ def _build_model(transformers, config: dict, settings: TrainSettings):
         hf_config, dtype=torch_dtype(weights_dtype), attn_implementation=attn or "sdpa"
     )
     if settings.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x; the old name warns
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if settings.trainer != "trainer":
         _add_trl_head(model, settings.trainer)
     if settings.uses_lora:
@@ -184,13 +187,22 @@ def make_batch(settings: TrainSettings, config: dict, device: str = "cpu") -> di
     return batch
 
 
-def trainer_optimizer_class(settings: TrainSettings):
-    """The optimizer class and kwargs the HF Trainer builds for `settings.optim`."""
+def trainer_optimizer_class(settings: TrainSettings, model=None):
+    """The optimizer class and kwargs the HF Trainer builds for `settings.optim` (`Trainer.get_optimizer_cls_and_kwargs`).
+
+    GaLore / APOLLO need the model: their kwargs then carry `params`, the Trainer's
+    own groups (projected targets and the rest).
+    """
     from transformers import Trainer, TrainingArguments
 
+    targets = settings.optim_target_modules
+    if targets == ("all-linear",):
+        targets = "all-linear"
     with tempfile.TemporaryDirectory() as tmp:
-        args = TrainingArguments(output_dir=tmp, optim=settings.optim, report_to=[])
-        return Trainer.get_optimizer_cls_and_kwargs(args)
+        args = TrainingArguments(output_dir=tmp, optim=settings.optim, optim_args=settings.optim_args,
+                                 optim_target_modules=list(targets) if isinstance(targets, tuple) else targets,
+                                 gradient_accumulation_steps=settings.gradient_accumulation_steps, report_to=[])
+        return Trainer.get_optimizer_cls_and_kwargs(args, model)
 
 
 def param_groups(model) -> list[dict]:
@@ -216,8 +228,9 @@ def make_optimizer(model, settings: TrainSettings, *, cuda_semantics: bool = Fal
     by default on CUDA (`_default_to_fused_or_foreach`); on CPU tensors torch
     would otherwise pick the single-tensor loop, which keeps no temporaries.
     """
-    optimizer_cls, kwargs = trainer_optimizer_class(settings)
-    groups = [g for g in param_groups(model) if g["params"]]
+    optimizer_cls, kwargs = trainer_optimizer_class(settings, model)
+    kwargs = dict(kwargs)
+    groups = kwargs.pop("params", None) or [g for g in param_groups(model) if g["params"]]
     if cuda_semantics and optimizer_cls in (torch.optim.AdamW, torch.optim.Adam) and not kwargs.get("fused"):
         kwargs = {**kwargs, "foreach": True}
     return optimizer_cls(groups, **kwargs)

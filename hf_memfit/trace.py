@@ -21,8 +21,8 @@ explicitly, each item sourced in `shared/CUDA_MEMORY_FACTS.md`:
   keep for backward, by `_GpuAttentionMemory`;
 - CUDA autocast's fp32 op list (layer_norm, softmax, ...) by `_CudaAutocastPolicy`;
 - torch's default foreach optimizer path on CUDA (`step.make_optimizer`);
-- the caching allocator's 512-byte rounding, and its reserved memory, by replaying
-  the allocation sequence through `cuda_overhead.CachingAllocatorSimulator`.
+- the caching allocator's 512-byte rounding (its reserved memory beyond that is
+  `cuda_overhead.allocator_slack_bytes`, the same model as fast mode's).
 """
 
 import contextlib
@@ -302,13 +302,90 @@ class _Bnb8bitStateLayout(torch.optim.Optimizer):
                     del temporaries
 
 
+def _torchao_state_layout(optimizer_cls):
+    """torchao's low-bit AdamW (the class the Trainer builds), with its step replaced for fake tensors.
+
+    torchao compiles one update per tensor (`torch.compile(single_param_adam)`),
+    which cannot run under FakeTensorMode. The states are made by torchao's own
+    `_new_buffer` (quantized `OptimState8bit` / `OptimState4bit`: uint8 codes, an
+    fp32 scale per block and the qmap; `zeros_like(param)` for tensors it does not
+    quantize), and the compiled update's fp32 buffers, measured on the CPU
+    allocator (`optimizers.TORCHAO_STEP_BYTES_PER_ELEMENT`), are allocated one
+    tensor at a time, as the real step does.
+    """
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from hf_memfit.optimizers import TORCHAO_STEP_BYTES_PER_ELEMENT
+
+    # The lookup tables are computed once with data-dependent ops (lru-cached Python tuples): make them
+    # outside the fake and tracking modes, as any real run has before its first step.
+    with _disable_current_modes():
+        from torchao.optim import subclass_4bit, subclass_8bit
+
+        for module in (subclass_8bit, subclass_4bit):
+            module.get_qmap_signed()
+            module.get_qmap_unsigned()
+
+    class TorchaoStateLayout(optimizer_cls):
+        @torch.no_grad()
+        def step(self, closure=None):
+            bits = 4 if "4bit" in optimizer_cls.__name__ else 8
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is None:
+                        continue
+                    state = self.state[p]
+                    if not state:
+                        # torch.tensor(0.0) lives on the host even when the params are on a GPU
+                        with _disable_current_modes() if self.cuda_semantics else contextlib.nullcontext():
+                            state["step"] = torch.tensor(0.0)
+                        state["exp_avg"] = self._new_buffer(p, True)
+                        state["exp_avg_sq"] = self._new_buffer(p, False)
+                    if hasattr(state["exp_avg"], "codes"):
+                        scratch = torch.empty(TORCHAO_STEP_BYTES_PER_ELEMENT[bits] * p.numel(), dtype=torch.uint8)
+                        del scratch
+
+    return TorchaoStateLayout
+
+
+def optimizer_state_tensors(optimizer) -> list[torch.Tensor]:
+    """Every tensor holding optimizer state, the inner tensors of torchao's quantized states included."""
+    out = []
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                inner = [getattr(value, name) for name in getattr(value, "tensor_attrs", ())]
+                out += inner or [value]
+            elif hasattr(value, "ortho_matrix"):  # GaLore / APOLLO projector
+                matrix = value.ortho_matrix
+                out += [m for m in (matrix if isinstance(matrix, list) else [matrix]) if isinstance(m, torch.Tensor)]
+    return out
+
+
 def _make_traced_optimizer(model, settings: TrainSettings, cuda_semantics: bool):
-    if settings.optimizer_family == "adam8bit":
-        return _Bnb8bitStateLayout([p for p in model.parameters() if p.requires_grad], cuda_semantics=cuda_semantics)
-    if settings.optim == "paged_adamw_32bit":
-        return _Bnb8bitStateLayout([p for p in model.parameters() if p.requires_grad], state_bits=32,
-                                   cuda_semantics=cuda_semantics)
-    return training.make_optimizer(model, settings, cuda_semantics=cuda_semantics)
+    optimizer = settings.optimizer
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if optimizer.implementation == "bnb":
+        return _Bnb8bitStateLayout(trainable, state_bits=optimizer.state_bits, cuda_semantics=cuda_semantics)
+    if optimizer.implementation == "torchao":
+        optimizer_cls, kwargs = training.trainer_optimizer_class(settings, model)
+        made = _torchao_state_layout(optimizer_cls)([g for g in training.param_groups(model) if g["params"]],
+                                                    **kwargs)
+        made.cuda_semantics = cuda_semantics
+        return made
+    if optimizer.low_rank and optimizer.state_bits == 8:
+        from hf_memfit.errors import MemFitError
+
+        raise MemFitError(f"exact mode cannot trace `--optim {settings.optim}` (bitsandbytes' 8-bit kernels do not "
+                          "run on fake tensors); use `--mode fast`")
+    made = training.make_optimizer(model, settings, cuda_semantics=cuda_semantics)
+    if optimizer.family == "galore":
+        # The projector's SVD runs every `update_proj_gap` steps; trace it in the measured step too, with
+        # the states already there, as every 200th real step runs it.
+        for group in made.param_groups:
+            if "update_proj_gap" in group:
+                group["update_proj_gap"] = 1
+    return made
 
 
 # --- deep copies of fake tensors ------------------------------------------------
@@ -536,10 +613,8 @@ def trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], *
             tracker.set_region(f"{step_tag()}|opt")
             tracker.markers.append((tracker.clock, f"step {step_index + 1} optimizer"))
             training.optimizer_step(model, optimizer, cuda_semantics=cuda)
-            for state in optimizer.state.values():
-                for value in state.values():
-                    if isinstance(value, torch.Tensor):
-                        tracker.mark(value, "optimizer")
+            for value in optimizer_state_tensors(optimizer):
+                tracker.mark(value, "optimizer")
         tracker.markers.append((tracker.clock, "end"))
         for h in handles:
             h.remove()
@@ -674,9 +749,8 @@ def exact_candidates(spec, settings: TrainSettings, *, extrapolate: bool = True)
 
 
 def _exact_result(candidates, traces, real, base, trace, settings) -> StepMemory:
-    gap = _reserved_gap(trace) if settings.device == "cuda" else None
     return StepMemory(candidates, trace.trainable_params, trace.total_params, trace.largest_param_numel,
-                      trace.quantizable_linear_params, trace.largest_linear_numel, gap)
+                      trace.quantizable_linear_params, trace.largest_linear_numel)
 
 
 def _depth_of(stack: str, depths: tuple[int, ...]) -> int:
@@ -697,21 +771,3 @@ def _config_with_depths(spec, depths: tuple[int, ...]) -> dict:
     for key, depth in zip(keys, depths):
         config[key] = depth
     return config
-
-
-def _reserved_gap(trace: TraceResult) -> int:
-    """What the caching allocator reserves beyond the traced live bytes, replaying the allocation sequence.
-
-    The simulator's reserved peak includes unsplit-block slack and cached free
-    segments. It is measured at the traced depth and added as is: most of it is
-    per-size-class segment caching, which does not grow with the depth.
-    """
-    from hf_memfit.cuda_overhead import CachingAllocatorSimulator
-
-    sim = CachingAllocatorSimulator()
-    for index, nbytes in trace.tracker.events:
-        if index > 0:
-            sim.malloc(index, nbytes)
-        else:
-            sim.free(-index)
-    return max(0, sim.peak_reserved_bytes - trace.peak_bytes)

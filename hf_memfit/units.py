@@ -27,6 +27,9 @@ def parse_bytes(text: str | int | float, what: str = "size") -> int:
     size = int(value * _UNITS[unit])
     if size <= 0:
         raise MemFitError(f"`{what}` must be positive, got {text!r}")
+    if not unit and size < KiB:  # "12" or "80" meant as GiB: no memory budget is a few hundred bytes
+        raise MemFitError(f"`{what}` got {text!r}, which is {size} bytes; did you mean {text}GiB? "
+                          "(give a unit: 12GiB, 24GB)")
     return size
 
 

@@ -6,12 +6,13 @@ import time
 import pytest
 
 from hf_memfit.cuda_overhead import (
+    ALLOCATOR_FRAGMENTATION_RATIO,
     CachingAllocatorSimulator,
     SimulatedOutOfMemoryError,
+    allocator_slack_bytes,
     cublas_workspace_bytes,
     cuda_context_bytes,
     optimizer_step_temporary_bytes,
-    reserved_headroom_ratio,
     round_allocation,
     segment_bytes,
 )
@@ -59,9 +60,13 @@ def test_segment_bytes(nbytes, segment):
     assert segment_bytes(nbytes) == segment
 
 
-def test_reserved_headroom_ratio_within_reports():
-    assert 1.02 <= reserved_headroom_ratio() <= 2.1
-    assert reserved_headroom_ratio() < reserved_headroom_ratio(dynamic_shapes=True) <= 2.1
+def test_allocator_slack_is_a_share_of_the_transient_bytes():
+    assert allocator_slack_bytes(0) == 0
+    assert allocator_slack_bytes(1000 * MiB) == int(ALLOCATOR_FRAGMENTATION_RATIO * 1000 * MiB)
+    assert allocator_slack_bytes(3 * 1000 * MiB) == 3 * allocator_slack_bytes(1000 * MiB)
+    # expandable segments: at most the last partly used page of each pool, whatever the churn
+    assert allocator_slack_bytes(1000 * MiB, expandable_segments=True) == 22 * MiB
+    assert allocator_slack_bytes(0, expandable_segments=True) == 22 * MiB
 
 
 # --- the simulator ---

@@ -1,6 +1,7 @@
 """The planner: fits, keeps the global batch, explains itself, and says what would help when nothing fits."""
 
 import json
+import re
 
 import pytest
 
@@ -76,9 +77,14 @@ def test_every_suggested_remedy_fits_when_planned():
     with pytest.raises(MemFitError) as error:
         plan("meta-llama/Llama-3.1-8B", gpu_memory="6GiB", allow_offload="none", **request)
     message = str(error.value)
-    assert "`--allow-offload cpu` with a shorter sequence `--seq-len 1024`" in message
-    result = plan("meta-llama/Llama-3.1-8B", gpu_memory="6GiB", allow_offload="cpu", seq_len=1024, global_batch_size=8)
+    found = re.search(r"`--allow-offload cpu` with a shorter sequence `--seq-len (\d+)` \(([\d.]+) GiB\)", message)
+    assert found, message
+    seq = int(found.group(1))
+    assert 1024 <= seq < 2048  # 1024 fits, 2048 (asked for) does not: the longest is searched between
+    result = plan("meta-llama/Llama-3.1-8B", gpu_memory="6GiB", allow_offload="cpu", seq_len=seq, global_batch_size=8)
     assert result.estimate.device_total_bytes <= 6 * GiB * 0.95
+    with pytest.raises(MemFitError):  # it is the longest, to the 64-token step searched
+        plan("meta-llama/Llama-3.1-8B", gpu_memory="6GiB", allow_offload="cpu", seq_len=seq + 64, global_batch_size=8)
 
 
 def test_cpu_plans_never_shard_or_suggest_gpu_remedies():

@@ -1,0 +1,128 @@
+"""The one optimizer model: state layouts against the real libraries, both modes agreeing, the planner's levers."""
+
+import pytest
+import torch
+
+from hf_memfit import optimizers
+from hf_memfit.errors import MemFitError
+from hf_memfit.formulas import fast_step_memory
+from hf_memfit.optimizers import TensorGroup, state_bytes
+from hf_memfit.planner import plan
+from hf_memfit.settings import TrainSettings
+from hf_memfit.trace import exact_candidates
+from hf_memfit.units import GiB
+
+# Quantized (>= 4096 elements and a multiple of the 256-element block) and not: 1000 elements is too small,
+# 100 x 100 = 10000 is not a multiple of 256, so both keep zeros_like(param) states.
+SHAPES = [(1024, 1024), (512, 1024), (1000,), (100, 100)]
+
+
+def _real_torchao_state_bytes(optim: str, dtype: torch.dtype) -> int:
+    """Bytes of the states torchao's own `_new_buffer` makes, in the optimizer the HF Trainer builds."""
+    from hf_memfit.step import trainer_optimizer_class
+
+    cls, kwargs = trainer_optimizer_class(TrainSettings(optim=optim, device="cpu"))
+    params = [torch.nn.Parameter(torch.zeros(shape, dtype=dtype)) for shape in SHAPES]
+    opt = cls(params, **kwargs)
+    total = 0
+    for p in params:
+        for signed in (True, False):
+            buffer = opt._new_buffer(p, signed)
+            inner = [getattr(buffer, name) for name in getattr(buffer, "tensor_attrs", ())] or [buffer]
+            total += sum(t.untyped_storage().nbytes() for t in inner)
+        total += torch.tensor(0.0).untyped_storage().nbytes()  # state["step"]
+    return total
+
+
+@pytest.mark.parametrize("optim", ["adamw_torch_8bit", "adamw_torch_4bit"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torchao_state_layout_matches_the_library(optim, dtype):
+    size = torch.tensor([], dtype=dtype).element_size()
+    predicted = sum(state_bytes(TensorGroup(shape, 1, size), optim, cuda=False) for shape in SHAPES)
+    assert predicted == _real_torchao_state_bytes(optim, dtype)
+
+
+def test_torchao_state_sizes_per_parameter():
+    big = TensorGroup((4096, 4096), 1, 2)
+    # 8-bit: 2 x (1 B codes + 4 B scale per 256) ~ 2.03 B/param; 4-bit: half the codes.
+    assert state_bytes(big, "adamw_torch_8bit", cuda=True) == 2 * (4096 * 4096 + 4096 * 4096 // 256 * 4 + 1024)
+    assert state_bytes(big, "adamw_torch_4bit", cuda=True) == 2 * (4096 * 4096 // 2 + 4096 * 4096 // 256 * 4 + 512)
+    # bf16 weights under fused AdamW: states in the weights' dtype, 4 B/param
+    assert state_bytes(big, "adamw_torch_fused", cuda=True) == 2 * 4096 * 4096 * 2 + 512
+
+
+def test_torchao_step_buffers_are_one_tensor_at_a_time():
+    tensors = [TensorGroup((1024, 1024), 3, 4), TensorGroup((512, 1024), 2, 4), TensorGroup((1000,), 1, 4)]
+    assert optimizers.tensors_step_temporary_bytes(tensors, "adamw_torch_8bit", "cuda") == 8 * 1024 * 1024
+    assert optimizers.tensors_step_temporary_bytes(tensors, "adamw_torch_4bit", "cpu") == 26 * 1024 * 1024
+
+
+@pytest.mark.parametrize("optim,precision,device", [
+    ("adamw_torch_8bit", "fp32", "cpu"),
+    ("adamw_torch_4bit", "bf16", "cuda"),
+    ("adamw_bnb_8bit", "bf16", "cuda"),
+])
+def test_fast_and_exact_agree_on_low_bit_adamw(tiny_specs, optim, precision, device):
+    spec = tiny_specs["llama"]
+    settings = TrainSettings(batch_size=2, seq_len=32, device=device, optim=optim, precision=precision,
+                             optim_args="bf16_stochastic_round=True" if precision == "bf16" else None).validate(spec)
+    fast, exact = fast_step_memory(spec, settings), exact_candidates(spec, settings)
+    assert abs(fast.peak_bytes - exact.peak_bytes) <= 0.005 * exact.peak_bytes
+    assert max(b["optimizer"] for b in fast.candidates.values()) == \
+        max(b["optimizer"] for b in exact.candidates.values())
+
+
+def test_unknown_optimizer_is_one_line():
+    with pytest.raises(MemFitError, match="`--optim` 'adamw_9bit' is not modelled"):
+        optimizers.get("adamw_9bit")
+
+
+# --- pure bf16 in the planner ------------------------------------------------------------------
+
+GPT2XL_16GB_HOST = dict(gpu="rtx3060", cpu_memory="16GiB", seq_len=1024, global_batch_size=64)
+
+
+def test_gpt2_xl_on_a_12_gb_card_with_16_gb_of_ram_needs_pure_bf16():
+    with pytest.raises(MemFitError) as refused:
+        plan("gpt2-xl", **GPT2XL_16GB_HOST)
+    message = str(refused.value)
+    assert "host memory" in message and "16.00 GiB" in message
+    assert "`--allow-pure-bf16` (" in message
+
+    result = plan("gpt2-xl", allow_pure_bf16=True, **GPT2XL_16GB_HOST)
+    p, est = result.plan, result.estimate
+    assert p.settings.precision == "bf16" and p.torch_dtype == "bfloat16"
+    assert p.optim in optimizers.PURE_BF16_LADDER
+    assert p.training_arguments()["optim_args"] == "bf16_stochastic_round=True"
+    assert est.device_total_bytes <= 0.95 * p.budget_bytes and est.cpu_bytes <= 16 * GiB
+    assert est.trainable_params == est.total_params  # still a full fine-tune
+    assert any("stochastic" in r and "no fp32 master copy" in r for r in p.reasons)
+
+
+def test_pure_bf16_is_never_chosen_silently_or_when_mixed_fits():
+    # Fits with mixed precision: the flag changes nothing.
+    allowed = plan("gpt2-large", gpu_memory="24GiB", seq_len=1024, global_batch_size=32, allow_pure_bf16=True)
+    default = plan("gpt2-large", gpu_memory="24GiB", seq_len=1024, global_batch_size=32)
+    assert allowed.plan.settings.precision == default.plan.settings.precision == "bf16-mixed"
+    assert allowed.plan.optim_args is None
+
+
+def test_low_rank_and_adafactor_need_allowing(tiny_specs):
+    spec = tiny_specs["llama"]
+    budget = "3MiB"
+    common = dict(seq_len=32, global_batch_size=2, gpu_memory=budget, device="cpu")
+    with pytest.raises(MemFitError):
+        plan(spec, **common)
+    result = plan(spec, allow_optimizers="adafactor", **common)
+    assert result.plan.optim == "adafactor"
+    assert any("allowed by `--allow-optimizers`" in r for r in result.plan.reasons)
+
+
+def test_gpt2xl_recipe_plans_the_16_gb_ram_machine_with_the_flag():
+    from hf_memfit.recipe import REPO, execute, load_recipe_module
+
+    recipe = load_recipe_module(REPO / "recipes" / "gpt2xl_12gb.py").RECIPE
+    with pytest.raises(MemFitError, match="allow-pure-bf16"):
+        execute(recipe, ["--dry-run", "--cpu_memory", "16GiB"])
+    result = execute(recipe, ["--dry-run", "--cpu_memory", "16GiB", "--allow_pure_bf16"])
+    assert result.plan.settings.precision == "bf16" and result.estimate.cpu_bytes <= 16 * GiB
