@@ -34,7 +34,7 @@ GPU (see `_EXACT_CUDA_EMULATION`) the fast mode follows exact mode and says so.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hf_memfit import optimizers
 from hf_memfit.breakdown import CATEGORIES, StepMemory
@@ -105,6 +105,8 @@ class _Ctx:
     use_cache: bool  # the model builds a DynamicCache in forward (copies of k and v)
     flash_ok: bool  # the GPU can run SDPA's flash kernel
     checkpointing: bool = False
+    decoder_s: int | None = None  # seq2seq: the decoder's (labels') length; None: s
+    packed: bool = False  # padding-free: several sequences in one row, kept apart by a block-diagonal mask
 
     @property
     def embeddings_need_grad(self) -> bool:
@@ -411,8 +413,9 @@ class _Forward:
                   softcap: float | None = None) -> _T:
         """Attention core; returns the [b, s, heads*head_dim] input of the output projection."""
         ctx = self.ctx
-        b, s = ctx.b, ctx.s
-        rows = b * heads * s
+        b = ctx.b
+        s = k.numel // (b * kv_heads * head_dim)  # the keys' length (the encoder's, in cross-attention)
+        rows = b * heads * (q.numel // (b * heads * head_dim))
         out_numel = rows * head_dim
         if ctx.attn == "eager":
             return self._eager(q, k, v, heads, kv_heads, head_dim, dropout, mask, causal, eager_style, softcap)
@@ -426,7 +429,8 @@ class _Forward:
             flash = ctx.flash_ok and mask is None and half and head_dim <= 256
             # flash / memory-efficient kernels save q, k, v, the output and the fp32 logsumexp
             # (memory-efficient pads s to a multiple of 32); no s x s matrix.
-            lse_s = s if flash else -(-s // 32) * 32
+            q_len = rows // (b * heads)
+            lse_s = q_len if flash else -(-q_len // 32) * 32
             out = self.new(out_numel, q.dtype, True, layout="bshd", inputs=(q, k, v, mask))
             self.save(q, k, v, out, self.new(b * heads * lse_s, "f32", False))
             if mask is not None and mask.rg:
@@ -436,6 +440,10 @@ class _Forward:
         if ctx.ac:
             q, k, v = self.cast(q, ctx.ac), self.cast(k, ctx.ac), self.cast(v, ctx.ac)
         origin = q.dtype
+        if ctx.packed and mask is None:
+            # Packed rows get transformers' block-diagonal boolean mask; SDPA turns it into an additive
+            # mask in q's dtype (convert_boolean_attn_mask), which the kernel keeps for backward.
+            mask = self.new(b * (q.numel // (b * heads * head_dim)) * s, q.dtype, False)
         if not dropout:
             # _scaled_dot_product_flash_attention_for_cpu (GQA native): saves q, k, v, out, logsumexp.
             out = self.new(out_numel, q.dtype, True, layout=q.layout, inputs=(q, k, v, mask))
@@ -466,8 +474,9 @@ class _Forward:
     def _eager(self, q, k, v, heads, kv_heads, head_dim, dropout, mask, causal, style, softcap):
         """transformers' eager_attention_forward (per family `style`)."""
         ctx = self.ctx
-        b, s = ctx.b, ctx.s
-        rows = b * heads * s
+        b = ctx.b
+        s = k.numel // (b * kv_heads * head_dim)  # the keys' length
+        rows = b * heads * (q.numel // (b * heads * head_dim))
         if kv_heads != heads and style == "llama":  # repeat_kv copies
             k = self.new(k.numel * heads // kv_heads, k.dtype, k.rg, inputs=(k,))
             v = self.new(v.numel * heads // kv_heads, v.dtype, v.rg, inputs=(v,))
@@ -553,6 +562,9 @@ class FamilyForward:
         self.ctx = f.ctx
         self.h = spec.hidden_size
         self.T = f.ctx.tokens
+
+    def start_decoder(self):
+        """Between an encoder-decoder's stacks: the decoder's own sequence length, where it differs."""
 
     # residual-stream dtype: the weights' storage dtype (autocast leaves adds alone)
     @property
@@ -803,10 +815,12 @@ def _ctx(spec, settings) -> _Ctx:
         flash_ok = find_gpu(settings.gpu).compute_capability >= (8, 0)
     use_cache = getattr(_family(spec), "USES_KV_CACHE", True) and not settings.gradient_checkpointing and \
         bool(spec.config.get("use_cache", True))
-    return _Ctx(b=settings.batch_size, s=settings.seq_len, wdt=wdt, ac=ac, cuda=settings.device == "cuda",
+    # the rows the model sees: DPO's chosen + rejected, or one padding-free row (settings.rows / row_len)
+    return _Ctx(b=settings.rows, s=settings.row_len, wdt=wdt, ac=ac, cuda=settings.device == "cuda",
                 attn=attn, full_ft=not settings.uses_lora, lora_r=(settings.lora_r or 8) if settings.uses_lora else None,
                 lora_targets=_lora_targets(spec, settings), use_cache=use_cache, flash_ok=flash_ok,
-                checkpointing=settings.gradient_checkpointing)
+                checkpointing=settings.gradient_checkpointing, decoder_s=settings.decoder_seq_len,
+                packed=settings.padding_free)
 
 
 def _stack_summary(f: _Forward, name: str, depth: int, carry: _T, gc_f: _Forward | None) -> _Stack:
@@ -904,6 +918,8 @@ def _run_forward(spec, settings, ctx: _Ctx) -> tuple[_Forward, dict]:
     out = {}
     f.scope = "emb"
     x = fam.embed()
+    if ctx.packed:  # masking_utils builds the packed rows' block-diagonal mask once, [1, 1, s, s] bool
+        f.hold(f.new(ctx.b * ctx.s * ctx.s, "bool", False))
     if spec.is_encoder_decoder:
         for i in range(3):
             f.scope = f"s0.L{i}"
@@ -911,6 +927,7 @@ def _run_forward(spec, settings, ctx: _Ctx) -> tuple[_Forward, dict]:
             out.setdefault("carry0", x) if i == 1 else None
         f.scope = "mid"
         enc = fam.encoder_final(x)
+        fam.start_decoder()
         x = fam.embed()
         for i in range(3):
             f.scope = f"s1.L{i}"
@@ -949,6 +966,8 @@ def _head(spec, settings, ctx: _Ctx, f: _Forward, head_in: _T) -> _Head:
     head_trainable = ctx.full_ft
     if settings.use_liger_kernel:
         return _liger_head(spec, settings, ctx, f, head_in, width, head_trainable)
+    if settings.trainer != "trainer":
+        return _trl_fused_head(spec, settings, ctx, head_in, width, head_trainable)
     logits = f.linear(head_in, width, spec.vocab_size, "lm_head", False, trainable=head_trainable, lora=False)
     L = logits.numel
     cdt = logits.dtype
@@ -1055,6 +1074,60 @@ def _liger_head(spec, settings, ctx: _Ctx, f: _Forward, head_in: _T, width: int,
     fwd_extra = labels + per_token + loop
     return _Head(saved=grad_input, held=held, fwd_extra=fwd_extra, bwd_peak=0, grad_bytes=grad_weight,
                  bwd_after=grad_input, saved_w=0, held_w=held, fwd_grads=grad_weight)
+# TRL 1.16's fused LM head (`add_fused_lm_head`, trl/trainer/utils.py; the kernel in
+# trl/kernels/chunked_logprob.py), which TRL's SFT and DPO trainers patch into the model.
+_TRL_TOKEN_CHUNK = 4096  # TOKEN_CHUNK_SIZE: tokens projected per tile
+_TRL_VOCAB_CHUNK = 32768  # _CHUNKED_LOGPROB_CHUNK_SIZE: the scratch tile's width, whatever the vocabulary
+# Per-token outputs each trainer asks the head for (the same table as step.TRL_HEAD_OUTPUTS).
+_TRL_HEAD_OUTPUTS = {"sft": ("log_probs", "entropy", "is_top1"), "dpo": ("log_probs", "entropy", "mean_logits", "is_top1")}
+# Without Triton (the CPU) torch ops fold each tile (`_forward_tile`, `_backward_tile`); their fp32
+# temporaries of the tile's shape [tokens, min(vocab, chunk)] at their most, counted by exact mode
+# running TRL 1.16's own code on fake tensors (head alone: fp32 and bf16 autocast, 126 to 4792 tokens,
+# vocab 1000 and 5000): 3 in forward (+ 2 bool masks, a quarter each, for `is_top1`), 7.25 in backward.
+# On CUDA the Triton kernels fold the tile in registers, in place.
+_TRL_CPU_FORWARD_TILES = 3.0
+_TRL_CPU_TOP1_TILES = 0.25
+_TRL_CPU_BACKWARD_TILES = 7.25
+
+
+def _trl_fused_head(spec, settings, ctx: _Ctx, head_in: _T, width: int, head_trainable: bool) -> _Head:
+    """TRL's fused LM head and loss: per-token log-probs in tiles, never the logits.
+
+    Forward: the shifted hidden states [N, H] (a copy; saved for backward), a
+    scratch tile [min(N, 4096), 32768] in the compute dtype, seven fp32 running
+    statistics per token, and on the CPU the torch fold's tile temporaries.
+    Backward: the tile again, fp32 accumulators for the hidden-state and (when
+    trained) the head-weight gradients, and the fold's temporaries.
+    """
+    cuda = ctx.cuda
+    nb = lambda numel, dt: _nbytes(numel, _SIZE[dt], cuda)  # noqa: E731
+    hd = head_in.dtype
+    cd = ctx.ac or hd
+    rows_tokens = ctx.b * (ctx.s - 1)  # labels shifted by one in every row
+    tile_rows = min(rows_tokens, _TRL_TOKEN_CHUNK)
+    tile_cols = min(spec.vocab_size, _TRL_VOCAB_CHUNK)
+    scratch = nb(tile_rows * _TRL_VOCAB_CHUNK, cd)
+    tile_f32 = nb(tile_rows * tile_cols, "f32")
+    outputs = _TRL_HEAD_OUTPUTS[settings.trainer]
+    fwd_tiles = 0 if cuda else int((_TRL_CPU_FORWARD_TILES + (_TRL_CPU_TOP1_TILES if "is_top1" in outputs else 0))
+                                   * tile_f32)
+    bwd_tiles = 0 if cuda else int(_TRL_CPU_BACKWARD_TILES * tile_f32)
+    hidden = nb(rows_tokens * width, hd)
+    hidden_cast = nb(tile_rows * width, cd) if cd != hd else 0
+    # saved: the hidden states, log Z and the entropy (fp32), the targets (int64)
+    saved = hidden + 2 * nb(rows_tokens, "f32") + nb(rows_tokens, "i64")
+    # returned: log-probs, entropy, the label mask and top-1 hits per token, with their masked copies
+    held = 4 * nb(rows_tokens, "f32") + 3 * nb(rows_tokens, "bool")
+    # during the head: the final norm's output (the backbone's output, until the forward returns), the
+    # running statistics, the clamped labels, the scratch tile and the fold's temporaries
+    fwd_extra = nb(ctx.tokens * width, hd) + 7 * nb(rows_tokens, "f32") + nb(rows_tokens, "i64") + \
+        scratch + hidden_cast + fwd_tiles
+    grad_w = nb(spec.vocab_size * width, ctx.wdt) if head_trainable else 0
+    accumulators = nb(rows_tokens * width, "f32") + (nb(spec.vocab_size * width, "f32") if head_trainable else 0)
+    weight_cast = nb(tile_cols * width, cd) if ctx.wdt != cd else 0
+    bwd_peak = scratch + bwd_tiles + accumulators + hidden_cast + weight_cast
+    hidden_grad = nb(ctx.tokens * width, hd)  # the shift's backward pads the grad back to [b, s, H]
+    return _Head(saved, held, fwd_extra, bwd_peak, grad_w, hidden_grad)
 
 
 def _activations(spec, settings) -> _Activations:
@@ -1064,7 +1137,7 @@ def _activations(spec, settings) -> _Activations:
     if settings.gradient_checkpointing:
         # the recompute inside backward runs the layer as an ordinary forward (no KV cache)
         gc_f, _ = _run_forward(spec, settings, ctx)
-    head = _head(spec, settings, ctx, f, out["head_in"])
+    head = _head(spec, settings, f.ctx, f, out["head_in"])  # f.ctx: the decoder's, for seq2seq
     stacks = [_stack_summary(f, "s0", spec.num_layers, out["carry0"], gc_f)]
     if spec.is_encoder_decoder:
         stacks.append(_stack_summary(f, "s1", spec.num_decoder_layers, out["carry1"], gc_f))
@@ -1120,6 +1193,8 @@ def fast_step_memory(spec, settings) -> StepMemory:
     params = _parameters(spec, settings, ctx.wdt)
     trainable = [p for p in params if p.trainable]
     W = sum(_param_bytes(p, cuda) for p in params)
+    if settings.reference == "copy":  # DPO's frozen reference model: the base model again, without adapters
+        W += sum(_param_bytes(p, cuda) for p in params if p.kind not in ("lora", "head_copy"))
     G = sum(_param_bytes(p, cuda) for p in trainable)
     opt_tensors = _optimizer_tensors(params, settings, spec)
     O = sum(optimizers.state_bytes(t, settings.optim, cuda, optim_args=settings.optim_args) for t in opt_tensors)

@@ -214,7 +214,9 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
          precision: str | None = None, deepspeed_layout: tuple[int, str, str] | None = None,
          fsdp_layout: tuple[str, int, bool] | None = None, bnb_4bit_use_double_quant: bool = True,
          bnb_4bit_quant_storage: str | None = None, allow_pure_bf16: bool = False, allow_optimizers=(),
-         expandable_segments: bool = False, progress=None, use_liger_kernel: bool | None = None) -> PlanResult:
+         expandable_segments: bool = False, progress=None, use_liger_kernel: bool | None = None,
+         attn_implementation: str | None = None, trainer: str = "trainer", padding_free: bool = False,
+         reference_model: str | None = None, decoder_seq_len: int | None = None) -> PlanResult:
     """Pick the fastest configuration that trains `model` within the memory budget.
 
     The budget is `gpu_memory` (a size such as "12GiB", or "auto" for the local
@@ -239,6 +241,9 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
     Liger's fused linear cross-entropy (same loss, no logits) is searched for the
     causal-LM families it patches when `liger_kernel` is installed, or when
     `use_liger_kernel` is True; False never searches it.
+    `attn_implementation` pins the attention (the trainer passes the loaded
+    model's); `trainer`, `padding_free`, `reference_model` and
+    `decoder_seq_len` describe the step as `TrainSettings` does.
     Raises `MemFitError` when the request is invalid or nothing fits, saying what would.
     """
     spec = model if isinstance(model, ModelSpec) else resolve_model(model)
@@ -276,7 +281,10 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
         precision, precision_reason = _precision(gpu_info, device, load_in_4bit)
     else:
         precision_reason = f"precision {precision}: as the model was loaded"
-    attn, attn_reason = _attention(gpu_info, device)
+    if attn_implementation is None:
+        attn, attn_reason = _attention(gpu_info, device)
+    else:
+        attn, attn_reason = attn_implementation, f"attention {attn_implementation}: as the model was loaded"
     base = TrainSettings(
         batch_size=1, seq_len=seq_len, task=task, num_labels=num_labels, precision=precision, optim=optim,
         attn_implementation=attn, lora_r=lora_r, lora_alpha=lora_alpha,
@@ -284,6 +292,7 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
         load_in_4bit=load_in_4bit, num_gpus=num_gpus, num_nodes=num_nodes, device=device,
         gpu=gpu_info.name if gpu_info else None, mode="fast", expandable_segments=expandable_segments,
         bnb_4bit_use_double_quant=bnb_4bit_use_double_quant, bnb_4bit_quant_storage=bnb_4bit_quant_storage,
+        trainer=trainer, padding_free=padding_free, reference_model=reference_model, decoder_seq_len=decoder_seq_len,
     ).validate(spec)
     fixed_layout = None
     if deepspeed_layout is not None and fsdp_layout is not None:

@@ -11,6 +11,14 @@ What the HF Trainer (transformers 5.x, through accelerate) does per step:
 - the loss from the model's own `labels` path, divided by the accumulation steps;
 - backward; after the last micro-batch, `clip_grad_norm_(max_grad_norm=1.0)`,
   `optimizer.step()` and `model.zero_grad()` (set_to_none).
+
+TRL's trainers (`settings.trainer` "sft" / "dpo", TRL 1.16) differ in the loss:
+`__init__` patches the model with TRL's own fused LM head (`add_fused_lm_head`,
+trl/trainer/utils.py, used here as is), which projects through the head in
+chunks and returns per-token log-probs, entropy and top-1 hits instead of the
+logits; `compute_loss` sums them (SFT's NLL; DPO's sigmoid loss over the
+chosen and rejected rows, run as one batch, against a reference forward
+without grad). The whole `compute_loss` runs under the Trainer's autocast.
 """
 
 import contextlib
@@ -67,6 +75,17 @@ def build_model(config: dict, settings: TrainSettings):
     base stays in the compute dtype here; `trace.py` accounts for the packed
     4-bit storage (bitsandbytes cannot run on fake tensors).
     """
+    import transformers
+
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # building from a config warns about what it initialises
+    try:
+        return _build_model(config, settings)
+    finally:
+        transformers.logging.set_verbosity(verbosity)  # not for the whole process: a trainer plans inside the user's
+
+
+def _build_model(config: dict, settings: TrainSettings):
     attn = settings.attn_implementation
     if attn == "flash_attention_2":
         attn = "sdpa"  # the flash kernel's memory is modelled on the sdpa path (trace.py)
@@ -84,9 +103,19 @@ def build_model(config: dict, settings: TrainSettings):
             _offload_checkpoint_inputs(model)
     if settings.use_liger_kernel:
         model.forward = _liger_causal_lm_forward(model, _liger_in_place_accumulation(settings))
+    if settings.trainer != "trainer":
+        _add_trl_head(model, settings.trainer)
     if settings.uses_lora:
         model = _add_lora(model, settings)
     model.train()
+    if settings.reference == "copy":
+        # DPOTrainer keeps a frozen copy of the model (same dtype, no adapters), patched with the default head.
+        reference = instantiate(config, settings.task, settings.num_labels, dtype=torch_dtype(weights_dtype),
+                                attn_implementation=attn)
+        reference.requires_grad_(False)
+        reference.eval()
+        _add_trl_head(reference, "reference")
+        model.__dict__["memfit_reference"] = reference  # not a submodule: no gradients, not in the optimizer
     return model
 
 
@@ -113,6 +142,24 @@ def instantiate(config: dict, task: str, num_labels: int, *, dtype, attn_impleme
         if attn_implementation is not None or "scaled_dot_product_attention" not in str(exc):
             raise
     return cls.from_config(hf_config, dtype=dtype, attn_implementation="eager")  # no SDPA for this model
+
+
+# The per-token outputs each TRL trainer asks its fused LM head for (TRL 1.16: sft_trainer.py and
+# dpo_trainer.py `add_fused_lm_head(..., outputs=...)`; DPO's reference model keeps the default).
+TRL_HEAD_OUTPUTS = {"sft": ("log_probs", "entropy", "is_top1"),
+                    "dpo": ("log_probs", "entropy", "mean_logits", "is_top1"),
+                    "reference": ("log_probs",)}
+
+
+def _add_trl_head(model, trainer: str) -> None:
+    from trl.trainer.utils import add_fused_lm_head
+
+    add_fused_lm_head(model, outputs=TRL_HEAD_OUTPUTS[trainer])
+
+
+def reference_model(model):
+    """DPO's separate reference model built beside `model`, or None."""
+    return model.__dict__.get("memfit_reference")
 
 
 def _add_lora(model, settings: TrainSettings):
@@ -268,18 +315,32 @@ def _liger_causal_lm_forward(model, in_place_accumulation: bool):
 
 
 def make_batch(settings: TrainSettings, config: dict, device: str = "cpu") -> dict:
-    """A batch of the settings' shape: labels = input ids (LM tasks) or class ids (classification)."""
+    """A batch of the settings' shape: labels = input ids (LM tasks) or class ids (classification).
+
+    TRL batches are what its collators make: DPO stacks the chosen rows over the
+    rejected ones, with an attention mask (their lengths differ, so there is
+    padding) and a completion mask; padding-free packs every sequence into one
+    row whose position ids restart at each sequence. Seq2seq labels have the
+    decoder's length.
+    """
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
     vocab = config.get("vocab_size") or text.get("vocab_size") or 1000
-    shape = (settings.batch_size, settings.seq_len)
+    shape = (settings.rows, settings.row_len)
     input_ids = torch.randint(0, vocab, shape, device=device)
     if settings.task == "seq-cls":
         labels = torch.randint(0, settings.num_labels, (settings.batch_size,), device=device)
     elif settings.task == "token-cls":
         labels = torch.randint(0, settings.num_labels, shape, device=device)
+    elif settings.task == "seq2seq" and settings.decoder_seq_len is not None:
+        labels = torch.randint(0, vocab, (settings.rows, settings.decoder_seq_len), device=device)
     else:
         labels = input_ids.clone()
+    if settings.trainer == "dpo":
+        ones = torch.ones(shape, dtype=torch.long, device=device)
+        return {"input_ids": input_ids, "attention_mask": ones, "completion_mask": ones.clone()}
     batch = {"input_ids": input_ids, "labels": labels}
+    if settings.padding_free:
+        batch["position_ids"] = torch.arange(settings.seq_len, device=device).repeat(1, settings.row_len // settings.seq_len)
     return batch
 
 
@@ -336,6 +397,8 @@ def forward_backward(model, batch: dict, settings: TrainSettings, device_type: s
     """Forward (with autocast as the precision asks), loss, backward: one micro-batch."""
     from accelerate.utils import convert_to_fp32
 
+    if settings.trainer != "trainer":
+        return _trl_forward_backward(model, batch, settings, device_type)
     autocast_dtype = settings.autocast_dtype
     if autocast_dtype:
         with torch.autocast(device_type, dtype=torch_dtype(autocast_dtype)):
@@ -349,6 +412,47 @@ def forward_backward(model, batch: dict, settings: TrainSettings, device_type: s
         loss = loss / settings.gradient_accumulation_steps
     if settings.precision == "fp16-mixed":
         loss = loss * 65536.0  # GradScaler's initial scale; the unscale is in place
+    loss.backward()
+    return loss.detach()
+
+
+def _trl_forward_backward(model, batch: dict, settings: TrainSettings, device_type: str):
+    """TRL 1.16's `compute_loss` (SFTTrainer's, or DPOTrainer's `_compute_loss` with its defaults), then backward."""
+    autocast_dtype = settings.autocast_dtype
+    autocast = torch.autocast(device_type, dtype=torch_dtype(autocast_dtype)) if autocast_dtype else \
+        contextlib.nullcontext()
+    with autocast:
+        if settings.trainer == "sft":
+            outputs = model(**batch, use_cache=False, fused_lm_head=True)
+            loss = -outputs.log_probs.sum() / outputs.label_mask.sum().clamp(min=1)
+            metrics = (outputs.label_mask.sum(), outputs.entropy.detach().sum(), outputs.is_top1.sum())
+        else:
+            completion_mask = batch["completion_mask"]
+            inputs = {k: v for k, v in batch.items() if k != "completion_mask"}
+            labels = batch["input_ids"].masked_fill(completion_mask == 0, -100)
+            seq_len = completion_mask.size(1) - 1
+            outputs = model(**inputs, labels=labels, use_cache=False, fused_lm_head=True)
+            chosen, rejected = outputs.log_probs[:, -seq_len:].sum(dim=1).chunk(2, dim=0)
+            if settings.reference == "precomputed":
+                ref_chosen, ref_rejected = (torch.zeros_like(chosen), torch.zeros_like(rejected))  # from the dataset
+            else:
+                with torch.no_grad():
+                    if settings.reference == "adapters":
+                        with model.disable_adapter():
+                            ref = model(**inputs, labels=labels, use_cache=False, fused_lm_head=True)
+                    else:
+                        ref = reference_model(model)(**inputs, labels=labels, use_cache=False, fused_lm_head=True)
+                ref_chosen, ref_rejected = ref.log_probs[:, -seq_len:].sum(dim=1).chunk(2, dim=0)
+                del ref
+            beta = 0.1  # DPOConfig's default; the value does not change the memory
+            loss = -torch.nn.functional.logsigmoid(beta * ((chosen - ref_chosen) - (rejected - ref_rejected))).mean()
+            metrics = (outputs.label_mask.sum(), outputs.entropy.detach().sum(), outputs.is_top1.sum(),
+                       outputs.mean_logits.sum())
+    del outputs, metrics
+    if settings.gradient_accumulation_steps > 1:
+        loss = loss / settings.gradient_accumulation_steps
+    if settings.precision == "fp16-mixed":
+        loss = loss * 65536.0
     loss.backward()
     return loss.detach()
 

@@ -344,6 +344,24 @@ def _grouped_mm_any_dtype():
         moe._grouped_mm = original
 
 
+def _triton_folds_in_place(patches: contextlib.ExitStack) -> None:
+    """TRL's fused LM head as its Triton kernels run on a GPU: each tile folded in place, no temporaries.
+
+    On a device without Triton (the CPU, where the trace runs) TRL folds the tiles
+    with torch ops (`_forward_tile`, `_backward_tile`) that make fp32 temporaries
+    of the tile's size; on CUDA `_forward_kernel` / `_backward_kernel` keep them in
+    registers and write the tile in place, and `_addmm_fp32` accumulates into the
+    fp32 gradients with `addmm(out_dtype=float32)`, without upcast copies
+    (trl/kernels/chunked_logprob.py, TRL 1.16). Values do not matter on fake tensors.
+    """
+    import trl.kernels.chunked_logprob as kernel
+
+    for name in ("_forward_tile", "_backward_tile", "_addmm_fp32"):
+        original = getattr(kernel, name)
+        setattr(kernel, name, lambda *args, **kwargs: None)
+        patches.callback(setattr, kernel, name, original)
+
+
 # --- optimizers that cannot run on fake tensors -----------------------------
 
 class _Bnb8bitStateLayout(torch.optim.Optimizer):
@@ -673,6 +691,8 @@ def trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], *
             original_sdpa = torch.nn.functional.scaled_dot_product_attention
             torch.nn.functional.scaled_dot_product_attention = _gpu_sdpa(flash_supported=_flash_supported(settings))
             patches.callback(setattr, torch.nn.functional, "scaled_dot_product_attention", original_sdpa)
+        if cuda and settings.trainer != "trainer":
+            _triton_folds_in_place(patches)
         model = training.build_model(config, settings)
         for tensor in list(model.parameters()) + list(model.buffers()):
             tracker.mark(tensor, "weights")

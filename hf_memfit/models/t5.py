@@ -6,7 +6,10 @@ LoRA targets, the normalised fields, the linear modules, the parameter counts
 and the symbolic forward fast mode runs.
 """
 
+
 from __future__ import annotations
+
+from dataclasses import replace
 
 from typing import Any
 
@@ -199,6 +202,13 @@ class Forward(FamilyForward):
         x = f.rms_norm(x, self.h, "t5")
         return f.dropout(x, self.spec.hidden_dropout)
 
+    def start_decoder(self):
+        """The decoder runs at the labels' length (`decoder_s`); cross-attention keys keep the encoder's."""
+        self.encoder_s = self.ctx.s
+        if self.ctx.decoder_s is not None:
+            self.ctx = self.f.ctx = replace(self.ctx, s=self.ctx.decoder_s)
+            self.T = self.ctx.tokens
+
     def decoder_layer(self, x, index, enc):
         f, s, h = self.f, self.spec, self.h
         if index == 0:
@@ -209,7 +219,7 @@ class Forward(FamilyForward):
         x = f.add(x, f.dropout(o, s.hidden_dropout))
         n = f.rms_norm(x, h, "t5")
         if self.cross_bias is None:
-            self.cross_bias = self._bias(self.ctx.s, False, False)
+            self.cross_bias = self._bias(self.encoder_s, False, False)
         o = self._attn(n, enc, self.cross_bias, False, cache=True)
         x = f.add(x, f.dropout(o, s.hidden_dropout))
         return self._ff(x)
