@@ -75,14 +75,24 @@ def build_model(config: dict, settings: TrainSettings):
     base stays in the compute dtype here; `trace.py` accounts for the packed
     4-bit storage (bitsandbytes cannot run on fake tensors).
     """
+    with quiet_transformers():  # building from a config warns about what it initialises
+        return _build_model(config, settings)
+
+
+@contextlib.contextmanager
+def quiet_transformers():
+    """transformers' warnings off while hf-memfit builds and runs its own model, and back on after.
+
+    Not for the whole process: a trainer plans inside the user's run, whose logging is theirs.
+    """
     import transformers
 
     verbosity = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()  # building from a config warns about what it initialises
+    transformers.logging.set_verbosity_error()
     try:
-        return _build_model(config, settings)
+        yield
     finally:
-        transformers.logging.set_verbosity(verbosity)  # not for the whole process: a trainer plans inside the user's
+        transformers.logging.set_verbosity(verbosity)
 
 
 def _build_model(config: dict, settings: TrainSettings):

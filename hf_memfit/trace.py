@@ -685,6 +685,7 @@ def trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], *
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     patches = contextlib.ExitStack()
     with fake_mode, tracker, patches:
+        patches.enter_context(training.quiet_transformers())  # its forward warns about the configs we build
         patches.enter_context(_deepcopy_fake_tensors_as_real_ones())  # peft copies modules; see there
         patches.enter_context(_truncated_normal_init_in_place())  # ModernBERT, SigLIP init; see there
         if cuda:
