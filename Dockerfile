@@ -25,7 +25,7 @@ COPY recipes ./recipes
 COPY ds_configs ./ds_configs
 
 # pip keeps the image's torch: every requirement accepts it.
-RUN pip install --no-build-isolation ".[deepspeed,bnb,flash]"
+RUN pip install --no-build-isolation ".[deepspeed,bnb,flash,recipes]"
 
 # Offline and harmless: the plan for the first recipe. Pass a command to train instead.
 CMD ["python", "recipes/gpt2xl_12gb.py", "--dry-run"]

@@ -5,6 +5,7 @@ The fast paths import no torch.
 """
 
 import argparse
+import contextlib
 import json
 import logging
 import sys
@@ -281,7 +282,8 @@ def _check_writable(path: str, flag: str) -> None:
 
 
 def _timeline_dict(t) -> dict:
-    return {"label": t.label, "peak_bytes": t.peak_bytes, "peak_breakdown": t.peak_breakdown,
+    return {"label": t.label, "peak_bytes": t.peak_bytes, "device_total_bytes": t.device_total_bytes,
+            "layout": t.layout, "peak_breakdown": t.peak_breakdown,
             "phases": [vars(p) for p in t.phases], "top_modules": t.top_modules}
 
 
@@ -308,7 +310,10 @@ def _override(settings, text: str):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from hf_memfit import __version__
+
     parser = _Parser(prog="hf-memfit", description="Predict and fit the memory of Hugging Face fine-tuning, offline.")
+    parser.add_argument("--version", action="version", version=f"hf-memfit {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     est = sub.add_parser("estimate", help="peak memory of one training step", epilog=_ESTIMATE_EPILOG,
                          formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -328,10 +333,56 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _ProgressOnStderr(logging.Handler):
+    """Exact mode's progress lines on stderr (never stdout, which may carry --json).
+
+    Shown at once on a terminal; otherwise (logs, pipes) only once the command has
+    run for `quiet_seconds`, so quick commands print nothing extra.
+    """
+
+    QUIET_SECONDS = 1.0
+
+    def __init__(self, stream=None, clock=None):
+        import time
+
+        super().__init__(logging.INFO)
+        self.stream = stream or sys.stderr
+        self.clock = clock or time.monotonic
+        self.started = self.clock()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        elapsed = self.clock() - self.started
+        interactive = getattr(self.stream, "isatty", lambda: False)()
+        if interactive or elapsed >= self.QUIET_SECONDS:
+            self.stream.write(f"hf-memfit: [{elapsed:.0f} s] {record.getMessage()} ...\n")
+            self.stream.flush()
+
+
+@contextlib.contextmanager
+def _progress_on_stderr():
+    logger = logging.getLogger("hf_memfit.progress")
+    handler = _ProgressOnStderr()
+    previous = logger.level, logger.propagate
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(previous[0])
+        logger.propagate = previous[1]
+
+
 def main(argv: list[str] | None = None) -> int:
     # bitsandbytes warns on import, on CPUs with AVX512-BF16, that an optional 4-bit CPU
     # matmul kernel package is missing; estimating never runs that kernel.
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    with _progress_on_stderr():
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
     try:
         args = build_parser().parse_args(argv)
         return args.func(args)

@@ -25,6 +25,10 @@ def plot_timelines(timelines: list, path: str, title: str = "") -> str:
             ax.axvline(phase.start, color="0.3", lw=0.8, ls="--")
             ax.text(phase.start, 1.0, f" {phase.name}", transform=ax.get_xaxis_transform(), va="top", fontsize=8,
                     rotation=90, color="0.2")
+        if timeline.device_total_bytes > timeline.peak_bytes:  # CUDA: reserved segments, context, NCCL on top
+            ax.axhline(timeline.device_total_bytes / gib, color="0.2", lw=1.0, ls=":")
+            ax.text(timeline.clock[0], timeline.device_total_bytes / gib,
+                    f" device total (nvidia-smi) {timeline.device_total_bytes / gib:.2f} GiB", va="bottom", fontsize=8)
         ax.annotate(f"peak {timeline.peak_bytes / gib:.2f} GiB", xy=(timeline.peak_clock, timeline.peak_bytes / gib),
                     xytext=(0.55, 0.93), textcoords="axes fraction", fontsize=9,
                     arrowprops={"arrowstyle": "->", "color": "black"})

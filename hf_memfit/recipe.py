@@ -96,6 +96,7 @@ def execute(recipe: Recipe, argv: list[str] | None = None):
         result = plan_recipe(recipe, train_args)
         print(format_plan(result))
         return result
+    _datasets()  # training needs it: say so before a model is built or a file is written
     if recipe_args.smoke:
         with tempfile.TemporaryDirectory(prefix="hf-memfit-smoke-") as scratch:
             return _smoke(recipe, train_args, recipe_args, Path(scratch))
@@ -248,8 +249,7 @@ def read_lines(recipe: Recipe, train_file: str | None) -> list[str]:
                                   f"an integer label below {recipe.num_labels}; not so: {', '.join(bad[:3])}"
                                   + (f" and {len(bad) - 3} more" if bad[3:] else ""))
         return lines
-    from datasets import load_dataset
-
+    load_dataset = _datasets().load_dataset
     try:
         if recipe.task == "seq-cls":
             return [f"{row['label']}\t{row['sentence']}" for row in load_dataset("nyu-mll/glue", "sst2", split="train")]
@@ -268,8 +268,7 @@ def _label(line: str, recipe: Recipe) -> int | None:
 
 def encode_lines(recipe: Recipe, tokenizer, lines: list[str], seq_len: int, source: str = "the text"):
     """Blocks of `seq_len` tokens (language modelling) or labelled, truncated lines (classification)."""
-    from datasets import Dataset
-
+    Dataset = _datasets().Dataset  # noqa: N806 (the class)
     if recipe.task == "seq-cls":  # lines were checked by read_lines
         encoded = tokenizer([line.partition("\t")[2] for line in lines], truncation=True, max_length=seq_len)
         return Dataset.from_dict({**encoded, "labels": [_label(line, recipe) for line in lines]})
@@ -281,6 +280,16 @@ def encode_lines(recipe: Recipe, tokenizer, lines: list[str], seq_len: int, sour
     if recipe.task == "seq2seq":  # predict the next block from this one
         return Dataset.from_dict({"input_ids": blocks[:-1], "labels": blocks[1:]})
     return Dataset.from_dict({"input_ids": blocks, "labels": blocks})
+
+
+def _datasets():
+    """The `datasets` package, which only the recipes need (the `recipes` extra)."""
+    try:
+        import datasets
+    except ImportError:
+        raise MemFitError("recipes need the `datasets` package: pip install \"hf-memfit[recipes]\" "
+                          "(or pip install datasets)") from None
+    return datasets
 
 
 def _source(train_file: str | None, default: str) -> str:

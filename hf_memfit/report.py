@@ -172,7 +172,11 @@ def step_command(command: str, model: str, s) -> str:
 
 def format_timeline(timeline) -> str:
     """The `hf-memfit explain` text: phases, what is live at the peak, and the top modules."""
-    lines = [f"{timeline.label}: peak {format_bytes(timeline.peak_bytes)} at allocator event {timeline.peak_clock}", ""]
+    lines = [f"{timeline.label}: peak {format_bytes(timeline.peak_bytes)} at allocator event {timeline.peak_clock}"]
+    if timeline.device_total_bytes > timeline.peak_bytes:
+        lines.append(f"  device total at the peak {format_bytes(timeline.device_total_bytes)} (what nvidia-smi shows: "
+                     f"plus the allocator's cached segments and the CUDA context)")
+    lines.append("")
     lines.append(_table([(p.name, format_bytes(p.peak_bytes), f"events {p.start}-{p.end}") for p in timeline.phases],
                         ("phase", "peak", "span")))
     lines += ["", "Live at the peak:"]

@@ -19,7 +19,7 @@ the trace runs on fake CPU tensors, and what differs on a GPU is applied
 explicitly, each item sourced in `shared/CUDA_MEMORY_FACTS.md`:
 - the SDPA backend a GPU picks (flash / memory-efficient) and what its kernels
   keep for backward, by `_GpuAttentionMemory`;
-- CUDA autocast's fp32 op list (layer_norm, softmax, ...) by `_CudaAutocastPolicy`;
+- CUDA autocast's fp32 op list (layer_norm, softmax, ...) by `_cuda_autocast_policy`;
 - torch's default foreach optimizer path on CUDA (`step.make_optimizer`);
 - the caching allocator's 512-byte rounding (its reserved memory beyond that is
   `cuda_overhead.allocator_slack_bytes`, the same model as fast mode's).
@@ -27,6 +27,8 @@ explicitly, each item sourced in `shared/CUDA_MEMORY_FACTS.md`:
 
 import contextlib
 import copy
+import functools
+import logging
 import math
 import weakref
 from dataclasses import dataclass, field
@@ -39,6 +41,10 @@ from torch.utils._pytree import tree_flatten
 from hf_memfit import step as training
 from hf_memfit.breakdown import CATEGORIES, StepMemory
 from hf_memfit.settings import TrainSettings
+
+# Progress of the traces ("tracing 2 of 3 ..."), at INFO: the CLI shows it on stderr; a library
+# user sees it only by enabling the "hf_memfit" logger.
+progress = logging.getLogger("hf_memfit.progress")
 
 # What an allocation is, by the phase that made it, until it is recognised as a
 # parameter, a gradient or optimizer state.
@@ -71,6 +77,7 @@ class StorageTracker(TorchDispatchMode):
         self.phase = "build"
         self.region = "build"
         self.region_peaks: dict[str, tuple[int, int]] = {}  # region -> (live bytes, clock)
+        self.region_starts: list[tuple[int, str]] = []  # (clock, region) as regions begin, for timelines
         self.module_stack: list[str] = [""]
         self.events: list[tuple[int, int]] = []  # (+alloc index+1 | -(alloc index+1), bytes) for replay
         self.markers: list[tuple[int, str]] = []  # (clock, label) phase boundaries, for timelines
@@ -122,6 +129,7 @@ class StorageTracker(TorchDispatchMode):
 
     def set_region(self, region: str) -> None:
         self.region = region
+        self.region_starts.append((self.clock, region))
         # A region starts with what is already live, so its maximum is at least that.
         best = self.region_peaks.get(region)
         if best is None or self.live_bytes > best[0]:
@@ -212,26 +220,50 @@ def _gpu_sdpa(flash_supported: bool):
     return sdpa
 
 
-class _CudaAutocastPolicy(torch.overrides.TorchFunctionMode):
-    """CUDA autocast runs these in fp32; CPU autocast does not (autocast_mode.cpp fp32 lists).
+# What CUDA autocast runs in fp32 and CPU autocast does not (autocast_mode.cpp
+# fp32 lists), as (namespace, attribute) pairs the model code calls through.
+_CUDA_FP32_OPS = (
+    (torch.nn.functional, "layer_norm"), (torch, "layer_norm"), (torch.nn.functional, "group_norm"),
+    (torch.nn.functional, "softmax"), (torch, "softmax"), (torch.Tensor, "softmax"),
+    (torch.nn.functional, "log_softmax"), (torch, "log_softmax"), (torch.Tensor, "log_softmax"),
+)
+
+
+@contextlib.contextmanager
+def _cuda_autocast_policy():
+    """While autocast is on, run CUDA autocast's fp32 ops in fp32 (CPU autocast leaves them in fp16/bf16).
 
     Casting the inputs to fp32 above autograd reproduces what CUDA autocast
-    saves for backward (the fp32 copy of the input) and what it outputs.
+    saves for backward (the fp32 copy of the input) and what it outputs. The
+    functions themselves are wrapped, and each call asks torch's autocast state,
+    so the policy holds wherever the model code runs: in the forward, and in the
+    recompute of a checkpointed layer inside backward, where checkpoint restores
+    the forward's autocast state. (A TorchFunctionMode does not reach that
+    recompute: torch pops a mode while its handler runs, and `Tensor.backward`
+    is itself dispatched through the handler, so a mode-based policy upcast in
+    the forward but not in the recompute, and checkpoint refused the mismatch:
+    "recomputed ... dtype float16 vs float32".)
     """
 
-    _FP32_FUNCTIONS = {
-        torch.nn.functional.layer_norm, torch.layer_norm, torch.nn.functional.group_norm,
-        torch.nn.functional.softmax, torch.softmax, torch.Tensor.softmax,
-        torch.nn.functional.log_softmax, torch.log_softmax, torch.Tensor.log_softmax,
-    }
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in self._FP32_FUNCTIONS and torch.is_autocast_enabled("cpu"):
+    def fp32_when_autocast(original):
+        @functools.wraps(original)
+        def upcast(*args, **kwargs):
+            if not torch.is_autocast_enabled("cpu"):
+                return original(*args, **kwargs)
             args = tuple(a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
             with torch.autocast("cpu", enabled=False):
-                return func(*args, **kwargs)
-        return func(*args, **kwargs)
+                return original(*args, **kwargs)
+
+        return upcast
+
+    originals = [(owner, name, getattr(owner, name)) for owner, name in _CUDA_FP32_OPS]
+    try:
+        for owner, name, original in originals:
+            setattr(owner, name, fp32_when_autocast(original))
+        yield
+    finally:
+        for owner, name, original in originals:
+            setattr(owner, name, original)
 
 
 # --- optimizers that cannot run on fake tensors -----------------------------
@@ -573,7 +605,7 @@ def trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], *
         step_tag = lambda: f"{position['step']}.{min(position['micro'], 1)}"  # noqa: E731
         handles = _install_region_hooks(tracker, stacks, step_tag)
         if cuda and settings.autocast_dtype:
-            patches.enter_context(_CudaAutocastPolicy())
+            patches.enter_context(_cuda_autocast_policy())
         patches.enter_context(_module_names(tracker, model))
         micro_batches = min(settings.gradient_accumulation_steps, 2)  # later micro-batches repeat the second
         for step_index in range(steps):
@@ -694,15 +726,16 @@ def exact_candidates(spec, settings: TrainSettings, *, extrapolate: bool = True)
     # and the last layer are distinct and only ordinary layers are added.
     base_depth, grown_depth = 2 * period, 3 * period
     if not extrapolate or max(real) <= grown_depth:
-        trace = trace_step(_config_with_depths(spec, real), settings, real)
-        candidates = {r: b for r, (_, b) in _by_class(trace, lambda s: _depth_of(s, real)).items()}
-        return _exact_result(candidates, [trace], real, real[0], trace, settings)
+        progress.info("exact mode: tracing %s at its full depth %s", spec.name, _depth_text(real))
+        return full_depth_step_memory(trace_step(_config_with_depths(spec, real), settings, real), settings)
 
     base = tuple(min(base_depth, d) for d in real)
-    traces = [trace_step(_config_with_depths(spec, base), settings, base)]
-    for i in range(len(real)):
-        grown = tuple(grown_depth if j == i else base[j] for j in range(len(real)))
-        traces.append(trace_step(_config_with_depths(spec, grown), settings, grown))
+    depth_sets = [base] + [tuple(grown_depth if j == i else base[j] for j in range(len(real))) for i in range(len(real))]
+    traces = []
+    for number, depths in enumerate(depth_sets, 1):
+        progress.info("exact mode: tracing %s at depth %s (%d of %d), extrapolated to %s", spec.name,
+                      _depth_text(depths), number, len(depth_sets), _depth_text(real))
+        traces.append(trace_step(_config_with_depths(spec, depths), settings, depths))
     base_classes = _by_class(traces[0], lambda s: _depth_of(s, base))
     grown_classes = [_by_class(t, lambda s, t=t: _depth_of(s, t.depths)) for t in traces[1:]]
     candidates = {}
@@ -728,9 +761,19 @@ def exact_candidates(spec, settings: TrainSettings, *, extrapolate: bool = True)
     return result
 
 
+def full_depth_step_memory(trace: TraceResult, settings: TrainSettings) -> StepMemory:
+    """Exact mode's candidates from a trace at the model's real depth (nothing to extrapolate)."""
+    candidates = {r: b for r, (_, b) in _by_class(trace, lambda s: _depth_of(s, trace.depths)).items()}
+    return _exact_result(candidates, [trace], trace.depths, trace.depths[0], trace, settings)
+
+
 def _exact_result(candidates, traces, real, base, trace, settings) -> StepMemory:
     return StepMemory(candidates, trace.trainable_params, trace.total_params, trace.largest_param_numel,
                       trace.quantizable_linear_params, trace.largest_linear_numel)
+
+
+def _depth_text(depths: tuple[int, ...]) -> str:
+    return "+".join(map(str, depths))
 
 
 def _depth_of(stack: str, depths: tuple[int, ...]) -> int:

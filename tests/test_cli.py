@@ -105,3 +105,51 @@ def test_closed_pipe_ends_quietly():
     os.close(write_end)
     assert proc.returncode == 141
     assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr
+
+
+def test_version_prints_the_package_version(capsys):
+    import hf_memfit
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out == f"hf-memfit {hf_memfit.__version__}\n"
+
+
+def test_progress_shows_on_a_terminal_at_once_and_elsewhere_after_a_second():
+    import io
+    import logging
+
+    from hf_memfit.cli import _ProgressOnStderr
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    now = [100.0]
+    record = logging.LogRecord("hf_memfit.progress", logging.INFO, __file__, 1, "tracing %s", ("gpt2",), None)
+    piped, terminal = io.StringIO(), Terminal()
+    piped_handler = _ProgressOnStderr(piped, clock=lambda: now[0])
+    terminal_handler = _ProgressOnStderr(terminal, clock=lambda: now[0])
+    now[0] = 100.4  # a quick command: nothing in a log, the line on a terminal
+    piped_handler.emit(record)
+    terminal_handler.emit(record)
+    assert piped.getvalue() == "" and terminal.getvalue() == "hf-memfit: [0 s] tracing gpt2 ...\n"
+    now[0] = 103.0  # a slow one: shown everywhere
+    piped_handler.emit(record)
+    assert piped.getvalue() == "hf-memfit: [3 s] tracing gpt2 ...\n"
+
+
+def test_exact_mode_progress_goes_to_stderr_never_into_json(capsys, monkeypatch, tmp_path):
+    from hf_memfit.cli import _ProgressOnStderr
+
+    monkeypatch.setattr(_ProgressOnStderr, "QUIET_SECONDS", 0.0)  # a tiny model traces in well under a second
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(dict(model_type="gpt2", n_layer=6, n_embd=32, n_head=2, vocab_size=128,
+                                      n_positions=64)))
+    code, out, err = run_cli(capsys, "estimate", str(config), "--batch-size", "1", "--seq-len", "16",
+                             "--mode", "exact", "--json")
+    assert code == 0 and json.loads(out)["mode"] == "exact"
+    lines = [line for line in err.splitlines() if line.startswith("hf-memfit: [")]
+    assert len(lines) == 2, err  # traced at depths 2 and 3, extrapolated to 6
+    assert "depth 2 (1 of 2), extrapolated to 6" in lines[0] and "depth 3 (2 of 2)" in lines[1]

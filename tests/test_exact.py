@@ -147,3 +147,22 @@ def test_bitsandbytes_cpu_step_temporaries(optim, precision):
     assert exact.peak_region.endswith("|opt") and fast.peak_region.endswith("|opt")  # the case under test
     for predicted in (exact.peak_bytes, fast.peak_bytes):
         assert abs(predicted - measured) / measured < 0.01, (predicted, measured)
+
+
+@pytest.mark.parametrize("checkpointing", [True, False])
+def test_cuda_fp16_eager_checkpointing_recomputes_under_cuda_autocast(tiny_specs, checkpointing):
+    """Issue 12 item 3: BERT, eager attention, fp16-mixed, checkpointing, device cuda crashed in exact mode.
+
+    CUDA autocast's fp32 softmax must hold in the recompute inside backward too, or checkpoint refuses
+    the recomputed fp16 probabilities (saved fp32). Exact mode must run and agree with the closed-form model.
+    """
+    from hf_memfit.estimator import estimate_settings
+
+    spec = tiny_specs["bert"]
+    peaks = {}
+    for mode in ("fast", "exact"):
+        settings = TrainSettings(batch_size=2, seq_len=128, task="seq-cls", device="cuda", gpu="v100",
+                                 precision="fp16-mixed", attn_implementation="eager",
+                                 gradient_checkpointing=checkpointing, mode=mode)
+        peaks[mode] = estimate_settings(spec, settings).peak_allocated_bytes
+    assert abs(peaks["exact"] - peaks["fast"]) / peaks["fast"] < 0.02, peaks

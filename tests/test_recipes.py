@@ -271,8 +271,30 @@ def test_dockerfile_installs_real_extras_and_copies_real_paths():
     assert {"pyproject.toml", "README.md", "hf_memfit", "recipes"} <= set(copied)  # install + `docker run` needs
     install = next(line for line in lines if re.search(r"pip install .*\"\.\[", line))
     asked = set(re.search(r"\"\.\[([\w,-]+)\]\"", install)[1].split(","))
-    assert asked == {"deepspeed", "bnb", "flash"} and asked <= set(extras)
+    assert asked == {"deepspeed", "bnb", "flash", "recipes"} and asked <= set(extras)  # recipes: datasets
     assert "--no-build-isolation" in install  # flash-attn's setup.py imports torch
+
+
+def test_training_without_datasets_names_the_extra(tmp_path, monkeypatch, capsys):
+    """`datasets` is the `recipes` extra: without it, one line naming the extra, before anything is built."""
+    monkeypatch.setitem(sys.modules, "datasets", None)  # `import datasets` now raises ImportError
+    monkeypatch.chdir(tmp_path)
+    assert run(recipe("gpt2xl_12gb"), ["--smoke"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and 'pip install "hf-memfit[recipes]"' in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_package_imports_without_datasets():
+    """Only training a recipe needs `datasets`: every hf_memfit module imports without it."""
+    script = ("import importlib, pkgutil, sys\n"
+              "sys.modules['datasets'] = None\n"
+              "import hf_memfit\n"
+              "for module in pkgutil.iter_modules(hf_memfit.__path__):\n"
+              "    importlib.import_module('hf_memfit.' + module.name)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 def test_70b_qlora_recipe_shards_4bit_weights_with_fsdp(capsys):
