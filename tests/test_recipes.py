@@ -313,6 +313,7 @@ def test_smoke_probe_leaves_4bit_training_intact(smoke):
     norms = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
     assert len(norms) == 3 and all(norm > 0 for norm in norms), norms
 
+
 def test_70b_qlora_recipe_shards_4bit_weights_with_fsdp(capsys):
     """Llama-2-70B QLoRA on 2 x 24 GB: FSDP full_shard + CPU offload, the shipped accelerate config is the plan's."""
     import yaml
