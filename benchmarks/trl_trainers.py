@@ -172,13 +172,14 @@ def main(names: list[str]) -> int:
         errors = [abs(r[f"error_{mode}"]) for r in done]
         if errors:
             print(f"{mode}: median |error| {statistics.median(errors):.1%}, max {max(errors):.1%} over {len(errors)} rows")
+    failed = len(rows) - len(done)
     path = Path(__file__).parent / "results" / "trl.json"
     if names and path.exists():  # rerun rows replace their old results; the others are kept
         fresh = {r["row"]: r for r in rows}
         rows = [fresh.pop(r["row"], r) for r in json.loads(path.read_text())] + list(fresh.values())
     path.write_text(json.dumps(rows, indent=2) + "\n")
     print(f"wrote {path}")
-    return 0 if len(done) == len(rows) else 1
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
