@@ -61,11 +61,17 @@ FAST_MAX_ERR = 10.0
 @dataclass
 class Row:
     name: str
-    base: str  # catalogue model the config is derived from
+    base: str | None  # catalogue model the config is derived from; None: `overrides` is the whole config
     overrides: dict  # config keys changed to make it small
     settings: dict  # TrainSettings fields (device="cpu" is added)
     quick: bool = False
     layers: str = field(default="")
+    group: str = "hand-written"  # families outside the hand-written set: "dense", "sliding-window", "moe", "encoder"
+
+
+# Targets for the families outside the hand-written set (issue 9).
+GENERIC_EXACT_MEDIAN_ERR = 1.0
+GENERIC_EXACT_MAX_ERR = {"dense": 2.0, "sliding-window": 2.0, "encoder": 2.0, "moe": 10.0}
 
 
 # Size overrides per family. Every family keeps its real structure (GQA ratios,
@@ -108,8 +114,71 @@ def neox(layers, hidden=256, heads=4, inter=1024, **extra):
             "intermediate_size": inter, **extra}
 
 
+LLAMA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 GPT2, LLAMA, QWEN = "openai-community/gpt2", "meta-llama/Llama-3.2-1B", "Qwen/Qwen2.5-0.5B"
 BERT, T5, OPT, NEOX = "google-bert/bert-base-uncased", "google-t5/t5-small", "facebook/opt-125m", "EleutherAI/pythia-160m"
+
+# Families with no hand-written code: exact mode traces them generically, fast mode is calibrated from
+# exact traces. Tiny sizes, but every family keeps what sets it apart (QK-norm, the hybrid
+# sliding/global pattern, routed experts, NoPE layers, local/global encoder attention).
+def qwen3(layers, hidden=256, heads=8, kv=2, inter=768, vocab=32768, **extra):
+    return {"num_hidden_layers": layers, "hidden_size": hidden, "num_attention_heads": heads,
+            "num_key_value_heads": kv, "head_dim": hidden // heads, "intermediate_size": inter,
+            "vocab_size": vocab, "max_window_layers": layers, **extra}
+
+
+def generic(model_type, layers, hidden=256, heads=8, kv=2, inter=768, vocab=32768, **extra):
+    return {"model_type": model_type, "num_hidden_layers": layers, "hidden_size": hidden,
+            "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": hidden // heads,
+            "intermediate_size": inter, "vocab_size": vocab, "max_position_embeddings": 4096, **extra}
+
+
+QWEN3 = "Qwen/Qwen3-8B-Base"
+_MOE = dict(moe_intermediate_size=192, num_experts=8, num_experts_per_tok=2)
+_BERT_IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, sep_token_id=2, cls_token_id=1)
+
+GENERIC_ROWS = [
+    # --- dense ---------------------------------------------------------------------------------------
+    Row("qwen3-L4 fp32 adamw", QWEN3, qwen3(4), dict(batch_size=2, seq_len=256), group="dense"),
+    Row("qwen3-L6 bf16-mixed adamw gc", QWEN3, qwen3(6), dict(batch_size=4, seq_len=256, precision="bf16-mixed",
+                                                             gradient_checkpointing=True), group="dense"),
+    Row("qwen3-L4 bf16-mixed lora all-linear", QWEN3, qwen3(4),
+        dict(batch_size=2, seq_len=256, precision="bf16-mixed", lora_r=16,
+             lora_target_modules=("all-linear",)), group="dense"),
+    Row("olmo2-L4 fp32 adamw", None, generic("olmo2", 4, kv=8, pad_token_id=1, eos_token_id=0),
+        dict(batch_size=2, seq_len=256), group="dense"),
+    Row("olmo2-L6 bf16 adamw_8bit", None, generic("olmo2", 6, kv=8, pad_token_id=1, eos_token_id=0),
+        dict(batch_size=2, seq_len=256, precision="bf16", optim="adamw_bnb_8bit"), group="dense"),
+    Row("smollm3-L8 bf16-mixed adamw (NoPE every 4th)", None, generic("smollm3", 8, pad_token_id=0),
+        dict(batch_size=2, seq_len=256, precision="bf16-mixed"), group="dense"),
+    Row("granite-L4 fp32 sgd", None, generic("granite", 4), dict(batch_size=2, seq_len=256, optim="sgd"),
+        group="dense"),
+    # --- sliding-window / hybrid attention ------------------------------------------------------------
+    Row("gemma3-L20 fp32 adamw (5 sliding : 1 global)", None,
+        generic("gemma3_text", 20, sliding_window=64, sliding_window_pattern=6),
+        dict(batch_size=2, seq_len=256), group="sliding-window"),
+    Row("gemma3-L8 bf16-mixed adamw gc (1:1)", None,
+        generic("gemma3_text", 8, sliding_window=64, sliding_window_pattern=2),
+        dict(batch_size=2, seq_len=256, precision="bf16-mixed", gradient_checkpointing=True),
+        group="sliding-window"),
+    # --- mixture of experts ---------------------------------------------------------------------------
+    Row("qwen3_moe-L4 fp32 adamw", None, generic("qwen3_moe", 4, **_MOE), dict(batch_size=2, seq_len=256),
+        group="moe"),
+    Row("qwen3_moe-L6 bf16-mixed adamw gc", None, generic("qwen3_moe", 6, **_MOE),
+        dict(batch_size=2, seq_len=256, precision="bf16-mixed", gradient_checkpointing=True), group="moe"),
+    Row("mixtral-L4 fp32 adamw", None, generic("mixtral", 4, num_local_experts=4, num_experts_per_tok=2),
+        dict(batch_size=2, seq_len=256), group="moe"),
+    Row("gpt_oss-L4 fp32 adamw (eager)", None,
+        generic("gpt_oss", 4, inter=256, num_local_experts=4, num_experts_per_tok=2, sliding_window=64),
+        dict(batch_size=2, seq_len=256), group="moe"),
+    # --- encoders -------------------------------------------------------------------------------------
+    Row("modernbert-L6 fp32 adamw seq-cls", None,
+        generic("modernbert", 6, kv=8, global_attn_every_n_layers=3, local_attention=64, **_BERT_IDS),
+        dict(batch_size=4, seq_len=256), group="encoder"),
+    Row("modernbert-L6 bf16-mixed adamw token-cls", None,
+        generic("modernbert", 6, kv=8, global_attn_every_n_layers=3, local_attention=64, **_BERT_IDS),
+        dict(batch_size=4, seq_len=256, precision="bf16-mixed", task="token-cls", num_labels=9), group="encoder"),
+]
 
 ROWS = [
     # --- GPT-2 (real 50k vocabulary unless noted) ---------------------------------------
@@ -155,6 +224,29 @@ ROWS = [
     Row("pythia-L4 fp32 adamw", NEOX, neox(4), dict(batch_size=2, seq_len=256), quick=True),
     Row("pythia-L6 bf16 adafactor s512", NEOX, neox(6), dict(batch_size=1, seq_len=512, precision="bf16", optim="adafactor")),
     Row("pythia-L6 fp32 lora r8 8bit", NEOX, neox(6), dict(batch_size=2, seq_len=128, lora_r=8, optim="adamw_bnb_8bit")),
+    # --- the levers of issue 13 (run alone with `--only lever`) ------------------------------------
+    # torchao's low-bit AdamW, as the Trainer builds it (compiled on the CPU: minutes per row).
+    Row("lever llama-gqa-L4 fp32 torchao 8bit", LLAMA, llama(4), dict(batch_size=2, seq_len=256,
+                                                                       optim="adamw_torch_8bit")),
+    Row("lever llama-gqa-L4 bf16 torchao 4bit sr", LLAMA, llama(4), dict(batch_size=2, seq_len=256, precision="bf16",
+                                                                          optim="adamw_torch_4bit",
+                                                                          optim_args="bf16_stochastic_round=True")),
+    # pure bf16 weights with bitsandbytes' 8-bit AdamW (no fp32 master, no stochastic rounding)
+    Row("lever llama-gqa-L4 bf16 bnb 8bit", LLAMA, llama(4), dict(batch_size=2, seq_len=256, precision="bf16",
+                                                                   optim="adamw_bnb_8bit")),
+    # GaLore / APOLLO on the layers' linears (the planner's targets), rank 128 of 256
+    Row("lever llama-gqa-L4 fp32 galore", LLAMA, llama(4), dict(batch_size=2, seq_len=256, optim="galore_adamw",
+                                                                 optim_target_modules=LLAMA_LINEARS)),
+    Row("lever llama-gqa-L4 bf16 galore", LLAMA, llama(4), dict(batch_size=2, seq_len=256, precision="bf16",
+                                                                 optim="galore_adamw",
+                                                                 optim_target_modules=LLAMA_LINEARS)),
+    Row("lever llama-gqa-L4 fp32 apollo", LLAMA, llama(4), dict(batch_size=2, seq_len=256, optim="apollo_adamw",
+                                                                 optim_target_modules=LLAMA_LINEARS)),
+    # Liger's fused linear cross-entropy: its algorithm with torch ops (the Triton kernel needs a GPU)
+    Row("lever llama-gqa-L4 fp32 liger-algorithm", LLAMA, llama(4), dict(batch_size=2, seq_len=256,
+                                                                          use_liger_kernel=True)),
+
+    *GENERIC_ROWS,
 ]
 
 
@@ -165,7 +257,7 @@ def build(row: Row):
     from hf_memfit.settings import TrainSettings
     from hf_memfit.spec import ModelSpec, resolve_model
 
-    config = copy.deepcopy(resolve_model(row.base).config)
+    config = copy.deepcopy(resolve_model(row.base).config) if row.base else {}
     config.update(row.overrides)
     spec = ModelSpec.from_config(row.name, config)
     settings = TrainSettings(device="cpu", **row.settings).validate(spec)
@@ -351,6 +443,57 @@ def summarize(results: list[dict]) -> dict:
     return summary
 
 
+def summarize_generic(results: list[dict]) -> dict:
+    """Issue 9's targets over the rows of families outside the hand-written set, by group."""
+    groups = {r.name: r.group for r in ROWS}
+    rows = [r for r in results if groups.get(r["name"], "hand-written") != "hand-written"]
+    out: dict = {"rows": len(rows), "groups": {}}
+    checks = []
+    for group in sorted({groups[r["name"]] for r in rows}):
+        members = [r for r in rows if groups[r["name"]] == group]
+        entry = {"rows": len(members)}
+        for mode in ("exact", "fast"):
+            errs = [abs(r[f"{mode}_err_pct"]) for r in members if r.get(f"{mode}_err_pct") is not None]
+            entry[f"{mode}_missing"] = len(members) - len(errs)
+            if errs:
+                entry[f"{mode}_median_abs_err_pct"] = statistics.median(errs)
+                entry[f"{mode}_max_abs_err_pct"] = max(errs)
+        out["groups"][group] = entry
+        checks.append(entry["exact_missing"] == 0 and entry.get("exact_max_abs_err_pct", 1e9) <= GENERIC_EXACT_MAX_ERR[group])
+    exact = [abs(r["exact_err_pct"]) for r in rows if r.get("exact_err_pct") is not None]
+    fast = [abs(r["fast_err_pct"]) for r in rows if r.get("fast_err_pct") is not None]
+    agree = [abs(r["fast"] - r["exact"]) / r["exact"] * 100 for r in rows if r.get("fast") and r.get("exact")]
+    out["exact_median_abs_err_pct"] = statistics.median(exact) if exact else None
+    out["fast_median_abs_err_pct"] = statistics.median(fast) if fast else None
+    out["fast_max_abs_err_pct"] = max(fast) if fast else None
+    out["fast_vs_exact_max_pct"] = max(agree) if agree else None
+    out["targets"] = {
+        "exact_median_within_1pct": bool(exact) and statistics.median(exact) <= GENERIC_EXACT_MEDIAN_ERR,
+        "exact_max_per_group (2% dense, 10% MoE)": all(checks) and bool(checks),
+        "fast_median_within_5pct": bool(fast) and statistics.median(fast) <= FAST_MEDIAN_ERR,
+        "fast_max_within_10pct": bool(fast) and len(fast) == len(rows) and max(fast) <= FAST_MAX_ERR,
+    }
+    return out
+
+
+def print_generic_summary(summary: dict, out=sys.stdout) -> None:
+    if not summary["rows"]:
+        return
+    print(f"families outside the hand-written set ({summary['rows']} rows):", file=out)
+    for group, entry in summary["groups"].items():
+        parts = []
+        for mode in ("exact", "fast"):
+            if f"{mode}_median_abs_err_pct" in entry:
+                parts.append(f"{mode} median {entry[f'{mode}_median_abs_err_pct']:.2f}% max "
+                             f"{entry[f'{mode}_max_abs_err_pct']:.2f}%")
+            if entry[f"{mode}_missing"]:
+                parts.append(f"{entry[f'{mode}_missing']} {mode} failed")
+        print(f"  {group:15s} ({entry['rows']} rows): " + "; ".join(parts), file=out)
+    if summary["fast_vs_exact_max_pct"] is not None:
+        print(f"  fast vs exact: max {summary['fast_vs_exact_max_pct']:.2f}% apart", file=out)
+    print("  targets: " + "; ".join(f"{k}: {'PASS' if v else 'FAIL'}" for k, v in summary["targets"].items()), file=out)
+
+
 def print_summary(summary: dict, out=sys.stdout) -> None:
     labels = {"exact": "exact mode", "fast": "fast mode", "accelerate": "accelerate estimate-memory",
               "ds_zero2": "DeepSpeed ZeRO-2 model states", "ds_zero3": "DeepSpeed ZeRO-3 model states"}
@@ -444,6 +587,8 @@ def _preload() -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="only the 6 quick rows")
+    parser.add_argument("--generic", action="store_true",
+                        help="only the rows of families outside the hand-written set (issue 9)")
     parser.add_argument("--only", help="only rows whose name contains this text")
     parser.add_argument("--json", metavar="PATH", help="write the per-row results and the summary as JSON")
     parser.add_argument("--no-baselines", action="store_true", help="skip the accelerate / DeepSpeed baselines")
@@ -455,7 +600,14 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     logging.disable(logging.WARNING)
+    if not os.environ.get("HF_MEMFIT_CACHE"):
+        # A fresh calibration cache, so each fast-mode row pays for (and times) its own calibration.
+        import tempfile
+
+        os.environ["HF_MEMFIT_CACHE"] = tempfile.mkdtemp(prefix="hf_memfit_bench_cache_")
     rows = [r for r in ROWS if not args.quick or r.quick]
+    if args.generic:
+        rows = [r for r in rows if r.group != "hand-written"]
     if args.only:
         rows = [r for r in rows if args.only.lower() in r.name.lower()]
     info = _quiet(machine)
@@ -501,7 +653,9 @@ def main(argv=None) -> int:
         print()
     summary = summarize(results)
     summary["rows_not_measured"] = [r["name"] for r in failed]
+    summary["generic"] = summarize_generic(results)
     print_summary(summary)
+    print_generic_summary(summary["generic"])
     if failed:
         print("rows that could not be measured: " + "; ".join(r["name"] for r in failed))
     print(f"total wall time {elapsed:.0f}s")

@@ -16,10 +16,16 @@ from hf_memfit.spec import ModelSpec, resolve_model
 
 __version__ = "0.1.0"
 
-_LAZY = {"MemFitArguments": "hf_memfit.args", "MemFitTrainer": "hf_memfit.trainer"}
+# The trainer classes need transformers and torch, the TRL ones TRL (`pip install hf-memfit[trl]`):
+# they load on first use, so `import hf_memfit` works without them.
+_LAZY = {"MemFitArguments": "hf_memfit.args", "MemFitTrainer": "hf_memfit.trainer",
+         "MemFitMixin": "hf_memfit.mixin", "MemFitSeq2SeqTrainer": "hf_memfit.trainer",
+         "MemFitSeq2SeqTrainingArguments": "hf_memfit.trainer", "MemFitSFTConfig": "hf_memfit.trl",
+         "MemFitSFTTrainer": "hf_memfit.trl", "MemFitDPOConfig": "hf_memfit.trl", "MemFitDPOTrainer": "hf_memfit.trl"}
 
-__all__ = ["MemFitArguments", "MemFitError", "MemFitTrainer", "MemoryEstimate", "ModelSpec", "Plan", "PlanResult",
-           "TrainSettings", "estimate", "plan", "resolve_model"]
+__all__ = ["MemFitArguments", "MemFitDPOConfig", "MemFitDPOTrainer", "MemFitError", "MemFitMixin", "MemFitSFTConfig",
+           "MemFitSFTTrainer", "MemFitSeq2SeqTrainer", "MemFitSeq2SeqTrainingArguments", "MemFitTrainer",
+           "MemoryEstimate", "ModelSpec", "Plan", "PlanResult", "TrainSettings", "estimate", "plan", "resolve_model"]
 
 
 def __getattr__(name):

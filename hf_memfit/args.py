@@ -1,19 +1,26 @@
-"""`MemFitArguments`: TrainingArguments plus the memory budget the trainer plans for."""
+"""The memory-budget fields every MemFit trainer reads, and `MemFitArguments` (TrainingArguments + them).
 
+The fields live in their own dataclass, `MemFitFields`, placed *after* the
+arguments class in the bases: `class C(SFTConfig, MemFitFields)`. A dataclass
+collects fields from the bases in reverse MRO order, so the last class to
+define a field decides its default. `MemFitFields` defines only its own
+fields, so SFTConfig's defaults (learning rate 2e-5, bf16 and gradient
+checkpointing on, ...) stay SFT's. (`class C(MemFitArguments, SFTConfig)`
+would reset them: MemFitArguments re-declares every TrainingArguments field
+with TrainingArguments' default, and comes last.)
+"""
+
+import dataclasses
 from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
-from hf_memfit.errors import check_all
+from hf_memfit.errors import MemFitError, check_all
 
 
 @dataclass
-class MemFitArguments(TrainingArguments):
-    """TrainingArguments with a memory budget; `MemFitTrainer` fills the memory knobs from a plan.
-
-    The batch the user gives (per-device batch x accumulation x world size) is
-    the global batch to keep, unless `global_batch_size` says otherwise.
-    """
+class MemFitFields:
+    """The memory budget and how to plan for it. Mixed into a TrainingArguments subclass, after it."""
 
     memory_budget: str = field(
         default="auto",
@@ -47,8 +54,8 @@ class MemFitArguments(TrainingArguments):
                           "predicted-vs-measured report to the output directory at the end (or at an OOM)."},
     )
 
-    def __post_init__(self):
-        super().__post_init__()
+    def check_memfit_fields(self) -> None:
+        """Raise one `MemFitError` naming every bad memfit field."""
         problems = []
         if self.memfit_mode not in ("fast", "exact"):
             problems.append(f"`memfit_mode` must be fast or exact, got {self.memfit_mode!r}")
@@ -71,3 +78,32 @@ class MemFitArguments(TrainingArguments):
             except ValueError as error:
                 problems.append(str(error))
         check_all(problems)
+
+
+MEMFIT_FIELDS = tuple(f.name for f in dataclasses.fields(MemFitFields))
+
+
+def memfit_fields(args) -> MemFitFields:
+    """The memfit fields of `args`, checked: its own where it has them, the defaults where it has not.
+
+    Lets any trainer arguments class (a plain `TrainingArguments`, `DPOConfig`,
+    a user's subclass) drive a MemFit trainer without being converted.
+    """
+    if args is None:
+        raise MemFitError("`args` is required: pass e.g. MemFitArguments(output_dir=..., memory_budget=...)")
+    fields = MemFitFields(**{name: getattr(args, name) for name in MEMFIT_FIELDS if hasattr(args, name)})
+    fields.check_memfit_fields()
+    return fields
+
+
+@dataclass
+class MemFitArguments(TrainingArguments, MemFitFields):
+    """TrainingArguments with a memory budget; `MemFitTrainer` fills the memory knobs from a plan.
+
+    The batch the user gives (per-device batch x accumulation x world size) is
+    the global batch to keep, unless `global_batch_size` says otherwise.
+    """
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.check_memfit_fields()

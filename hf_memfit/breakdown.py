@@ -11,7 +11,7 @@ the largest. Keeping candidates rather than one total is what lets sharding
 move the peak from the optimizer step to the backward, as it does for real.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 CATEGORIES = ("weights", "gradients", "optimizer", "activations", "temporary", "overhead")
 
@@ -30,6 +30,8 @@ class StepMemory:
     largest_param_numel: int
     quantizable_linear_params: int = 0  # Linear weights bitsandbytes would pack to 4 bits
     largest_linear_numel: int = 0
+    host_bytes: int = 0  # pinned host memory the step holds (offloaded activation checkpoints)
+    notes: list[str] = field(default_factory=list)  # what the mode assumed (MoE routing, calibration)
 
     @property
     def peak_region(self) -> str:

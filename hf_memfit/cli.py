@@ -46,7 +46,7 @@ def add_step_arguments(parser: argparse.ArgumentParser, *, with_batch: bool = Tr
     if with_batch:
         parser.add_argument("--batch-size", type=_positive_int, required=True, help="per-device micro-batch size")
         parser.add_argument("--gradient-accumulation-steps", type=_positive_int, default=1)
-    parser.add_argument("--seq-len", type=_positive_int, required=True, help="tokens per sample")
+    parser.add_argument("--seq-len", type=_positive_int, help="tokens per sample (required unless --max-length)")
     parser.add_argument("--task", choices=TASKS, help="default: the model's own (causal-lm, seq-cls for BERT, seq2seq for T5)")
     parser.add_argument("--num-labels", type=_positive_int, default=2, help="classes for --task seq-cls")
     parser.add_argument("--lora-r", type=_positive_int, help="train LoRA adapters of this rank (peft)")
@@ -67,6 +67,20 @@ def add_step_arguments(parser: argparse.ArgumentParser, *, with_batch: bool = Tr
     parser.add_argument("--mode", choices=("fast", "exact"), default="fast",
                         help="fast: formulas (ms); exact: trace the real model on fake tensors (seconds)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    trl = parser.add_argument_group("TRL trainers (SFTTrainer, DPOTrainer)")
+    trl.add_argument("--trainer", choices=("trainer", "sft", "dpo"), default="trainer",
+                     help="the step's loss: the HF Trainer's (default) or TRL's SFT / DPO (fused LM head; DPO's "
+                          "chosen + rejected rows and reference forward)")
+    trl.add_argument("--max-length", type=_positive_int,
+                     help="TRL's max_length: the longest row (stands for --seq-len)")
+    trl.add_argument("--packing", action="store_true",
+                     help="SFT packing (bfd, TRL's default): rows packed to --max-length, trained padding-free")
+    trl.add_argument("--padding-free", action="store_true",
+                     help="the micro-batch's rows concatenated into one row (SFT padding_free)")
+    trl.add_argument("--reference-model", choices=("copy", "adapters", "precomputed"),
+                     help="DPO: a frozen copy (default for a full fine-tune), the LoRA base (default with "
+                          "--lora-r), or precompute_ref_log_probs")
+    parser.add_argument("--decoder-seq-len", type=_positive_int, help="seq2seq: the labels' length (default --seq-len)")
     if with_batch:
         parser.add_argument("--precision", choices=PRECISIONS, default="fp32",
                             help="*-mixed: autocast over fp32 weights; bf16/fp16: weights stored in that dtype")
@@ -76,6 +90,11 @@ def add_step_arguments(parser: argparse.ArgumentParser, *, with_batch: bool = Tr
         parser.add_argument("--optim-target-modules",
                             help="GaLore / APOLLO: comma-separated linear module names, or all-linear")
         parser.add_argument("--gradient-checkpointing", action="store_true")
+        parser.add_argument("--offload-activations", action="store_true",
+                            help="with --gradient-checkpointing: the checkpoints' inputs in pinned host memory "
+                                 '(activation_checkpointing_kwargs={"offload": True})')
+        parser.add_argument("--use-liger-kernel", action="store_true",
+                            help="Liger's fused linear cross-entropy head (TrainingArguments.use_liger_kernel)")
         parser.add_argument("--attn-implementation", choices=ATTN_IMPLEMENTATIONS)
         parser.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=0)
         parser.add_argument("--offload-optimizer", choices=OFFLOAD_TARGETS, default="none")
@@ -88,6 +107,25 @@ def add_step_arguments(parser: argparse.ArgumentParser, *, with_batch: bool = Tr
                             help="FSDP CPU offload: parameters, gradients and the optimizer step on the host")
 
 
+def step_shape(args: argparse.Namespace) -> dict:
+    """seq_len and the TRL knobs from the flags: `--max-length` stands for `--seq-len`, `--packing` implies padding-free."""
+    from hf_memfit.errors import check_all
+
+    problems = []
+    if args.seq_len is None and args.max_length is None:
+        problems.append("give `--seq-len N` (or `--max-length N` for a TRL trainer)")
+    elif args.seq_len is not None and args.max_length is not None and args.seq_len != args.max_length:
+        problems.append(f"`--seq-len {args.seq_len}` and `--max-length {args.max_length}` disagree; give one")
+    if args.packing and args.trainer != "sft":
+        problems.append("`--packing` is SFT packing: add `--trainer sft`")
+    if args.packing and args.max_length is None:
+        problems.append("`--packing` packs rows to `--max-length N`: give it")
+    check_all(problems)
+    return {"seq_len": args.seq_len or args.max_length, "trainer": args.trainer,
+            "padding_free": args.padding_free or args.packing, "reference_model": args.reference_model,
+            "decoder_seq_len": args.decoder_seq_len}
+
+
 def settings_from_args(args: argparse.Namespace):
     """TrainSettings from parsed estimate/explain flags."""
     from hf_memfit.settings import TrainSettings
@@ -97,9 +135,10 @@ def settings_from_args(args: argparse.Namespace):
     optim_targets = tuple(t.strip() for t in args.optim_target_modules.split(",") if t.strip()) \
         if args.optim_target_modules else None
     return TrainSettings(
-        batch_size=args.batch_size, seq_len=args.seq_len, task=args.task, num_labels=args.num_labels,
+        batch_size=args.batch_size, **step_shape(args), task=args.task, num_labels=args.num_labels,
         precision=args.precision, optim=args.optim, optim_args=args.optim_args, optim_target_modules=optim_targets,
-        gradient_checkpointing=args.gradient_checkpointing,
+        gradient_checkpointing=args.gradient_checkpointing, use_liger_kernel=args.use_liger_kernel,
+        offload_activations=args.offload_activations,
         attn_implementation=args.attn_implementation, gradient_accumulation_steps=args.gradient_accumulation_steps,
         lora_r=args.lora_r, lora_alpha=args.lora_alpha, lora_target_modules=targets,
         load_in_4bit=args.load_in_4bit, num_gpus=args.num_gpus, num_nodes=args.num_nodes,
@@ -133,6 +172,8 @@ _PLAN_EPILOG = """examples:
   hf-memfit plan meta-llama/Llama-2-70b-hf --gpu rtx4090 --num-gpus 2 --seq-len 2048 --global-batch-size 4 \\
       --load-in-4bit --lora-r 8 --cpu-memory 128GiB --accelerate-config-out fsdp.yaml
   hf-memfit plan gpt2-large --gpu rtx3060 --seq-len 1024 --global-batch-size 32 --explain plan.png
+  hf-memfit plan Qwen/Qwen2.5-1.5B --gpu a10g --trainer sft --max-length 2048 --packing --global-batch-size 32
+  hf-memfit plan meta-llama/Llama-3.2-1B --gpu-memory 24GiB --trainer dpo --max-length 1024 --global-batch-size 16
 """
 
 
@@ -149,6 +190,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nvme-path", help="NVMe directory for ZeRO-Infinity (with --allow-offload nvme)")
     parser.add_argument("--headroom", type=float, default=0.05, help="fraction of the budget kept free (default 0.05)")
     parser.add_argument("--keep-optimizer", action="store_true", help="do not switch AdamW to 8-bit variants")
+    parser.add_argument("--use-liger-kernel", choices=("auto", "yes", "no"), default="auto",
+                        help="search Liger's fused linear cross-entropy: auto (when liger-kernel is installed), "
+                             "yes (it will be on the GPU machine), no")
     parser.add_argument("--allow-pure-bf16", action="store_true",
                         help="allow bf16 weights with no fp32 master copy (torchao low-bit AdamW with bf16 "
                              "stochastic rounding) when no mixed-precision plan fits; it changes the numerics")
@@ -173,13 +217,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
         _check_writable(args.explain, "--explain")
     targets = args.lora_target_modules
     result = plan(
-        args.model, seq_len=args.seq_len, global_batch_size=args.global_batch_size, gpu_memory=args.gpu_memory,
+        args.model, **step_shape(args), global_batch_size=args.global_batch_size, gpu_memory=args.gpu_memory,
         gpu=args.gpu, task=args.task, num_labels=args.num_labels, num_gpus=args.num_gpus, num_nodes=args.num_nodes,
         lora_r=args.lora_r, lora_alpha=args.lora_alpha, lora_target_modules=targets, load_in_4bit=args.load_in_4bit,
         allow_offload=args.allow_offload, cpu_memory=args.cpu_memory, nvme_path=args.nvme_path,
         headroom=args.headroom, keep_optimizer=args.keep_optimizer, optim=args.optim, device=args.device,
         mode=args.mode, expandable_segments=args.expandable_segments, progress=_progress,
         allow_pure_bf16=args.allow_pure_bf16, allow_optimizers=args.allow_optimizers,
+        use_liger_kernel={"auto": None, "yes": True, "no": False}[args.use_liger_kernel],
     )
     if args.accelerate_config_out:
         if result.plan.settings.fsdp is None:
@@ -196,6 +241,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
             write_deepspeed_config(result.plan.deepspeed, args.deepspeed_config_out)
     output = result.to_dict() if args.json else format_plan(result)
+    if args.trainer != "trainer":
+        fields = trl_config_fields(result.plan, args)
+        if args.json:
+            output["trl_config"] = fields
+        else:
+            output += "\n\n" + format_trl_config(args.trainer, fields)
     if args.explain is not None:
         from hf_memfit.spec import resolve_model
 
@@ -208,6 +259,35 @@ def cmd_plan(args: argparse.Namespace) -> int:
             output += "\n\n" + format_timeline(timelines[0])
     print(json.dumps(output, indent=2) if args.json else output)
     return 0
+
+
+_TRL_CONFIGS = {"sft": "MemFitSFTConfig", "dpo": "MemFitDPOConfig"}
+
+
+def trl_config_fields(chosen, args: argparse.Namespace) -> dict:
+    """The MemFitSFTConfig / MemFitDPOConfig fields that give TRL the plan (and let the trainer re-check it)."""
+    fields = {name: value for name, value in chosen.training_arguments().items()
+              if name != "gradient_checkpointing_kwargs"}
+    fields["max_length"] = args.max_length or args.seq_len
+    if args.trainer == "sft":
+        fields["packing"] = bool(args.packing)
+        fields["padding_free"] = bool(args.padding_free or args.packing)
+    if args.trainer == "dpo" and args.reference_model == "precomputed":
+        fields["precompute_ref_log_probs"] = True
+    if chosen.deepspeed is not None:
+        fields["deepspeed"] = args.deepspeed_config_out or "<the plan's DeepSpeed config: --deepspeed-config-out FILE>"
+    if args.gpu_memory:
+        fields["memory_budget"] = args.gpu_memory
+    return fields
+
+
+def format_trl_config(trainer: str, fields: dict) -> str:
+    name = _TRL_CONFIGS[trainer]
+    lines = [f"{name} fields to set (from hf_memfit import {name}, {name.replace('Config', 'Trainer')}):",
+             f"  {name}(", "      output_dir=...,"]
+    lines += [f"      {key}={value!r}," for key, value in fields.items()]
+    lines.append("  )")
+    return "\n".join(lines)
 
 
 _EXPLAIN_EPILOG = """examples:

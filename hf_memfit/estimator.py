@@ -90,6 +90,10 @@ def step_memory(spec: ModelSpec, settings: TrainSettings) -> StepMemory:
         from hf_memfit.trace import exact_candidates  # imports torch; fast mode never does
 
         return exact_candidates(spec, traced)
+    if not spec.hand_written:
+        from hf_memfit.calibrated import calibrated_step_memory  # imports torch only to calibrate
+
+        return calibrated_step_memory(spec, traced)
     from hf_memfit.formulas import fast_step_memory
 
     return fast_step_memory(spec, traced)
@@ -120,7 +124,7 @@ def assemble(spec: ModelSpec, settings: TrainSettings, step: StepMemory) -> Memo
     peak_region = max(rank.candidates, key=lambda r: sum(rank.candidates[r].values()))
     breakdown = {k: int(rank.candidates[peak_region].get(k, 0)) for k in CATEGORIES}
     allocated = sum(breakdown.values())
-    notes = list(rank.notes)
+    notes = list(step.notes) + list(rank.notes)
     if settings.device == "cpu":
         reserved = total = allocated
     else:

@@ -34,7 +34,7 @@ GPU (see `_EXACT_CUDA_EMULATION`) the fast mode follows exact mode and says so.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hf_memfit import optimizers
 from hf_memfit.breakdown import CATEGORIES, StepMemory
@@ -105,6 +105,8 @@ class _Ctx:
     use_cache: bool  # the model builds a DynamicCache in forward (copies of k and v)
     flash_ok: bool  # the GPU can run SDPA's flash kernel
     checkpointing: bool = False
+    decoder_s: int | None = None  # seq2seq: the decoder's (labels') length; None: s
+    packed: bool = False  # padding-free: several sequences in one row, kept apart by a block-diagonal mask
 
     @property
     def embeddings_need_grad(self) -> bool:
@@ -411,8 +413,9 @@ class _Forward:
                   softcap: float | None = None) -> _T:
         """Attention core; returns the [b, s, heads*head_dim] input of the output projection."""
         ctx = self.ctx
-        b, s = ctx.b, ctx.s
-        rows = b * heads * s
+        b = ctx.b
+        s = k.numel // (b * kv_heads * head_dim)  # the keys' length (the encoder's, in cross-attention)
+        rows = b * heads * (q.numel // (b * heads * head_dim))
         out_numel = rows * head_dim
         if ctx.attn == "eager":
             return self._eager(q, k, v, heads, kv_heads, head_dim, dropout, mask, causal, eager_style, softcap)
@@ -426,7 +429,8 @@ class _Forward:
             flash = ctx.flash_ok and mask is None and half and head_dim <= 256
             # flash / memory-efficient kernels save q, k, v, the output and the fp32 logsumexp
             # (memory-efficient pads s to a multiple of 32); no s x s matrix.
-            lse_s = s if flash else -(-s // 32) * 32
+            q_len = rows // (b * heads)
+            lse_s = q_len if flash else -(-q_len // 32) * 32
             out = self.new(out_numel, q.dtype, True, layout="bshd", inputs=(q, k, v, mask))
             self.save(q, k, v, out, self.new(b * heads * lse_s, "f32", False))
             if mask is not None and mask.rg:
@@ -436,6 +440,10 @@ class _Forward:
         if ctx.ac:
             q, k, v = self.cast(q, ctx.ac), self.cast(k, ctx.ac), self.cast(v, ctx.ac)
         origin = q.dtype
+        if ctx.packed and mask is None:
+            # Packed rows get transformers' block-diagonal boolean mask; SDPA turns it into an additive
+            # mask in q's dtype (convert_boolean_attn_mask), which the kernel keeps for backward.
+            mask = self.new(b * (q.numel // (b * heads * head_dim)) * s, q.dtype, False)
         if not dropout:
             # _scaled_dot_product_flash_attention_for_cpu (GQA native): saves q, k, v, out, logsumexp.
             out = self.new(out_numel, q.dtype, True, layout=q.layout, inputs=(q, k, v, mask))
@@ -466,8 +474,9 @@ class _Forward:
     def _eager(self, q, k, v, heads, kv_heads, head_dim, dropout, mask, causal, style, softcap):
         """transformers' eager_attention_forward (per family `style`)."""
         ctx = self.ctx
-        b, s = ctx.b, ctx.s
-        rows = b * heads * s
+        b = ctx.b
+        s = k.numel // (b * kv_heads * head_dim)  # the keys' length
+        rows = b * heads * (q.numel // (b * heads * head_dim))
         if kv_heads != heads and style == "llama":  # repeat_kv copies
             k = self.new(k.numel * heads // kv_heads, k.dtype, k.rg, inputs=(k,))
             v = self.new(v.numel * heads // kv_heads, v.dtype, v.rg, inputs=(v,))
@@ -525,7 +534,7 @@ class _Forward:
 # ---------------------------------------------------------------------------
 
 
-def _rope(f: _Forward, x: _T, cos_dtype: str, rotary_frac: float, cat_style: bool) -> _T:
+def rope(f: _Forward, x: _T, cos_dtype: str, rotary_frac: float, cat_style: bool) -> _T:
     """q * cos + rotate_half(q) * sin. mul saves cos/sin (shared); nothing of q.
 
     Partial rotary (NeoX) and Phi-3 concatenate the rotated part with the rest:
@@ -542,8 +551,11 @@ def _rope(f: _Forward, x: _T, cos_dtype: str, rotary_frac: float, cat_style: boo
     return out
 
 
-class _Family:
-    """Builds one family's forward on a `_Forward`: embedding, layers, final norm and head input."""
+class FamilyForward:
+    """Builds one family's forward on a `_Forward`: embedding, layers, final norm and head input.
+
+    Each family module (`models/<family>.py`) subclasses it as `Forward`.
+    """
 
     def __init__(self, spec, settings, f: _Forward):
         self.spec, self.settings, self.f = spec, settings, f
@@ -551,10 +563,17 @@ class _Family:
         self.h = spec.hidden_size
         self.T = f.ctx.tokens
 
+    def start_decoder(self):
+        """Between an encoder-decoder's stacks: the decoder's own sequence length, where it differs."""
+
     # residual-stream dtype: the weights' storage dtype (autocast leaves adds alone)
     @property
     def rdt(self) -> str:
         return self.ctx.wdt
+
+    def seq_cls_logits(self, head_in: _T, width: int, num_labels: int, trainable: bool) -> _T:
+        """A decoder's `score` on every position (transformers picks the last one afterwards)."""
+        return self.f.linear(head_in, width, num_labels, "score", False, trainable=trainable, lora=False)
 
     def token_embedding(self, width: int) -> _T:
         """The token-embedding lookup. With a frozen table made to require grad (peft's
@@ -566,310 +585,11 @@ class _Family:
         return x
 
 
-class _GPT2(_Family):
-    def embed(self):
-        f, T, h = self.f, self.T, self.h
-        tok = self.token_embedding(h)
-        pos = f.new(T * h, self.rdt, self.ctx.full_ft)
-        x = f.add(tok, pos)
-        return f.dropout(x, self.spec.embedding_dropout)
+def _family(spec):
+    """The hand-written family module (models/<family>.py) whose `Forward` fast mode runs."""
+    from hf_memfit import models
 
-    def layer(self, x, index):
-        f, s, h, T = self.f, self.spec, self.h, self.T
-        hd, nh = s.head_dim, s.num_attention_heads
-        a = f.layer_norm(x, h)
-        qkv = f.linear(a, h, 3 * h, "c_attn", True)
-        q, k, v = (f.view(qkv, T * h) for _ in range(3))
-        k, v = f.kv_cache(k, v)
-        o = f.attention(q, k, v, nh, nh, hd, dropout=s.attention_dropout, eager_style="gpt2")
-        o = f.linear(o, h, h, "c_proj", True)
-        o = f.dropout(o, s.hidden_dropout)
-        x = f.add(o, x)
-        m = f.layer_norm(x, h)
-        m = f.linear(m, h, s.intermediate_size, "c_fc", True)
-        m = f.activation(m, s.hidden_act)
-        m = f.linear(m, s.intermediate_size, h, "c_proj", True)
-        m = f.dropout(m, s.hidden_dropout)
-        return f.add(x, m)
-
-    def final(self, x):
-        return self.f.layer_norm(x, self.h)
-
-
-class _Bert(_Family):
-    def embed(self):
-        f, T, h = self.f, self.T, self.h
-        word = self.token_embedding(h)
-        tt = f.new(T * h, self.rdt, self.ctx.full_ft)
-        x = f.add(word, tt)
-        pos = f.new(T * h, self.rdt, self.ctx.full_ft)
-        x = f.add(x, pos)
-        x = f.layer_norm(x, h)
-        x = f.dropout(x, self.spec.embedding_dropout)
-        f.hold(x)  # BertModel.forward keeps `embedding_output` until it returns
-        return x
-
-    def layer(self, x, index):
-        f, s, h, T = self.f, self.spec, self.h, self.T
-        q = f.linear(x, h, h, "query", True)
-        k = f.linear(x, h, h, "key", True)
-        v = f.linear(x, h, h, "value", True)
-        o = f.attention(q, k, v, s.num_attention_heads, s.num_attention_heads, s.head_dim,
-                        dropout=s.attention_dropout, causal=False, eager_style="bert")
-        o = f.linear(o, h, h, "dense", True)
-        o = f.dropout(o, s.hidden_dropout)
-        x = f.layer_norm(f.add(o, x), h)
-        m = f.linear(x, h, s.intermediate_size, "dense", True)
-        m = f.activation(m, s.hidden_act)
-        m = f.linear(m, s.intermediate_size, h, "dense", True)
-        m = f.dropout(m, s.hidden_dropout)
-        return f.layer_norm(f.add(m, x), h)
-
-    def final(self, x):
-        self.f.hold(x)  # last_hidden_state, returned by BertModel
-        return x
-
-
-class _OPT(_Family):
-    @property
-    def pre_ln(self) -> bool:
-        return bool(self.spec.config.get("do_layer_norm_before", True))
-
-    def embed(self):
-        f, T, h, p = self.f, self.T, self.h, self.spec.embedding_dim
-        x = self.token_embedding(p)
-        if p != h:
-            x = f.linear(x, p, h, "project_in", False)
-        pos = f.new(T * h, self.rdt, self.ctx.full_ft)
-        return f.add(x, pos)
-
-    def layer(self, x, index):
-        f, s, h = self.f, self.spec, self.h
-        hd, nh = s.head_dim, s.num_attention_heads
-        a = f.layer_norm(x, h) if self.pre_ln else x
-        q = f.scale(f.linear(a, h, h, "q_proj", s.qkv_bias))  # q_proj(x) * scaling
-        k = f.linear(a, h, h, "k_proj", s.qkv_bias)
-        v = f.linear(a, h, h, "v_proj", s.qkv_bias)
-        k, v = f.kv_cache(k, v)
-        o = f.attention(q, k, v, nh, nh, hd, dropout=s.attention_dropout, eager_style="llama")
-        o = f.linear(o, h, h, "out_proj", s.attn_out_bias)
-        o = f.dropout(o, s.hidden_dropout)
-        x = f.add(x, o)
-        if not self.pre_ln:
-            x = f.layer_norm(x, h)
-        m = f.layer_norm(x, h) if self.pre_ln else x
-        m = f.linear(m, h, s.intermediate_size, "fc1", s.mlp_bias)
-        m = f.activation(m, s.hidden_act)
-        m = f.linear(m, s.intermediate_size, h, "fc2", s.mlp_bias)
-        m = f.dropout(m, s.hidden_dropout)
-        x = f.add(x, m)
-        if not self.pre_ln:
-            x = f.layer_norm(x, h)
-        return x
-
-    def final(self, x):
-        f, s = self.f, self.spec
-        if self.pre_ln and not s.config.get("_remove_final_layer_norm", False):
-            x = f.layer_norm(x, self.h)
-        if s.embedding_dim != self.h:
-            x = f.linear(x, self.h, s.embedding_dim, "project_out", False)
-        return x
-
-
-class _LlamaLike(_Family):
-    """llama, mistral, qwen2, gemma2, phi3 and gpt_neox: rotary position embeddings, pre-norm."""
-
-    def embed(self):
-        f, T, h, s = self.f, self.T, self.h, self.spec
-        x = self.token_embedding(h)
-        if s.model_type == "gemma2":
-            x = f.scale(x)  # inputs_embeds * sqrt(hidden_size)
-        if s.model_type == "gpt_neox":
-            x = f.dropout(x, s.embedding_dropout)
-        # cos and sin, [b, s, rotary_dim] in the hidden states' dtype, used by every layer
-        self.rot_dim = self._rotary_dim()
-        cos = f.new(self.ctx.b * self.ctx.s * self.rot_dim, self.rdt, False)
-        sin = f.new(self.ctx.b * self.ctx.s * self.rot_dim, self.rdt, False)
-        f.save(cos, sin)
-        return x
-
-    def _rotary_dim(self) -> int:
-        s = self.spec
-        cfg = s.config
-        if s.model_type == "gpt_neox":
-            rp = cfg.get("rotary_pct", (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", 0.25))
-            return int(s.head_dim * rp)
-        if s.model_type == "phi3":
-            rp = cfg.get("partial_rotary_factor", (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0))
-            return int(s.head_dim * (rp or 1.0))
-        return s.head_dim
-
-    def _norm(self, x):
-        s, f = self.spec, self.f
-        if s.norm_type == "layernorm":
-            return f.layer_norm(x, self.h)
-        return f.rms_norm(x, self.h, "gemma" if s.model_type == "gemma2" else "llama")
-
-    def layer(self, x, index):
-        f, s, h, T = self.f, self.spec, self.h, self.T
-        nh, kvh, hd = s.num_attention_heads, s.num_key_value_heads, s.head_dim
-        q_dim, kv_dim = nh * hd, kvh * hd
-        a = self._norm(x)
-        cat = s.model_type in ("gpt_neox", "phi3")
-        if s.fused_qkv:
-            name = "query_key_value" if s.model_type == "gpt_neox" else "qkv_proj"
-            qkv = f.linear(a, h, q_dim + 2 * kv_dim, name, s.qkv_bias)
-            q, k, v = f.view(qkv, T * q_dim), f.view(qkv, T * kv_dim), f.view(qkv, T * kv_dim)
-        else:
-            q = f.linear(a, h, q_dim, "q_proj", s.qkv_bias)
-            k = f.linear(a, h, kv_dim, "k_proj", s.qkv_bias)
-            v = f.linear(a, h, kv_dim, "v_proj", s.qkv_bias)
-        frac = self.rot_dim / hd
-        q = _rope(f, q, self.rdt, frac, cat)
-        k = _rope(f, k, self.rdt, frac, cat)
-        k, v = f.kv_cache(k, v)
-        o = f.attention(q, k, v, nh, kvh, hd, dropout=s.attention_dropout, eager_style="llama",
-                        softcap=s.attn_logit_softcapping)
-        o = f.linear(o, q_dim, h, "dense" if s.model_type == "gpt_neox" else "o_proj", s.attn_out_bias)
-        sandwich = s.norms_per_layer == 4  # Gemma-2 also norms each block's output
-        if sandwich:
-            o = self._norm(o)  # post_attention_layernorm
-        o = f.dropout(o, s.hidden_dropout)
-        if s.model_type == "gpt_neox" and s.config.get("use_parallel_residual", True):
-            m = self._mlp(self._norm(x))
-            m = f.dropout(m, s.hidden_dropout)
-            return f.add(f.add(m, o), x)
-        x = f.add(x, o)
-        m = self._mlp(self._norm(x))
-        if sandwich:
-            m = self._norm(m)  # post_feedforward_layernorm
-        m = f.dropout(m, s.hidden_dropout)
-        return f.add(x, m)
-
-    def _mlp(self, x):
-        f, s, h, i = self.f, self.spec, self.h, self.spec.intermediate_size
-        if s.model_type == "gpt_neox":
-            m = f.linear(x, h, i, "dense_h_to_4h", True)
-            m = f.activation(m, s.hidden_act)
-            return f.linear(m, i, h, "dense_4h_to_h", True)
-        if s.model_type == "phi3":
-            gu = f.linear(x, h, 2 * i, "gate_up_proj", False)
-            gate, up = f.view(gu, gu.numel // 2), f.view(gu, gu.numel // 2)
-            act = f.activation(gate, s.hidden_act)
-            return f.linear(f.mul(up, act), i, h, "down_proj", False)
-        gate = f.linear(x, h, i, "gate_proj", s.mlp_bias)
-        up = f.linear(x, h, i, "up_proj", s.mlp_bias)
-        act = f.activation(gate, s.hidden_act)
-        return f.linear(f.mul(act, up), i, h, "down_proj", s.mlp_bias)
-
-    def final(self, x):
-        return self._norm(x)
-
-
-class _T5(_Family):
-    """T5: relative-position bias from layer 0 of each stack, RMS norms, dropout everywhere."""
-
-    def embed(self):
-        f = self.f
-        x = self.token_embedding(self.h)
-        return f.dropout(x, self.spec.embedding_dropout)
-
-    def _bias(self, kv_len: int, relative: bool, causal: bool):
-        """The position bias of a stack's layer 0 (shared by the stack), [1, heads, s, kv]."""
-        f, nh, s = self.f, self.spec.num_attention_heads, self.ctx.s
-        if relative:
-            buckets = f.new(s * kv_len, "i64", False)
-            f.save(buckets)  # the embedding lookup's indices
-            bias = f.new(nh * s * kv_len, self.rdt, self.ctx.full_ft)
-        else:
-            # torch.zeros((1, heads, s, kv), dtype=query_states.dtype)
-            bias = f.new(nh * s * kv_len, self.ctx.ac or self.rdt, False)
-        f.hold(bias)
-        return bias
-
-    def _mask(self, bias, causal):
-        """create_position_bias_mask: the bias itself, or where(causal, bias, min) (saving the bool mask)."""
-        f = self.f
-        if self.ctx.attn == "eager":
-            return bias
-        if not causal:
-            return bias
-        cond = f.new(self.ctx.s * self.ctx.s, "bool", False)
-        f.save(cond)
-        return f.new(bias.numel, bias.dtype, bias.rg, inputs=(bias, cond))
-
-    def _attn(self, x, kv_src, bias, causal, cache):
-        f, s, h, T = self.f, self.spec, self.h, self.T
-        nh, hd = s.num_attention_heads, s.head_dim
-        inner = nh * hd
-        q = f.linear(x, h, inner, "q", False)
-        k = f.linear(kv_src, h, inner, "k", False)
-        v = f.linear(kv_src, h, inner, "v", False)
-        if cache:
-            k, v = f.kv_cache(k, v)
-        mask = self._mask(bias, causal)
-        if self.ctx.attn == "eager":
-            o = f.attention(q, k, v, nh, nh, hd, dropout=s.attention_dropout, mask=mask, causal=causal,
-                            eager_style="bert")
-        else:
-            o = f.attention(q, k, v, nh, nh, hd, dropout=s.attention_dropout, mask=mask, causal=False)
-        return f.linear(o, inner, h, "o", False)
-
-    def _ff(self, x):
-        f, s, h, i = self.f, self.spec, self.h, self.spec.intermediate_size
-        n = f.rms_norm(x, h, "t5")
-        if s.gated_mlp:
-            g = f.activation(f.linear(n, h, i, "wi_0", False), s.hidden_act)
-            m = f.mul(g, f.linear(n, h, i, "wi_1", False))
-        else:
-            m = f.activation(f.linear(n, h, i, "wi", False), s.hidden_act)
-        m = f.dropout(m, s.activation_dropout)
-        if m.dtype != self.ctx.wdt:
-            m = f.cast(m, self.ctx.wdt)  # hidden_states.to(self.wo.weight.dtype)
-        m = f.linear(m, i, h, "wo", False)
-        return f.add(x, f.dropout(m, s.hidden_dropout))
-
-    def encoder_layer(self, x, index):
-        f, s, h = self.f, self.spec, self.h
-        if index == 0:
-            self.enc_bias = self._bias(self.ctx.s, True, False)
-        n = f.rms_norm(x, h, "t5")
-        o = self._attn(n, n, self.enc_bias, False, cache=False)
-        x = f.add(x, f.dropout(o, s.hidden_dropout))
-        return self._ff(x)
-
-    def encoder_final(self, x):
-        f = self.f
-        x = f.rms_norm(x, self.h, "t5")
-        return f.dropout(x, self.spec.hidden_dropout)
-
-    def decoder_layer(self, x, index, enc):
-        f, s, h = self.f, self.spec, self.h
-        if index == 0:
-            self.dec_bias = self._bias(self.ctx.s, True, True)
-            self.cross_bias = None
-        n = f.rms_norm(x, h, "t5")
-        o = self._attn(n, n, self.dec_bias, True, cache=True)
-        x = f.add(x, f.dropout(o, s.hidden_dropout))
-        n = f.rms_norm(x, h, "t5")
-        if self.cross_bias is None:
-            self.cross_bias = self._bias(self.ctx.s, False, False)
-        o = self._attn(n, enc, self.cross_bias, False, cache=True)
-        x = f.add(x, f.dropout(o, s.hidden_dropout))
-        return self._ff(x)
-
-    def final(self, x):
-        f = self.f
-        x = f.rms_norm(x, self.h, "t5")
-        x = f.dropout(x, self.spec.hidden_dropout)
-        return f.scale(x)  # sequence_output * model_dim**-0.5 (tied lm_head)
-
-
-_FAMILIES = {
-    "gpt2": _GPT2, "bert": _Bert, "opt": _OPT, "t5": _T5,
-    "llama": _LlamaLike, "mistral": _LlamaLike, "qwen2": _LlamaLike, "gemma2": _LlamaLike,
-    "phi3": _LlamaLike, "gpt_neox": _LlamaLike,
-}
+    return models.family(spec.model_type)
 
 
 # ---------------------------------------------------------------------------
@@ -898,26 +618,19 @@ class _Param:
 
 
 def _embedding_tables(spec) -> list[tuple[int, int, bool]]:
-    """(rows, cols, decay) of every embedding-like table of the family."""
-    cfg, h, v = spec.config, spec.hidden_size, spec.vocab_size
-    t = spec.model_type
-    if t == "gpt2":
-        return [(v, h, True), (spec.max_position_embeddings, h, True)]
-    if t == "bert":
-        return [(v, h, True), (spec.max_position_embeddings, h, True), (cfg.get("type_vocab_size", 2), h, True)]
-    if t == "opt":
-        return [(v, spec.embedding_dim, True), (spec.max_position_embeddings + 2, h, True)]
-    if t == "t5":
-        buckets = cfg.get("relative_attention_num_buckets", 32)
-        # relative_attention_bias: in layer 0 of each stack; "bias" in its name keeps it out of weight decay
-        return [(v, h, True), (buckets, spec.num_attention_heads, False), (buckets, spec.num_attention_heads, False)]
-    return [(v, h, True)]
+    """(rows, cols, decay) of every embedding-like table: the family's own list, else the token table."""
+    tables = getattr(_family(spec), "embedding_tables", None)
+    return tables(spec) if tables is not None else [(spec.vocab_size, spec.hidden_size, True)]
 
 
 def _lora_targets(spec, settings) -> frozenset:
     if not settings.uses_lora:
         return frozenset()
     if settings.lora_target_modules is not None:
+        if "all-linear" in settings.lora_target_modules:
+            # peft's "all-linear": every Linear / Conv1D but the output layer.
+            return frozenset(m.name for m in spec.linear_modules(settings.task, settings.num_labels)
+                             if m.scope != "head")
         return frozenset(settings.lora_target_modules)
     return frozenset(spec.default_lora_target_modules())
 
@@ -1009,7 +722,8 @@ def _low_rank_targets(spec, settings) -> frozenset:
     if not settings.optim_target_modules:
         return frozenset()
     linears = spec.linear_modules(settings.task, settings.num_labels)
-    names = {m.name for m in linears if not (spec.model_type == "gpt2" and m.scope != "head")}
+    conv1d_body = getattr(_family(spec), "CONV1D_BODY", False)  # GPT-2: the body's projections are Conv1D
+    names = {m.name for m in linears if not (conv1d_body and m.scope != "head")}
     if settings.optim_target_modules == ("all-linear",):
         return frozenset(names)
     return frozenset(names & set(settings.optim_target_modules))
@@ -1063,6 +777,7 @@ class _Head:
     held_w: int = 0
     bwd_peak_w: int = 0  # change in weight copies alive at the head's backward peak
     bwd_peak_acts: int = 0  # change in saved activations at that peak (log_softmax's output, ...)
+    fwd_grads: int = 0  # the head weight's gradient made inside the forward (Liger's fused loss)
 
 
 @dataclass
@@ -1091,19 +806,21 @@ def _ctx(spec, settings) -> _Ctx:
     if settings.load_in_4bit and wdt == "f32":
         wdt = _TAG[settings.compute_dtype]  # the base is built in the compute dtype (4-bit packing is applied later)
     attn = "eager" if settings.attn_implementation == "eager" else "sdpa"
-    if spec.model_type == "gemma2":
-        attn = "eager"  # transformers has no SDPA path for Gemma-2 (its logit soft-capping)
+    if getattr(_family(spec), "EAGER_ATTENTION_ONLY", False):
+        attn = "eager"  # transformers has no SDPA path for this family (Gemma-2: its logit soft-capping)
     flash_ok = True
     if settings.gpu is not None:
         from hf_memfit.hardware import find_gpu
 
         flash_ok = find_gpu(settings.gpu).compute_capability >= (8, 0)
-    use_cache = spec.model_type != "bert" and not settings.gradient_checkpointing and \
+    use_cache = getattr(_family(spec), "USES_KV_CACHE", True) and not settings.gradient_checkpointing and \
         bool(spec.config.get("use_cache", True))
-    return _Ctx(b=settings.batch_size, s=settings.seq_len, wdt=wdt, ac=ac, cuda=settings.device == "cuda",
+    # the rows the model sees: DPO's chosen + rejected, or one padding-free row (settings.rows / row_len)
+    return _Ctx(b=settings.rows, s=settings.row_len, wdt=wdt, ac=ac, cuda=settings.device == "cuda",
                 attn=attn, full_ft=not settings.uses_lora, lora_r=(settings.lora_r or 8) if settings.uses_lora else None,
                 lora_targets=_lora_targets(spec, settings), use_cache=use_cache, flash_ok=flash_ok,
-                checkpointing=settings.gradient_checkpointing)
+                checkpointing=settings.gradient_checkpointing, decoder_s=settings.decoder_seq_len,
+                packed=settings.padding_free)
 
 
 def _stack_summary(f: _Forward, name: str, depth: int, carry: _T, gc_f: _Forward | None) -> _Stack:
@@ -1197,17 +914,20 @@ def _layer_backward(f: _Forward, scope: str, accumulate: bool, residual_grad: in
 def _run_forward(spec, settings, ctx: _Ctx) -> tuple[_Forward, dict]:
     """The symbolic forward: embedding, three layers per stack, the final norm. Returns the head input too."""
     f = _Forward(ctx)
-    fam = _FAMILIES[spec.model_type](spec, settings, f)
+    fam = _family(spec).Forward(spec, settings, f)
     out = {}
     f.scope = "emb"
     x = fam.embed()
-    if spec.model_type == "t5":
+    if ctx.packed:  # masking_utils builds the packed rows' block-diagonal mask once, [1, 1, s, s] bool
+        f.hold(f.new(ctx.b * ctx.s * ctx.s, "bool", False))
+    if spec.is_encoder_decoder:
         for i in range(3):
             f.scope = f"s0.L{i}"
             x = fam.encoder_layer(x, i)
             out.setdefault("carry0", x) if i == 1 else None
         f.scope = "mid"
         enc = fam.encoder_final(x)
+        fam.start_decoder()
         x = fam.embed()
         for i in range(3):
             f.scope = f"s1.L{i}"
@@ -1227,21 +947,14 @@ def _head(spec, settings, ctx: _Ctx, f: _Forward, head_in: _T) -> _Head:
     """The head and the loss, forward and backward, as short event sequences."""
     f.scope = "head"
     T, cuda = ctx.tokens, ctx.cuda
-    width = spec.embedding_dim if spec.model_type == "opt" else spec.hidden_size
+    width = spec.embedding_dim or spec.hidden_size  # OPT's word_embed_proj_dim after project_out
     nb = lambda numel, dt: _nbytes(numel, _SIZE[dt], cuda)  # noqa: E731
     if settings.task == "seq-cls":
         # score / classifier on every position (decoder models) or on the pooled [CLS]
         # (BERT's pooler: dense + tanh + dropout): a few [b, labels] tensors.
         head_trainable = True  # fully trained, or peft's trainable copy (modules_to_save)
-        if spec.model_type == "bert":
-            cls = f.view(head_in, ctx.b * width)
-            pooled = f.activation(f.linear(cls, width, width, "dense", True, lora=False), "tanh")
-            pooled = f.dropout(pooled, spec.hidden_dropout)
-            logits = f.linear(pooled, width, settings.num_labels, "classifier", True, trainable=head_trainable,
-                              lora=False)
-        else:
-            logits = f.linear(head_in, width, settings.num_labels, "score", False, trainable=head_trainable,
-                              lora=False)
+        logits = _family(spec).Forward(spec, settings, f).seq_cls_logits(head_in, width, settings.num_labels,
+                                                                          head_trainable)
         f.hold(logits)
         saved = f.scope_bytes("head", held=False)
         held = f.scope_bytes("head", held=True) - saved
@@ -1251,6 +964,10 @@ def _head(spec, settings, ctx: _Ctx, f: _Forward, head_in: _T) -> _Head:
         grad_in = nb(T * width, head_in.dtype)
         return _Head(saved, held, small, grad_in + small, 0, grad_in, saved_w, held_w)
     head_trainable = ctx.full_ft
+    if settings.use_liger_kernel:
+        return _liger_head(spec, settings, ctx, f, head_in, width, head_trainable)
+    if settings.trainer != "trainer":
+        return _trl_fused_head(spec, settings, ctx, head_in, width, head_trainable)
     logits = f.linear(head_in, width, spec.vocab_size, "lm_head", False, trainable=head_trainable, lora=False)
     L = logits.numel
     cdt = logits.dtype
@@ -1309,6 +1026,110 @@ def _head(spec, settings, ctx: _Ctx, f: _Forward, head_in: _T) -> _Head:
     return _Head(saved, held, fwd_extra, bwd_peak, grad_w, hidden_grad, saved_w, held_w, peak_w, acts_extra)
 
 
+def _liger_head(spec, settings, ctx: _Ctx, f: _Forward, head_in: _T, width: int, trainable: bool) -> _Head:
+    """The head and loss under Liger's fused linear cross-entropy (`use_liger_kernel=True`).
+
+    Modelled from its algorithm (liger_kernel/ops/fused_linear_cross_entropy.py,
+    `fused_linear_cross_entropy_forward`); the Triton kernel itself only writes the
+    loss and, in place, the logits' gradient. The causal-LM forward Liger patches in
+    never materialises the logits; inside the forward the loss function:
+    - pads and shifts the labels (two int64 copies), keeps a fp32 loss per token
+      and the ignore mask;
+    - allocates grad_input = zeros_like(hidden) and grad_weight = zeros_like(lm_head
+      weight) (the weight's dtype), both saved for backward, which only scales them;
+    - walks the tokens in chunks of next_pow2(ceil(T / ceil(V / H))) rows: the
+      chunk's logits (compute dtype) become their own gradient in place, then
+      grad_input's rows are a chunk x H matmul and grad_weight accumulates
+      grad_logits^T @ input. On CUDA sm80+ that accumulation is an in-place addmm;
+      elsewhere (older GPUs, the CPU) Liger's fallback makes a V x H product in the
+      compute dtype and its fp32 copy (`torch.mm(...).float()`), per chunk.
+    Under autocast the weight's compute-dtype copy is cached, as for an ordinary head.
+    """
+    T, V, H = ctx.tokens, spec.vocab_size, width
+    nb = lambda numel, dt: _nbytes(numel, _SIZE[dt], ctx.cuda)  # noqa: E731
+    cdt = ctx.ac or head_in.dtype
+    held = weight_copy = 0
+    if ctx.ac and ctx.wdt != ctx.ac:
+        weight_copy = nb(V * H, ctx.ac)
+        if trainable:
+            held = weight_copy  # autocast's cache of a trainable leaf's cast
+    grad_input = nb(T * H, head_in.dtype)
+    grad_weight = nb(V * H, ctx.wdt) if trainable else 0
+    inc = -(-V // H)
+    chunk = min(T, 1 << max(0, (-(-T // inc) - 1).bit_length()))
+    labels = nb(ctx.b * (ctx.s + 1), "i64") + nb(T, "i64")  # padded, then the shifted contiguous copy
+    per_token = nb(T, "f32") + nb(T, "bool")  # loss_1d and the ignore mask
+    in_chunk = nb(chunk * H, cdt) if cdt != head_in.dtype else 0  # autocast's cast of the chunk
+    logits = nb(chunk * V, cdt)
+    step_grad_in = nb(chunk * H, cdt)
+    sm80 = True
+    if settings.gpu is not None:
+        from hf_memfit.hardware import find_gpu
+
+        sm80 = find_gpu(settings.gpu).compute_capability >= (8, 0)
+    legacy = trainable and not (ctx.cuda and sm80 and cdt in ("bf16", "f16"))
+    legacy_w = (nb(V * H, cdt) + (nb(V * H, "f32") if cdt != "f32" else 0)) if legacy else 0
+    uncached = weight_copy if not held else 0  # a frozen head's weight is cast again for each matmul
+    loop = in_chunk + logits + max(step_grad_in + uncached, legacy_w + in_chunk)
+    fwd_extra = labels + per_token + loop
+    return _Head(saved=grad_input, held=held, fwd_extra=fwd_extra, bwd_peak=0, grad_bytes=grad_weight,
+                 bwd_after=grad_input, saved_w=0, held_w=held, fwd_grads=grad_weight)
+# TRL 1.16's fused LM head (`add_fused_lm_head`, trl/trainer/utils.py; the kernel in
+# trl/kernels/chunked_logprob.py), which TRL's SFT and DPO trainers patch into the model.
+_TRL_TOKEN_CHUNK = 4096  # TOKEN_CHUNK_SIZE: tokens projected per tile
+_TRL_VOCAB_CHUNK = 32768  # _CHUNKED_LOGPROB_CHUNK_SIZE: the scratch tile's width, whatever the vocabulary
+# Per-token outputs each trainer asks the head for (the same table as step.TRL_HEAD_OUTPUTS).
+_TRL_HEAD_OUTPUTS = {"sft": ("log_probs", "entropy", "is_top1"), "dpo": ("log_probs", "entropy", "mean_logits", "is_top1")}
+# Without Triton (the CPU) torch ops fold each tile (`_forward_tile`, `_backward_tile`); their fp32
+# temporaries of the tile's shape [tokens, min(vocab, chunk)] at their most, counted by exact mode
+# running TRL 1.16's own code on fake tensors (head alone: fp32 and bf16 autocast, 126 to 4792 tokens,
+# vocab 1000 and 5000): 3 in forward (+ 2 bool masks, a quarter each, for `is_top1`), 7.25 in backward.
+# On CUDA the Triton kernels fold the tile in registers, in place.
+_TRL_CPU_FORWARD_TILES = 3.0
+_TRL_CPU_TOP1_TILES = 0.25
+_TRL_CPU_BACKWARD_TILES = 7.25
+
+
+def _trl_fused_head(spec, settings, ctx: _Ctx, head_in: _T, width: int, head_trainable: bool) -> _Head:
+    """TRL's fused LM head and loss: per-token log-probs in tiles, never the logits.
+
+    Forward: the shifted hidden states [N, H] (a copy; saved for backward), a
+    scratch tile [min(N, 4096), 32768] in the compute dtype, seven fp32 running
+    statistics per token, and on the CPU the torch fold's tile temporaries.
+    Backward: the tile again, fp32 accumulators for the hidden-state and (when
+    trained) the head-weight gradients, and the fold's temporaries.
+    """
+    cuda = ctx.cuda
+    nb = lambda numel, dt: _nbytes(numel, _SIZE[dt], cuda)  # noqa: E731
+    hd = head_in.dtype
+    cd = ctx.ac or hd
+    rows_tokens = ctx.b * (ctx.s - 1)  # labels shifted by one in every row
+    tile_rows = min(rows_tokens, _TRL_TOKEN_CHUNK)
+    tile_cols = min(spec.vocab_size, _TRL_VOCAB_CHUNK)
+    scratch = nb(tile_rows * _TRL_VOCAB_CHUNK, cd)
+    tile_f32 = nb(tile_rows * tile_cols, "f32")
+    outputs = _TRL_HEAD_OUTPUTS[settings.trainer]
+    fwd_tiles = 0 if cuda else int((_TRL_CPU_FORWARD_TILES + (_TRL_CPU_TOP1_TILES if "is_top1" in outputs else 0))
+                                   * tile_f32)
+    bwd_tiles = 0 if cuda else int(_TRL_CPU_BACKWARD_TILES * tile_f32)
+    hidden = nb(rows_tokens * width, hd)
+    hidden_cast = nb(tile_rows * width, cd) if cd != hd else 0
+    # saved: the hidden states, log Z and the entropy (fp32), the targets (int64)
+    saved = hidden + 2 * nb(rows_tokens, "f32") + nb(rows_tokens, "i64")
+    # returned: log-probs, entropy, the label mask and top-1 hits per token, with their masked copies
+    held = 4 * nb(rows_tokens, "f32") + 3 * nb(rows_tokens, "bool")
+    # during the head: the final norm's output (the backbone's output, until the forward returns), the
+    # running statistics, the clamped labels, the scratch tile and the fold's temporaries
+    fwd_extra = nb(ctx.tokens * width, hd) + 7 * nb(rows_tokens, "f32") + nb(rows_tokens, "i64") + \
+        scratch + hidden_cast + fwd_tiles
+    grad_w = nb(spec.vocab_size * width, ctx.wdt) if head_trainable else 0
+    accumulators = nb(rows_tokens * width, "f32") + (nb(spec.vocab_size * width, "f32") if head_trainable else 0)
+    weight_cast = nb(tile_cols * width, cd) if ctx.wdt != cd else 0
+    bwd_peak = scratch + bwd_tiles + accumulators + hidden_cast + weight_cast
+    hidden_grad = nb(ctx.tokens * width, hd)  # the shift's backward pads the grad back to [b, s, H]
+    return _Head(saved, held, fwd_extra, bwd_peak, grad_w, hidden_grad)
+
+
 def _activations(spec, settings) -> _Activations:
     ctx = _ctx(spec, settings)
     f, out = _run_forward(spec, settings, ctx)
@@ -1316,9 +1137,9 @@ def _activations(spec, settings) -> _Activations:
     if settings.gradient_checkpointing:
         # the recompute inside backward runs the layer as an ordinary forward (no KV cache)
         gc_f, _ = _run_forward(spec, settings, ctx)
-    head = _head(spec, settings, ctx, f, out["head_in"])
+    head = _head(spec, settings, f.ctx, f, out["head_in"])  # f.ctx: the decoder's, for seq2seq
     stacks = [_stack_summary(f, "s0", spec.num_layers, out["carry0"], gc_f)]
-    if spec.model_type == "t5":
+    if spec.is_encoder_decoder:
         stacks.append(_stack_summary(f, "s1", spec.num_decoder_layers, out["carry1"], gc_f))
 
     def part(scope):
@@ -1372,6 +1193,8 @@ def fast_step_memory(spec, settings) -> StepMemory:
     params = _parameters(spec, settings, ctx.wdt)
     trainable = [p for p in params if p.trainable]
     W = sum(_param_bytes(p, cuda) for p in params)
+    if settings.reference == "copy":  # DPO's frozen reference model: the base model again, without adapters
+        W += sum(_param_bytes(p, cuda) for p in params if p.kind not in ("lora", "head_copy"))
     G = sum(_param_bytes(p, cuda) for p in trainable)
     opt_tensors = _optimizer_tensors(params, settings, spec)
     O = sum(optimizers.state_bytes(t, settings.optim, cuda, optim_args=settings.optim_args) for t in opt_tensors)
@@ -1382,16 +1205,20 @@ def fast_step_memory(spec, settings) -> StepMemory:
     emb_grads = [_param_bytes(p, cuda) for p in params if p.trainable and p.kind == "embedding"]
     gc = settings.gradient_checkpointing
 
+    # Offloaded checkpoints (activation_checkpointing_kwargs={"offload": True}): each layer's saved
+    # input is copied to pinned host memory in the forward and back for the layer's recompute.
+    kept_inputs = 0 if settings.offload_activations else 1
+
     def stack_fwd(st: _Stack) -> tuple[int, int]:
         """Bytes (and weight copies among them) a whole stack holds at the end of its forward."""
         if gc:  # each checkpointed layer keeps its input; autocast still caches its weight copies
-            return st.first_held + st.depth * (st.carry + st.gc_held), st.depth * st.gc_held
+            return st.first_held + st.depth * (kept_inputs * st.carry + st.gc_held), st.depth * st.gc_held
         return st.total(True), st.total_w(True)
 
     def stack_saved(st: _Stack) -> tuple[int, int]:
         """Bytes (and weight copies) a stack keeps for backward once the forward is over."""
         if gc:  # the checkpoints keep each layer's input, and what layer 0 passes on (T5's bias)
-            return max(0, st.first_held) + st.depth * st.carry, 0
+            return max(0, st.first_held) + kept_inputs * st.depth * st.carry, 0
         return st.first_saved + st.depth * st.saved, st.first_saved_w + st.depth * st.saved_w
 
     candidates: dict[str, dict[str, int]] = {}
@@ -1416,15 +1243,18 @@ def fast_step_memory(spec, settings) -> StepMemory:
             fwd, fwd_w = fwd + total, fwd_w + total_w
         end = fwd + acts.final_saved + acts.final_held + head.saved + head.held + head.fwd_extra
         end_w = fwd_w + acts.final_w + acts.final_held_w + head.saved_w + head.held_w
-        candidates[f"{tag}|fwd|{last}.post"] = _row(W, g_live, O, end, 0, end_w)
+        # Liger's head gradient exists from the loss on: the .grad-to-be in the first micro-batch,
+        # a buffer added into .grad by backward in the later ones.
+        head_g, head_a = (0, head.fwd_grads) if m else (head.fwd_grads, 0)
+        candidates[f"{tag}|fwd|{last}.post"] = _row(W, g_live + head_g, O, end + head_a, 0, end_w)
         # --- backward: the head, then each stack top-down, then the embeddings --------
         stacks_saved = [stack_saved(st) for st in acts.stacks]
         below = acts.pre_saved + acts.mid_saved + sum(x for x, _ in stacks_saved)
         below_w = acts.pre_w + acts.mid_w + sum(x for _, x in stacks_saved)
         saved = below + acts.final_saved + head.saved
         saved_w = below_w + acts.final_w + head.saved_w
-        candidates[f"{tag}|bwd|pre"] = _row(W, g_live, O, saved + head.bwd_peak_acts, head.bwd_peak,
-                                            saved_w + head.bwd_peak_w)
+        candidates[f"{tag}|bwd|pre"] = _row(W, g_live + head_g, O, saved + head.bwd_peak_acts + head_a,
+                                            head.bwd_peak, saved_w + head.bwd_peak_w)
         # A tied weight's two gradients (head, embedding) meet in the autograd engine's input
         # buffer of its AccumulateGrad node: the head's waits there, as a temporary, until the
         # embedding's arrives; then their sum (made out of place) becomes, or is added into, .grad.
@@ -1447,7 +1277,7 @@ def fast_step_memory(spec, settings) -> StepMemory:
                 inner, new_g = ((recompute_end, 0) if recompute_end >= lb.acts + lb.grads + lb.temp
                                 else (lb.acts + lb.temp, lb.grads))
                 kept = max(0, st.first_held)
-                top = below + kept + st.depth * st.carry
+                top = below + kept + (st.depth if kept_inputs else 1) * st.carry
                 candidates[f"{tag}|bwd|{st.name}.first"] = _row(W, grads + new_g, O, top, inner + tied_tmp)
                 candidates[f"{tag}|bwd|{st.name}.last"] = _row(
                     W, grads + (st.depth - 1) * lb.layer_grads + new_g, O, below + kept + st.carry,
@@ -1462,7 +1292,7 @@ def fast_step_memory(spec, settings) -> StepMemory:
                     lb.temp + tied_tmp, below_w + st.first_saved_w + lb.acts_w)
             grads += st.depth * lb.layer_grads
             # Then the stack's embedding backward (T5's decoder reuses the shared table).
-            if k == 0 or spec.model_type == "t5":
+            if k == 0 or spec.is_encoder_decoder:  # T5's decoder reuses the shared table
                 grads_now = G if (m or k == 0) else grads + tied_tmp
                 if emb_grads:
                     # The embedding ops' saved tensors are gone by the dense backward.
@@ -1487,7 +1317,22 @@ def fast_step_memory(spec, settings) -> StepMemory:
         largest_param_numel=max(p.numel for p in params),
         quantizable_linear_params=_quantizable(spec, settings)[0],
         largest_linear_numel=_quantizable(spec, settings)[1],
+        host_bytes=_offloaded_checkpoint_bytes(acts, settings),
     )
+
+
+def _offloaded_checkpoint_bytes(acts: _Activations, settings) -> int:
+    """Pinned host memory for one micro-batch's offloaded checkpoint inputs (one hidden state per layer),
+    each allocation rounded to a power of two by the CUDA host allocator."""
+    if not (settings.offload_activations and settings.gradient_checkpointing):
+        return 0
+    return sum(st.depth * pinned_host_bytes(st.carry) for st in acts.stacks)
+
+
+def pinned_host_bytes(nbytes: int) -> int:
+    """What a pinned host allocation takes: CachingHostAllocator rounds it up to a power of two
+    (ATen/core/CachingHostAllocator.h, `PowerOf2Ceil`, below `pinned_max_round_threshold`, unlimited by default)."""
+    return 1 << max(0, (nbytes - 1).bit_length()) if nbytes > 0 else 0
 
 
 def _quantizable(spec, settings) -> tuple[int, int]:

@@ -99,6 +99,8 @@ class Plan:
     budget_bytes: int = 0
     fsdp: dict | None = None  # TrainingArguments `fsdp` / `fsdp_config` when the plan shards with FSDP
     optim_args: str | None = None  # TrainingArguments.optim_args ("bf16_stochastic_round=True" for pure bf16)
+    use_liger_kernel: bool = False
+    offload_activations: bool = False  # gradient_checkpointing_kwargs={"offload": True}
     optim_target_modules: list[str] | None = None  # GaLore / APOLLO
 
     def to_dict(self) -> dict:
@@ -113,6 +115,8 @@ class Plan:
             "torch_dtype": self.torch_dtype,
             "optim": self.optim,
             "optim_args": self.optim_args,
+            "use_liger_kernel": self.use_liger_kernel,
+            "offload_activations": self.offload_activations,
             "optim_target_modules": self.optim_target_modules,
             "attn_implementation": self.attn_implementation,
             "deepspeed": self.deepspeed,
@@ -142,10 +146,14 @@ class Plan:
         }
         if self.optim_args:
             kwargs["optim_args"] = self.optim_args
+        if self.use_liger_kernel:
+            kwargs["use_liger_kernel"] = True
         if self.optim_target_modules:
             kwargs["optim_target_modules"] = list(self.optim_target_modules)
         if self.gradient_checkpointing:
             kwargs["gradient_checkpointing_kwargs"] = {"use_reentrant": False}
+            if self.offload_activations:
+                kwargs["gradient_checkpointing_kwargs"]["offload"] = True
         if self.fsdp is not None:
             kwargs.update(self.fsdp)
         if self.deepspeed is not None:  # the plan's peak depends on this layout (TrainingArguments takes a dict)
@@ -206,7 +214,9 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
          precision: str | None = None, deepspeed_layout: tuple[int, str, str] | None = None,
          fsdp_layout: tuple[str, int, bool] | None = None, bnb_4bit_use_double_quant: bool = True,
          bnb_4bit_quant_storage: str | None = None, allow_pure_bf16: bool = False, allow_optimizers=(),
-         expandable_segments: bool = False, progress=None) -> PlanResult:
+         expandable_segments: bool = False, progress=None, use_liger_kernel: bool | None = None,
+         attn_implementation: str | None = None, trainer: str = "trainer", padding_free: bool = False,
+         reference_model: str | None = None, decoder_seq_len: int | None = None) -> PlanResult:
     """Pick the fastest configuration that trains `model` within the memory budget.
 
     The budget is `gpu_memory` (a size such as "12GiB", or "auto" for the local
@@ -228,6 +238,12 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
     gradients and torchao's low-bit AdamW with bf16 stochastic rounding) when no
     mixed-precision plan fits; `allow_optimizers` names optimizers the planner may
     switch to beyond the AdamW ladder (galore_adamw, apollo_adamw, adafactor, ...).
+    Liger's fused linear cross-entropy (same loss, no logits) is searched for the
+    causal-LM families it patches when `liger_kernel` is installed, or when
+    `use_liger_kernel` is True; False never searches it.
+    `attn_implementation` pins the attention (the trainer passes the loaded
+    model's); `trainer`, `padding_free`, `reference_model` and
+    `decoder_seq_len` describe the step as `TrainSettings` does.
     Raises `MemFitError` when the request is invalid or nothing fits, saying what would.
     """
     spec = model if isinstance(model, ModelSpec) else resolve_model(model)
@@ -265,7 +281,10 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
         precision, precision_reason = _precision(gpu_info, device, load_in_4bit)
     else:
         precision_reason = f"precision {precision}: as the model was loaded"
-    attn, attn_reason = _attention(gpu_info, device)
+    if attn_implementation is None:
+        attn, attn_reason = _attention(gpu_info, device)
+    else:
+        attn, attn_reason = attn_implementation, f"attention {attn_implementation}: as the model was loaded"
     base = TrainSettings(
         batch_size=1, seq_len=seq_len, task=task, num_labels=num_labels, precision=precision, optim=optim,
         attn_implementation=attn, lora_r=lora_r, lora_alpha=lora_alpha,
@@ -273,6 +292,7 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
         load_in_4bit=load_in_4bit, num_gpus=num_gpus, num_nodes=num_nodes, device=device,
         gpu=gpu_info.name if gpu_info else None, mode="fast", expandable_segments=expandable_segments,
         bnb_4bit_use_double_quant=bnb_4bit_use_double_quant, bnb_4bit_quant_storage=bnb_4bit_quant_storage,
+        trainer=trainer, padding_free=padding_free, reference_model=reference_model, decoder_seq_len=decoder_seq_len,
     ).validate(spec)
     fixed_layout = None
     if deepspeed_layout is not None and fsdp_layout is not None:
@@ -291,18 +311,24 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
         # stochastic-rounding optimizers as a pure-bf16 plan.
         base = base.replace(optim_args=optimizers.BF16_STOCHASTIC_ROUND_ARGS)
         optims = optimizers.PURE_BF16_LADDER
-    grid = _grid(base, per_rank, allow_offload, keep_optimizer, world, fixed_layout, optims,
-                 _low_rank_targets(spec, base))
+    liger = _liger_searched(spec, base, use_liger_kernel)
+    # Offloading activation checkpoints is host offload too: searched on GPUs unless `--allow-offload none`.
+    offload_acts = base.device == "cuda" and allow_offload != "none"
+    grid = _with_activation_offload(_with_liger(_grid(base, per_rank, allow_offload, keep_optimizer, world,
+                                                      fixed_layout, optims, _low_rank_targets(spec, base)),
+                                                liger), offload_acts)
     candidates = [_evaluate(spec, s, usable, host, gpu_info) for s in grid]
-    fitting = sorted((c for c in candidates if c.fits), key=lambda c: c.step_seconds)
+    fitting = _fitting_last_resort_last(candidates)
     fast_total = fitting[0].estimate.device_total_bytes if fitting else 0
     fitting = _confirm_exact(spec, fitting, usable, host, everything=mode == "exact", progress=progress)
     pure_base = _pure_bf16_base(base, gpu_info, deepspeed_layout)
     if not fitting and allow_pure_bf16 and pure_base is not None:
         # Only once no mixed-precision plan fits: pure bf16 changes the numerics.
-        pure = [_evaluate(spec, s, usable, host, gpu_info) for s in _pure_bf16_grid(pure_base, per_rank)]
+        pure = [_evaluate(spec, s, usable, host, gpu_info)
+                for s in _with_activation_offload(_with_liger(_pure_bf16_grid(pure_base, per_rank), liger),
+                                                  offload_acts)]
         candidates += pure
-        fitting = sorted((c for c in pure if c.fits), key=lambda c: c.step_seconds)
+        fitting = _fitting_last_resort_last(pure)
         fast_total = fitting[0].estimate.device_total_bytes if fitting else 0
         fitting = _confirm_exact(spec, fitting, usable, host, everything=mode == "exact", progress=progress)
     if not fitting:
@@ -398,6 +424,45 @@ def _attention(gpu_info, device: str) -> tuple[str, str]:
     if flash_ok:
         return "sdpa", "attention sdpa (its flash kernel): flash-attn is not installed, SDPA keeps the same O(s) memory"
     return "sdpa", "attention sdpa (memory-efficient kernel): this GPU predates flash attention (sm80+)"
+
+
+def _liger_searched(spec: ModelSpec, base: TrainSettings, use_liger_kernel: bool | None) -> bool:
+    """Whether to search Liger's fused loss: a causal LM of a family it patches, installed or asked for, on a GPU."""
+    from hf_memfit.settings import LIGER_MODEL_TYPES
+
+    if use_liger_kernel is False or base.device != "cuda" or base.task != "causal-lm":
+        return False
+    if spec.model_type not in LIGER_MODEL_TYPES:
+        return False
+    return bool(use_liger_kernel) or importlib.util.find_spec("liger_kernel") is not None
+
+
+def _fitting_last_resort_last(candidates: list[Candidate]) -> list[Candidate]:
+    """The fitting candidates, fastest first; offloaded activation checkpoints only when nothing else fits.
+
+    Offloaded checkpoints hold pinned host memory (one hidden state per layer per rank, which host RAM that is
+    not checked may not have) and slow every step by copies on the compute stream; the speed model can rank
+    them first on a bigger micro-batch, but the plan keeps them as a last resort and says what they would do.
+    """
+    fitting = sorted((c for c in candidates if c.fits), key=lambda c: c.step_seconds)
+    on_device = [c for c in fitting if not c.settings.offload_activations]
+    return on_device or fitting
+
+
+def _with_activation_offload(grid, searched: bool):
+    """Each configuration, and (when searched) its checkpointed ones with the checkpoints offloaded to the host."""
+    for settings in grid:
+        yield settings
+        if searched and settings.gradient_checkpointing:
+            yield settings.replace(offload_activations=True)
+
+
+def _with_liger(grid, liger: bool):
+    """Each configuration, and (when searched) the same with Liger's fused linear cross-entropy."""
+    for settings in grid:
+        yield settings
+        if liger:
+            yield settings.replace(use_liger_kernel=True)
 
 
 def _allowed_optimizers(base: TrainSettings, allowed: tuple[str, ...], keep_optimizer: bool) -> tuple[str, ...]:
@@ -597,6 +662,9 @@ def step_seconds(spec: ModelSpec, settings: TrainSettings, est: MemoryEstimate, 
         # Each micro-batch fetches every parameter for forward and again for backward.
         rate = pcie if settings.offload_param == "cpu" else min(pcie, NVME_BYTES_PER_S)
         offload_param = micro_steps * 2 * w_bytes * params / rate
+    # Offloaded activation checkpoints: each micro-batch copies every layer's input to the host and back,
+    # on the compute stream (transformers' save_on_cpu), so nothing overlaps them.
+    offload_activations = micro_steps * 2 * offloaded_activation_bytes(spec, settings) / pcie
     if settings.fsdp_offload:
         # FSDP copies each rank's host shard in before every all-gather (forward and backward)
         # and each reduced gradient shard out.
@@ -622,7 +690,16 @@ def step_seconds(spec: ModelSpec, settings: TrainSettings, est: MemoryEstimate, 
         else:
             comm = 2 * grad_bytes * ring / link  # DDP all-reduce once per optimizer step (no_sync while accumulating)
         comm *= 1 - COMM_OVERLAP
-    return compute + optimizer + offload_param + comm
+    return compute + optimizer + offload_param + offload_activations + comm
+
+
+def offloaded_activation_bytes(spec: ModelSpec, settings: TrainSettings) -> int:
+    """Bytes of checkpoint inputs one micro-batch offloads: one hidden state per checkpointed layer."""
+    if not settings.offload_activations:
+        return 0
+    layers = spec.num_layers + (spec.num_decoder_layers or 0)
+    act_bytes = 4 if settings.weights_dtype == "float32" else 2  # the residual stream stays fp32 under autocast
+    return layers * settings.batch_size * settings.seq_len * spec.hidden_size * act_bytes
 
 
 def _micro_batch_flops(spec: ModelSpec, settings: TrainSettings, est: MemoryEstimate,
@@ -695,7 +772,7 @@ def _runners_up(best: Candidate, fitting: list[Candidate], candidates: list[Cand
 
 
 def _knobs(s: TrainSettings) -> tuple:
-    return (s.gradient_checkpointing, s.optim) + _layout_key(s) + (s.precision,)
+    return (s.gradient_checkpointing, s.optim) + _layout_key(s) + (s.precision, s.use_liger_kernel, s.offload_activations)
 
 
 def _layout_key(s: TrainSettings) -> tuple:
@@ -712,6 +789,10 @@ def _difference(chosen: TrainSettings, other: TrainSettings) -> str:
         parts.append(other.optim)
     if other.precision != chosen.precision:
         parts.append("pure bf16" if other.precision == "bf16" else other.precision)
+    if other.use_liger_kernel != chosen.use_liger_kernel:
+        parts.append("Liger " + ("on" if other.use_liger_kernel else "off"))
+    if other.offload_activations != chosen.offload_activations:
+        parts.append("activation offload " + ("on" if other.offload_activations else "off"))
     if _layout_key(other) != _layout_key(chosen):
         parts.append(_layout_text(other))
     return ", ".join(parts) or "same knobs"
@@ -782,6 +863,17 @@ def _make_plan(best: Candidate, candidates, usable: int, budget: int, ideal_seco
                        "the config's `optimizer` section; the Trainer's `optim` is not used")
     else:
         reasons.append(_optimizer_reason(s, candidates, keep_optimizer))
+    activation_reason = _activation_offload_reason(best, candidates)
+    if activation_reason:
+        reasons.append(activation_reason)
+    if s.use_liger_kernel:
+        plain = _lookup(candidates, s.replace(use_liger_kernel=False))
+        detail = (f"; without it the peak would be {format_bytes(plain.estimate.device_total_bytes)}"
+                  if plain is not None and not plain.fits else
+                  "; it fits without it too, but only with a smaller micro-batch or more recompute"
+                  if plain is not None else "")
+        reasons.append("Liger fused linear cross-entropy (`use_liger_kernel=True`): the loss runs over chunks of "
+                       "tokens and never materialises the logits or their fp32 copies" + detail)
     reasons.append(attn_reason)
     if s.zero_stage or s.fsdp is not None:
         plain = _lookup(candidates, s.replace(zero_stage=0, offload_optimizer="none", offload_param="none", fsdp=None,
@@ -825,8 +917,35 @@ def _make_plan(best: Candidate, candidates, usable: int, budget: int, ideal_seco
         budget_bytes=budget,
         fsdp=fsdp,
         optim_args=s.optim_args,
+        use_liger_kernel=s.use_liger_kernel,
+        offload_activations=s.offload_activations,
         optim_target_modules=list(s.optim_target_modules) if s.optim_target_modules else None,
     )
+
+
+def _activation_offload_reason(best: Candidate, candidates) -> str:
+    """Why the checkpoints are (or are not) offloaded to the host: what it frees on the GPU and what the copies cost."""
+    s = best.settings
+    if not s.gradient_checkpointing:
+        return ""
+    other = _lookup(candidates, s.replace(offload_activations=not s.offload_activations))
+    if other is None:
+        return ""
+    on, off = (best, other) if s.offload_activations else (other, best)
+    freed = off.estimate.device_total_bytes - on.estimate.device_total_bytes
+    copy_s = on.step_seconds - off.step_seconds
+    share = f"{100 * copy_s / on.step_seconds:.0f}% of the step"
+    if s.offload_activations:
+        why = (f"without it the peak would be {format_bytes(off.estimate.device_total_bytes)}" if not off.fits else
+               "it lets this micro-batch fit")
+        return (f"activation checkpoints offloaded to pinned host memory (`activation_checkpointing_kwargs="
+                f"{{\"offload\": True}}`): {why}; it frees {format_bytes(freed)} on the GPU and costs "
+                f"{copy_s:.2f} s of PCIe copies per step ({share})")
+    if freed <= 0:
+        return ""
+    return (f"activation checkpoints stay on the GPU: offloading them would free {format_bytes(freed)} but add "
+            f"{copy_s:.2f} s of PCIe copies per step ({share}) on the compute stream and pin host memory, and a "
+            "plan fits without it")
 
 
 def _optimizer_reason(s: TrainSettings, candidates, keep_optimizer: bool) -> str:
@@ -883,14 +1002,17 @@ def _nothing_fits(spec, base: TrainSettings, candidates, usable: int, budget: in
         settings = base.replace(**{**lean, **changes})
         ranks = settings.world_size
         choices = (settings.optim,) if "optim" in changes else optims
+        # The plan also offloads activation checkpoints as a last resort wherever host offload is allowed.
+        offloads = (False, True) if on_gpu and (allow_offload != "none" or "offload_optimizer" in changes) else (False,)
         fitting = []
         for optim in choices:
             for micro in sorted({1, global_batch // ranks}):
-                trial = settings.replace(optim=optim, batch_size=micro,
-                                         gradient_accumulation_steps=global_batch // ranks // micro)
-                est = estimate_settings(spec, trial)
-                if not _why_not(est, usable, host):
-                    fitting.append(est)
+                for offload_activations in offloads:
+                    trial = settings.replace(optim=optim, batch_size=micro, offload_activations=offload_activations,
+                                             gradient_accumulation_steps=global_batch // ranks // micro)
+                    est = estimate_settings(spec, trial)
+                    if not _why_not(est, usable, host):
+                        fitting.append(est)
         return min(fitting, key=lambda e: e.device_total_bytes, default=None)
 
     if on_device:  # the GPU could hold some of them: host memory is what binds
@@ -916,7 +1038,7 @@ def _nothing_fits(spec, base: TrainSettings, candidates, usable: int, budget: in
     remedies: list[tuple[str, dict]] = []
     if on_gpu and allow_offload == "none" and not base.load_in_4bit:
         remedies.append(("`--allow-offload cpu`", offload))
-    if on_gpu and base.num_nodes == 1:
+    if on_gpu and base.num_nodes == 1 and not base.load_in_4bit:  # 4-bit weights are not partitioned by ZeRO-3
         for gpus in (2 * world, 4 * world, 8 * world):
             if gpus <= 8 and per_rank * world % gpus == 0:
                 layout = offload if allow_offload != "none" else dict(zero_stage=3, optim="adamw_torch_fused")

@@ -60,7 +60,9 @@ class RecipeArguments:
                                                                   "Default: wikitext-2 (SST-2 for classification)."})
     dry_run: bool = field(default=False, metadata={"help": "Print the plan for the real model (offline) and exit."})
     smoke: bool = field(default=False, metadata={"help": "The same code path on the CPU: a tiny model, local data "
-                                                         "and tokenizer, a few steps."})
+                                                         "and tokenizer, a few steps (at learning rate 1e-3 unless "
+                                                         "--learning_rate is given); fails unless the loss on a "
+                                                         "fixed batch decreases."})
     cpu_memory: str | None = field(default=None, metadata={"help": "Host RAM per node `--dry-run` plans for "
                                                                    "(e.g. 16GiB), checked against offloaded state."})
     num_nodes: int = field(default=1, metadata={"help": "Nodes to plan `--dry-run` for. A launched run plans for "
@@ -168,16 +170,19 @@ def _half_precision_base(recipe: Recipe) -> bool:
 
 
 def _train(recipe: Recipe, model, tokenizer, dataset, train_args):
-    from transformers import DataCollatorWithPadding, default_data_collator
-
     from hf_memfit.trainer import MemFitTrainer
 
-    # Classification pads each batch to its longest line; language-model blocks all have `seq_len` tokens.
-    collator = DataCollatorWithPadding(tokenizer) if recipe.task == "seq-cls" else default_data_collator
-    trainer = MemFitTrainer(model=model, args=train_args, train_dataset=dataset, data_collator=collator,
-                            processing_class=tokenizer)
+    trainer = MemFitTrainer(model=model, args=train_args, train_dataset=dataset,
+                            data_collator=_collator(recipe, tokenizer), processing_class=tokenizer)
     trainer.train()
     return trainer
+
+
+def _collator(recipe: Recipe, tokenizer):
+    from transformers import DataCollatorWithPadding, default_data_collator
+
+    # Classification pads each batch to its longest line; language-model blocks all have `seq_len` tokens.
+    return DataCollatorWithPadding(tokenizer) if recipe.task == "seq-cls" else default_data_collator
 
 
 # --- model and data (the real run and the smoke run) -----------------------------------
@@ -306,6 +311,9 @@ def _first_line(error: BaseException) -> str:
 SMOKE_SEQ_LEN = 64
 SMOKE_GLOBAL_BATCH = 8
 SMOKE_STEPS = 3
+# A few steps at the Trainer's default 5e-5 barely move a freshly initialised model, so a smoke run could not
+# tell training from doing nothing; unless `--learning_rate` is given it trains at 1e-3, enough to show learning.
+SMOKE_LEARNING_RATE = 1e-3
 
 _WORDS = ("the model memory budget gradient layer token batch step optimizer adapter checkpoint "
           "attention sequence weight fits plan device peak train loss data small large fast").split()
@@ -396,10 +404,37 @@ def _smoke(recipe: Recipe, train_args, recipe_args, scratch: Path):
         train_args, use_cpu=True, output_dir=output_dir, global_batch_size=SMOKE_GLOBAL_BATCH,
         memory_budget=_smoke_budget(recipe, model, max(map(len, dataset["input_ids"])), train_args.headroom),
         max_steps=train_args.max_steps if train_args.max_steps > 0 else SMOKE_STEPS,
+        learning_rate=SMOKE_LEARNING_RATE if train_args.learning_rate == _default("learning_rate", train_args)
+        else train_args.learning_rate,
         report_to=[], save_strategy="no", logging_steps=1, disable_tqdm=True)
+    probe = _collator(recipe, tokenizer)([dataset[i] for i in range(min(SMOKE_GLOBAL_BATCH, len(dataset)))])
+    before = _probe_loss(model, probe)
     trainer = _train(recipe, model, tokenizer, dataset, train_args)
-    print(_smoke_summary(trainer) + (" (removed)" if removed else ""))
+    print(_smoke_summary(trainer, before, _probe_loss(trainer.model, probe)) + (" (removed)" if removed else ""))
     return trainer
+
+
+def _default(name: str, args):
+    return next(f.default for f in dataclasses.fields(args) if f.name == name)
+
+
+def _probe_loss(model, batch) -> float:
+    """The loss on a fixed batch, before and after training: it shows whether the run learned.
+
+    In training mode with a fixed seed (the same dropout masks both times), not eval mode: on CPUs
+    with AVX512-BF16, an eval-mode forward makes bitsandbytes repack 4-bit weights for inference
+    (`Linear4bit.forward`, `_convert_weight_packed_for_cpu`), and training afterwards gets no gradients.
+    """
+    import torch
+
+    training = model.training
+    model.train()
+    try:
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            torch.manual_seed(0)
+            return float(model(**batch).loss)
+    finally:
+        model.train(training)
 
 
 def _smoke_budget(recipe: Recipe, model, seq_len: int, headroom: float) -> str:
@@ -421,19 +456,24 @@ def _smoke_budget(recipe: Recipe, model, seq_len: int, headroom: float) -> str:
     return f"{math.ceil(peak * 1.02 / (1 - headroom))}B"
 
 
-def _smoke_summary(trainer) -> str:
+def _smoke_summary(trainer, probe_before: float, probe_after: float) -> str:
     plan, history = trainer.memfit_plan, trainer.state.log_history
     losses = [h["loss"] for h in history if "loss" in h]
     if trainer.state.global_step < trainer.args.max_steps or not losses:
         raise SmokeFailure(f"{trainer.state.global_step} of {trainer.args.max_steps} steps ran")
-    if not all(math.isfinite(loss) for loss in losses):
-        raise SmokeFailure(f"non-finite loss: {losses}")
+    if not all(math.isfinite(loss) for loss in losses + [probe_before, probe_after]):
+        raise SmokeFailure(f"non-finite loss: {losses}, probe {probe_before} -> {probe_after}")
+    # The logged losses are of different batches; a fixed batch before and after says whether it learned.
+    if not probe_after < probe_before:
+        raise SmokeFailure(f"the loss on a fixed batch did not decrease: {probe_before:.4f} -> {probe_after:.4f} "
+                           f"(logged losses {', '.join(f'{loss:.3f}' for loss in losses)})")
     check = next((h for h in history if "memfit/measured_peak_bytes" in h), None)
     measured = (f"; measured peak {format_bytes(check['memfit/measured_peak_bytes'])}, predicted "
                 f"{format_bytes(check['memfit/predicted_peak_bytes'])}" if check else "")
     return (f"smoke run passed: {trainer.state.global_step} steps of micro-batch {plan.per_device_train_batch_size} x "
             f"accumulation {plan.gradient_accumulation_steps}, gradient checkpointing "
-            f"{'on' if plan.gradient_checkpointing else 'off'}, loss {losses[0]:.3f} -> {losses[-1]:.3f}{measured}; "
+            f"{'on' if plan.gradient_checkpointing else 'off'}, loss on a fixed batch {probe_before:.4f} -> "
+            f"{probe_after:.4f}{measured}; "
             f"output in {trainer.args.output_dir}")
 
 

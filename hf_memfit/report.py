@@ -47,6 +47,14 @@ def settings_line(settings) -> str:
         parts.append(f"param offload {settings.offload_param}")
     if settings.fsdp is not None:
         parts.append(f"FSDP{settings.fsdp_version} {settings.fsdp}" + (" + CPU offload" if settings.fsdp_offload else ""))
+    if settings.trainer != "trainer":
+        parts.append(f"TRL {settings.trainer.upper()} step (fused LM head)")
+    if settings.reference:
+        parts.append(f"reference {settings.reference}")
+    if settings.padding_free:
+        parts.append("padding-free")
+    if settings.decoder_seq_len is not None:
+        parts.append(f"decoder seq {settings.decoder_seq_len}")
     return ", ".join(p for p in parts if p)
 
 
@@ -97,6 +105,8 @@ def format_plan(result) -> str:
         ("optim", p.optim + (f" ({p.optim_args})" if p.optim_args else "") if s.offload_optimizer == "none"
          else f"{OFFLOADED_OPTIMIZER} on the host (DeepSpeed's optimizer section)"),
         ("attn_implementation", p.attn_implementation),
+        *([("use_liger_kernel", "True")] if p.use_liger_kernel else []),
+        *([("activation checkpoints", "offloaded to the host")] if p.offload_activations else []),
         ("sharding", _layout_text(s)),
         (f"predicted peak per GPU ({'nvidia-smi' if s.device == 'cuda' else 'allocator'}, {est.settings.mode} mode)",
          format_bytes(est.device_total_bytes)),
@@ -142,7 +152,8 @@ def step_command(command: str, model: str, s) -> str:
     flags = [f"--batch-size {s.batch_size}", f"--seq-len {s.seq_len}"]
     if s.gradient_accumulation_steps != 1:
         flags.append(f"--gradient-accumulation-steps {s.gradient_accumulation_steps}")
-    for name in ("task", "precision", "optim", "attn_implementation", "lora_r", "lora_alpha", "gpu"):
+    for name in ("task", "precision", "optim", "attn_implementation", "lora_r", "lora_alpha", "gpu", "trainer",
+                 "reference_model", "decoder_seq_len"):
         value = getattr(s, name)
         if value is not None and value != getattr(default, name):
             flags.append(f"--{name.replace('_', '-')} {value}")
@@ -154,7 +165,8 @@ def step_command(command: str, model: str, s) -> str:
         flags.append(f'--optim-args "{s.optim_args}"')
     if s.optim_target_modules:
         flags.append(f"--optim-target-modules {','.join(s.optim_target_modules)}")
-    for name in ("gradient_checkpointing", "load_in_4bit", "expandable_segments"):
+    for name in ("gradient_checkpointing", "offload_activations", "load_in_4bit", "use_liger_kernel",
+                 "expandable_segments", "padding_free"):
         if getattr(s, name):
             flags.append(f"--{name.replace('_', '-')}")
     names = ("num_gpus", "num_nodes", "zero_stage", "offload_optimizer", "offload_param", "fsdp", "device")

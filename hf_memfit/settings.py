@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field, replace
 from hf_memfit.errors import check_all
 from hf_memfit.optimizers import OPTIMIZERS  # the one optimizer model: every optim name we plan
 
-TASKS = ("causal-lm", "seq-cls", "seq2seq")
+TASKS = ("causal-lm", "seq-cls", "seq2seq", "token-cls", "image-text-to-text")
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16", "fp16")
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2")
 OFFLOAD_TARGETS = ("none", "cpu", "nvme")
@@ -21,7 +21,18 @@ FSDP_STRATEGIES = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard")
 FSDP_VERSIONS = (1, 2)
 QUANT_STORAGE_DTYPES = ("uint8", "bfloat16", "float16", "float32")
 DEVICES = ("cuda", "cpu")
+# Model types whose causal-LM forward Liger replaces with its fused linear cross-entropy
+# (liger_kernel/transformers/monkey_patch.py, MODEL_TYPE_TO_APPLY_LIGER_FN; transformers'
+# `use_liger_kernel` calls `_apply_liger_kernel_to_instance`, a no-op for other types).
+LIGER_MODEL_TYPES = frozenset({"llama", "mistral", "mixtral", "gemma", "gemma2", "qwen2", "qwen3", "phi3"})
 MODES = ("fast", "exact")
+# The training step's loss: the HF Trainer's (the model's own loss over the full logits), or a TRL
+# trainer's, which patches the model with a fused LM head (trl.trainer.utils.add_fused_lm_head) that
+# never materializes the logits; DPO also runs chosen and rejected rows together and a reference forward.
+TRAINERS = ("trainer", "sft", "dpo")
+# DPO's reference log-probs: a separate frozen copy of the model, the same model with its LoRA adapters
+# disabled, or precomputed over the dataset before training (no reference forward in the step).
+REFERENCE_MODELS = ("copy", "adapters", "precomputed")
 
 @dataclass(frozen=True)
 class TrainSettings:
@@ -39,6 +50,9 @@ class TrainSettings:
     optim_args: str | None = None  # TrainingArguments.optim_args: "bf16_stochastic_round=True", "rank=64", ...
     optim_target_modules: tuple[str, ...] | None = None  # GaLore / APOLLO: module names, or ("all-linear",)
     gradient_checkpointing: bool = False
+    use_liger_kernel: bool = False  # TrainingArguments.use_liger_kernel: Liger's fused linear cross-entropy head
+    # activation_checkpointing_kwargs={"offload": True}: each checkpointed layer's saved input goes to pinned host memory
+    offload_activations: bool = False
     attn_implementation: str | None = None  # None: transformers' default (sdpa)
     gradient_accumulation_steps: int = 1
     lora_r: int | None = None
@@ -59,6 +73,11 @@ class TrainSettings:
     gpu: str | None = None  # a hardware.py name; decides flash support and CUDA overheads
     expandable_segments: bool = False  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
     mode: str = "fast"
+    # What the trainer's step runs beyond the model (TRL); see TRAINERS and REFERENCE_MODELS.
+    trainer: str = "trainer"
+    padding_free: bool = False  # the micro-batch's rows are concatenated into one row (TRL padding_free / bfd packing)
+    reference_model: str | None = None  # DPO only; None: "adapters" under LoRA, else "copy"
+    decoder_seq_len: int | None = None  # seq2seq: the label / decoder length; None: seq_len
 
     @property
     def world_size(self) -> int:
@@ -95,6 +114,27 @@ class TrainSettings:
     @property
     def compute_dtype(self) -> str:
         return self.autocast_dtype or self.weights_dtype
+
+    @property
+    def reference(self) -> str | None:
+        """DPO's reference model as it runs ("copy", "adapters", "precomputed"); None outside DPO."""
+        if self.trainer != "dpo":
+            return None
+        return self.reference_model or ("adapters" if self.uses_lora else "copy")
+
+    @property
+    def rows(self) -> int:
+        """Rows of the batch the model sees: DPO concatenates chosen and rejected; padding-free packs all in one."""
+        if self.padding_free:
+            return 1
+        return self.batch_size * (2 if self.trainer == "dpo" else 1)
+
+    @property
+    def row_len(self) -> int:
+        """Tokens per row of the batch the model sees."""
+        if self.padding_free:
+            return self.batch_size * (2 if self.trainer == "dpo" else 1) * self.seq_len
+        return self.seq_len
 
     def replace(self, **changes) -> "TrainSettings":
         return replace(self, **changes)
@@ -146,6 +186,13 @@ class TrainSettings:
                 problems.append(f"`--optim {self.optim}` is a full fine-tuning optimizer: drop `--lora-r`")
         if self.optim_target_modules and (self.optim not in OPTIMIZERS or not OPTIMIZERS[self.optim].low_rank):
             problems.append("`--optim-target-modules` is for GaLore / APOLLO optimizers (`--optim galore_adamw`, ...)")
+        if self.offload_activations and not self.gradient_checkpointing:
+            problems.append("`--offload-activations` moves the checkpoints' saved inputs to the host: add "
+                            "`--gradient-checkpointing`")
+        if self.offload_activations and self.device != "cuda":
+            problems.append("`--offload-activations` copies activations from a GPU to the host: it needs `--device cuda`")
+        if self.use_liger_kernel and self.task not in (None, "causal-lm"):
+            problems.append("`--use-liger-kernel` fuses the causal-LM head and loss: it needs `--task causal-lm`")
         if self.zero_stage not in (0, 1, 2, 3):
             problems.append(f"`--zero-stage` must be 0, 1, 2 or 3; got {self.zero_stage!r}")
         if self.lora_r is not None and (not isinstance(self.lora_r, int) or self.lora_r <= 0):
@@ -167,6 +214,18 @@ class TrainSettings:
             # DeepSpeed runs on the CPU in one process (its multi-process CPU launch is not supported
             # by the Trainer); DDP over CPU processes (gloo) is modelled per process.
             problems.append("`--device cpu` with `--zero-stage` estimates one DeepSpeed process: drop `--num-gpus/--num-nodes`")
+        if self.trainer not in TRAINERS:
+            problems.append(f"`--trainer` must be one of {', '.join(TRAINERS)}; got {self.trainer!r}")
+        if self.reference_model is not None and self.reference_model not in REFERENCE_MODELS:
+            problems.append(f"`--reference-model` must be one of {', '.join(REFERENCE_MODELS)}; got {self.reference_model!r}")
+        if self.reference_model is not None and self.trainer != "dpo":
+            problems.append("`--reference-model` is a DPO setting: add `--trainer dpo`")
+        if self.reference_model == "adapters" and not self.uses_lora:
+            problems.append("`--reference-model adapters` needs LoRA (`--lora-r`): a full fine-tune has no adapters to disable")
+        if self.padding_free and self.trainer == "dpo":
+            problems.append("`--padding-free` is not available for DPO in TRL 1.16 (DPOTrainer falls back to padding)")
+        if self.decoder_seq_len is not None and (not isinstance(self.decoder_seq_len, int) or self.decoder_seq_len <= 0):
+            problems.append(f"`--decoder-seq-len` must be a positive integer, got {self.decoder_seq_len!r}")
         if self.device == "cpu" and self.attn_implementation == "flash_attention_2":
             problems.append("`--attn-implementation flash_attention_2` needs `--device cuda`")
         if self.attn_implementation == "flash_attention_2" and self.compute_dtype == "float32":
@@ -236,7 +295,17 @@ def _validate_against_model(settings: TrainSettings, spec) -> tuple[TrainSetting
     task = settings.task or spec.default_task
     if task not in spec.supported_tasks:
         problems.append(f"`--task {task}` is not available for {spec.model_type} models; use one of {', '.join(spec.supported_tasks)}")
+    if settings.use_liger_kernel and spec.model_type not in LIGER_MODEL_TYPES:
+        problems.append(f"`--use-liger-kernel` does nothing for {spec.model_type} models: Liger patches "
+                        f"{', '.join(sorted(LIGER_MODEL_TYPES))}")
+    if settings.use_liger_kernel and task != "causal-lm":
+        problems.append("`--use-liger-kernel` fuses the causal-LM head and loss: it needs `--task causal-lm`")
+    if settings.trainer != "trainer" and task != "causal-lm":
+        problems.append(f"`--trainer {settings.trainer}` trains causal language models; {spec.name} is planned as {task}")
+    if settings.decoder_seq_len is not None and task != "seq2seq":
+        problems.append("`--decoder-seq-len` is for encoder-decoder (seq2seq) models")
     limit = spec.max_position_embeddings
+    # (padding-free rows restart their position ids at every packed sequence: the limit is per sequence)
     if limit is not None and settings.seq_len > limit:
         problems.append(f"`--seq-len {settings.seq_len}` is over {spec.name}'s maximum of {limit} positions; use `--seq-len {limit}` or less")
     if settings.optim_target_modules and settings.optim_target_modules != ("all-linear",):
@@ -247,7 +316,7 @@ def _validate_against_model(settings: TrainSettings, spec) -> tuple[TrainSetting
                             f"modules are {', '.join(known)} (or use all-linear)")
     if settings.uses_lora and settings.lora_target_modules is not None:
         known = sorted({m.name for m in spec.linear_modules()})
-        missing = [m for m in settings.lora_target_modules if m not in known]
+        missing = [m for m in settings.lora_target_modules if m not in known and m != "all-linear"]
         if missing:
             problems.append(f"`--lora-target-modules` {', '.join(missing)} not found in {spec.name}; its linear modules are {', '.join(known)}")
     return settings.replace(task=task), problems

@@ -86,6 +86,10 @@ def shard(step: StepMemory, settings: TrainSettings, hidden_size: int, units: Wr
     """
     candidates = {region: dict(b) for region, b in step.candidates.items()}
     rank = RankMemory(candidates)
+    if step.host_bytes:
+        # Offloaded activation checkpoints: pinned host memory, one micro-batch's worth.
+        rank.cpu_bytes += step.host_bytes
+        rank.notes.append(f"activation checkpoints offloaded to pinned host memory: {step.host_bytes / 2**20:.0f} MiB")
     if settings.load_in_4bit:
         _pack_4bit(rank, step, settings)
     if settings.optim.startswith("paged_") and settings.device == "cuda":  # the CPU falls back to non-paged

@@ -11,6 +11,14 @@ What the HF Trainer (transformers 5.x, through accelerate) does per step:
 - the loss from the model's own `labels` path, divided by the accumulation steps;
 - backward; after the last micro-batch, `clip_grad_norm_(max_grad_norm=1.0)`,
   `optimizer.step()` and `model.zero_grad()` (set_to_none).
+
+TRL's trainers (`settings.trainer` "sft" / "dpo", TRL 1.16) differ in the loss:
+`__init__` patches the model with TRL's own fused LM head (`add_fused_lm_head`,
+trl/trainer/utils.py, used here as is), which projects through the head in
+chunks and returns per-token log-probs, entropy and top-1 hits instead of the
+logits; `compute_loss` sums them (SFT's NLL; DPO's sigmoid loss over the
+chosen and rejected rows, run as one batch, against a reference forward
+without grad). The whole `compute_loss` runs under the Trainer's autocast.
 """
 
 import contextlib
@@ -30,11 +38,9 @@ def torch_dtype(name: str) -> torch.dtype:
 def auto_model_class(task: str):
     import transformers
 
-    return {
-        "causal-lm": transformers.AutoModelForCausalLM,
-        "seq-cls": transformers.AutoModelForSequenceClassification,
-        "seq2seq": transformers.AutoModelForSeq2SeqLM,
-    }[task]
+    from hf_memfit.generic import TASK_AUTO
+
+    return getattr(transformers, TASK_AUTO[task][0])
 
 
 @contextlib.contextmanager
@@ -69,46 +75,115 @@ def build_model(config: dict, settings: TrainSettings):
     base stays in the compute dtype here; `trace.py` accounts for the packed
     4-bit storage (bitsandbytes cannot run on fake tensors).
     """
+    with quiet_transformers():  # building from a config warns about what it initialises
+        return _build_model(config, settings)
+
+
+@contextlib.contextmanager
+def quiet_transformers():
+    """transformers' warnings off while hf-memfit builds and runs its own model, and back on after.
+
+    Not for the whole process: a trainer plans inside the user's run, whose logging is theirs.
+    """
     import transformers
 
+    verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()
-    hf_config = transformers.AutoConfig.for_model(**config)
-    if settings.task == "seq-cls":
-        hf_config.num_labels = settings.num_labels
-        if getattr(hf_config, "pad_token_id", None) is None:
-            # Sequence classification on decoder models needs a pad id to find the last token.
-            hf_config.pad_token_id = getattr(hf_config, "eos_token_id", None) or 0
-            if isinstance(hf_config.pad_token_id, list):
-                hf_config.pad_token_id = hf_config.pad_token_id[0]
+    try:
+        yield
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+
+
+def _build_model(config: dict, settings: TrainSettings):
     attn = settings.attn_implementation
     if attn == "flash_attention_2":
         attn = "sdpa"  # the flash kernel's memory is modelled on the sdpa path (trace.py)
     weights_dtype = settings.weights_dtype
     if settings.load_in_4bit and weights_dtype == "float32":
         weights_dtype = settings.compute_dtype
-    model = auto_model_class(settings.task).from_config(
-        hf_config, dtype=torch_dtype(weights_dtype), attn_implementation=attn or "sdpa"
-    )
+    model = instantiate(config, settings.task, settings.num_labels, dtype=torch_dtype(weights_dtype),
+                        attn_implementation=attn)
     if settings.gradient_checkpointing:
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x; the old name warns
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if settings.offload_activations:
+            _offload_checkpoint_inputs(model)
+    if settings.use_liger_kernel:
+        model.forward = _liger_causal_lm_forward(model, _liger_in_place_accumulation(settings))
+    if settings.trainer != "trainer":
+        _add_trl_head(model, settings.trainer)
     if settings.uses_lora:
         model = _add_lora(model, settings)
     model.train()
+    if settings.reference == "copy":
+        # DPOTrainer keeps a frozen copy of the model (same dtype, no adapters), patched with the default head.
+        reference = instantiate(config, settings.task, settings.num_labels, dtype=torch_dtype(weights_dtype),
+                                attn_implementation=attn)
+        reference.requires_grad_(False)
+        reference.eval()
+        _add_trl_head(reference, "reference")
+        model.__dict__["memfit_reference"] = reference  # not a submodule: no gradients, not in the optimizer
     return model
+
+
+def instantiate(config: dict, task: str, num_labels: int, *, dtype, attn_implementation: str | None):
+    """The task's transformers model from a config dict, as `AutoModelFor<task>.from_config` builds it.
+
+    With no attention implementation asked for, SDPA where the model supports
+    it and eager otherwise, which is what transformers itself picks.
+    """
+    from hf_memfit.generic import hf_config as make_hf_config
+
+    hf_config = make_hf_config(config)
+    if task in ("seq-cls", "token-cls"):
+        hf_config.num_labels = num_labels
+        if task == "seq-cls" and getattr(hf_config, "pad_token_id", None) is None:
+            # Sequence classification on decoder models needs a pad id to find the last token.
+            text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+            pad = getattr(hf_config, "eos_token_id", None) or getattr(text, "eos_token_id", None) or 0
+            hf_config.pad_token_id = pad[0] if isinstance(pad, list) else pad
+    cls = auto_model_class(task)
+    try:
+        return cls.from_config(hf_config, dtype=dtype, attn_implementation=attn_implementation or "sdpa")
+    except ValueError as exc:
+        if attn_implementation is not None or "scaled_dot_product_attention" not in str(exc):
+            raise
+    return cls.from_config(hf_config, dtype=dtype, attn_implementation="eager")  # no SDPA for this model
+
+
+# The per-token outputs each TRL trainer asks its fused LM head for (TRL 1.16: sft_trainer.py and
+# dpo_trainer.py `add_fused_lm_head(..., outputs=...)`; DPO's reference model keeps the default).
+TRL_HEAD_OUTPUTS = {"sft": ("log_probs", "entropy", "is_top1"),
+                    "dpo": ("log_probs", "entropy", "mean_logits", "is_top1"),
+                    "reference": ("log_probs",)}
+
+
+def _add_trl_head(model, trainer: str) -> None:
+    from trl.trainer.utils import add_fused_lm_head
+
+    add_fused_lm_head(model, outputs=TRL_HEAD_OUTPUTS[trainer])
+
+
+def reference_model(model):
+    """DPO's separate reference model built beside `model`, or None."""
+    return model.__dict__.get("memfit_reference")
 
 
 def _add_lora(model, settings: TrainSettings):
     from peft import LoraConfig, get_peft_model
 
-    task_type = {"causal-lm": "CAUSAL_LM", "seq-cls": "SEQ_CLS", "seq2seq": "SEQ_2_SEQ_LM"}[settings.task]
+    task_type = {"causal-lm": "CAUSAL_LM", "seq-cls": "SEQ_CLS", "seq2seq": "SEQ_2_SEQ_LM", "token-cls": "TOKEN_CLS",
+                 "image-text-to-text": "CAUSAL_LM"}[settings.task]
     kwargs = {"r": settings.lora_r or 8, "task_type": task_type}  # peft's default r is 8
     if settings.lora_alpha is not None:
         kwargs["lora_alpha"] = settings.lora_alpha
     if settings.lora_target_modules is not None:
-        kwargs["target_modules"] = list(settings.lora_target_modules)
+        targets = list(settings.lora_target_modules)
+        # peft takes the string "all-linear" (every linear layer but the output one), not a list holding it.
+        kwargs["target_modules"] = "all-linear" if targets == ["all-linear"] else targets
     if settings.load_in_4bit:
         for param in model.parameters():
             param.requires_grad_(False)
@@ -116,16 +191,166 @@ def _add_lora(model, settings: TrainSettings):
         return get_peft_model(model, LoraConfig(**kwargs))
 
 
+# --- activation checkpoints offloaded to the host -------------------------------------------
+
+class HostStash:
+    """Pinned host memory held by offloaded checkpoint inputs: live bytes and their peak."""
+
+    def __init__(self):
+        self.live = self.peak = 0
+
+
+def _offload_checkpoint_inputs(model) -> None:
+    """transformers' `activation_checkpointing_enable(offload=True)`, with the copies emulated for the trace.
+
+    transformers 5.23 (`_activation_checkpointing_enable`) wraps each checkpoint call in
+    `torch.autograd.graph.save_on_cpu(pin_memory=True)`: the tensors the checkpoint
+    saves, its positional inputs (the layer's hidden state; keyword arguments such as
+    the rotary tables stay referenced as they are), are copied to pinned host memory
+    in the forward and back to the device when backward recomputes the layer. Here the
+    pack hook counts the host copy in `model.memfit_host_stash` and keeps no device
+    tensor; the unpack hook allocates the device copy, as `tensor.to(device)` does.
+    """
+    from torch.autograd.graph import saved_tensors_hooks
+
+    from hf_memfit.formulas import pinned_host_bytes
+
+    stash = HostStash()
+    model.memfit_host_stash = stash
+
+    def pack(tensor):
+        nbytes = pinned_host_bytes(tensor.untyped_storage().nbytes())
+        stash.live += nbytes
+        stash.peak = max(stash.peak, stash.live)
+        return tensor.size(), tensor.stride(), tensor.dtype, tensor.requires_grad, nbytes
+
+    def unpack(packed):
+        size, stride, dtype, requires_grad, nbytes = packed
+        stash.live -= nbytes
+        return torch.empty_strided(size, stride, dtype=dtype).requires_grad_(requires_grad)
+
+    for module in model.modules():
+        checkpoint = getattr(module, "_gradient_checkpointing_func", None)
+        if checkpoint is None:
+            continue
+
+        def offloaded(function, *args, _checkpoint=checkpoint, **kwargs):
+            with saved_tensors_hooks(pack, unpack):
+                return _checkpoint(function, *args, **kwargs)
+
+        module._gradient_checkpointing_func = offloaded
+
+
+# --- Liger's fused linear cross-entropy, on the CPU ----------------------------------------
+# Liger's kernels are Triton (GPU only). What `use_liger_kernel` does to memory is its algorithm
+# (liger_kernel/ops/fused_linear_cross_entropy.py), which these functions run with torch ops: the
+# same tensors, in the same order; the per-row cross-entropy Triton kernel becomes in-place ops on
+# the chunk's logits (plus a few chunk-length vectors the kernel keeps in registers).
+
+def _liger_in_place_accumulation(settings: TrainSettings) -> bool:
+    """Liger accumulates grad_weight with an in-place addmm on CUDA sm80+; elsewhere it makes a V x H product."""
+    if settings.device != "cuda":
+        return False
+    if settings.gpu is None:
+        return True
+    from hf_memfit.hardware import find_gpu
+
+    return find_gpu(settings.gpu).compute_capability >= (8, 0)
+
+
+class LigerFusedLinearCrossEntropy(torch.autograd.Function):
+    """`LigerFusedLinearCrossEntropyFunction` (reduction mean, ignore_index -100), with torch ops."""
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cpu")
+    def forward(ctx, hidden, weight, target, in_place_accumulation):
+        rows, width = hidden.shape
+        vocab = weight.shape[0]
+        factor = -(-vocab // width)
+        chunk = min(rows, 1 << max(0, (-(-rows // factor) - 1).bit_length()))
+        grad_input = torch.zeros_like(hidden)
+        grad_weight = torch.zeros_like(weight) if weight.requires_grad else None
+        loss_1d = torch.zeros(rows, dtype=torch.float32, device=hidden.device)
+        target_mask = target != -100
+        non_ignored = target_mask.sum()  # Liger reads it with .item(); a 0-d tensor here (fake tensors)
+        for start in range(0, rows, chunk):
+            end = min(start + chunk, rows)
+            x = hidden[start:end]
+            logits = x @ weight.t()
+            # The cross-entropy kernel: loss per row, and the logits' gradient written over the logits.
+            t, keep = target[start:end].clamp(min=0), target_mask[start:end]
+            logits.sub_(logits.amax(-1, keepdim=True)).exp_()
+            logits.div_(logits.sum(-1, keepdim=True))
+            picked = logits.gather(1, t[:, None])[:, 0]
+            loss_1d[start:end] = -picked.float().clamp(min=1e-30).log() * keep / non_ignored
+            logits.scatter_add_(1, t[:, None], -torch.ones_like(picked)[:, None])
+            logits.mul_((keep / non_ignored).to(logits.dtype)[:, None])
+            grad_input[start:end] = logits @ weight
+            if grad_weight is not None:
+                if in_place_accumulation:
+                    pass  # CUDA sm80+: torch.addmm(..., out=grad_weight), no temporary
+                else:
+                    grad_weight += torch.mm(logits.t(), x).float()
+            del logits
+        ctx.save_for_backward(grad_input.detach(), grad_weight.detach() if grad_weight is not None else None)
+        return loss_1d.sum()
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad_input, grad_weight = ctx.saved_tensors
+        grad_input.mul_(grad_output)  # Liger's element_mul_kernel, in place
+        if grad_weight is not None:
+            grad_weight.mul_(grad_output)
+        return grad_input, grad_weight, None, None
+
+
+def _liger_causal_lm_forward(model, in_place_accumulation: bool):
+    """The causal-LM forward Liger patches in for training: the body's hidden states straight into the fused loss."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    body = getattr(model, model.base_model_prefix)
+    original = model.forward
+
+    def forward(input_ids=None, labels=None, **kwargs):
+        if labels is None:
+            return original(input_ids=input_ids, **kwargs)
+        hidden = body(input_ids=input_ids, **kwargs)[0]
+        shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:].contiguous()
+        loss = LigerFusedLinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]),
+                                                  model.get_output_embeddings().weight, shifted.view(-1),
+                                                  in_place_accumulation)
+        return CausalLMOutputWithPast(loss=loss)
+
+    return forward
+
+
 def make_batch(settings: TrainSettings, config: dict, device: str = "cpu") -> dict:
-    """A batch of the settings' shape: labels = input ids (LM tasks) or class ids (classification)."""
-    vocab = config.get("vocab_size", 1000)
-    shape = (settings.batch_size, settings.seq_len)
+    """A batch of the settings' shape: labels = input ids (LM tasks) or class ids (classification).
+
+    TRL batches are what its collators make: DPO stacks the chosen rows over the
+    rejected ones, with an attention mask (their lengths differ, so there is
+    padding) and a completion mask; padding-free packs every sequence into one
+    row whose position ids restart at each sequence. Seq2seq labels have the
+    decoder's length.
+    """
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    vocab = config.get("vocab_size") or text.get("vocab_size") or 1000
+    shape = (settings.rows, settings.row_len)
     input_ids = torch.randint(0, vocab, shape, device=device)
     if settings.task == "seq-cls":
         labels = torch.randint(0, settings.num_labels, (settings.batch_size,), device=device)
+    elif settings.task == "token-cls":
+        labels = torch.randint(0, settings.num_labels, shape, device=device)
+    elif settings.task == "seq2seq" and settings.decoder_seq_len is not None:
+        labels = torch.randint(0, vocab, (settings.rows, settings.decoder_seq_len), device=device)
     else:
         labels = input_ids.clone()
+    if settings.trainer == "dpo":
+        ones = torch.ones(shape, dtype=torch.long, device=device)
+        return {"input_ids": input_ids, "attention_mask": ones, "completion_mask": ones.clone()}
     batch = {"input_ids": input_ids, "labels": labels}
+    if settings.padding_free:
+        batch["position_ids"] = torch.arange(settings.seq_len, device=device).repeat(1, settings.row_len // settings.seq_len)
     return batch
 
 
@@ -182,6 +407,8 @@ def forward_backward(model, batch: dict, settings: TrainSettings, device_type: s
     """Forward (with autocast as the precision asks), loss, backward: one micro-batch."""
     from accelerate.utils import convert_to_fp32
 
+    if settings.trainer != "trainer":
+        return _trl_forward_backward(model, batch, settings, device_type)
     autocast_dtype = settings.autocast_dtype
     if autocast_dtype:
         with torch.autocast(device_type, dtype=torch_dtype(autocast_dtype)):
@@ -195,6 +422,47 @@ def forward_backward(model, batch: dict, settings: TrainSettings, device_type: s
         loss = loss / settings.gradient_accumulation_steps
     if settings.precision == "fp16-mixed":
         loss = loss * 65536.0  # GradScaler's initial scale; the unscale is in place
+    loss.backward()
+    return loss.detach()
+
+
+def _trl_forward_backward(model, batch: dict, settings: TrainSettings, device_type: str):
+    """TRL 1.16's `compute_loss` (SFTTrainer's, or DPOTrainer's `_compute_loss` with its defaults), then backward."""
+    autocast_dtype = settings.autocast_dtype
+    autocast = torch.autocast(device_type, dtype=torch_dtype(autocast_dtype)) if autocast_dtype else \
+        contextlib.nullcontext()
+    with autocast:
+        if settings.trainer == "sft":
+            outputs = model(**batch, use_cache=False, fused_lm_head=True)
+            loss = -outputs.log_probs.sum() / outputs.label_mask.sum().clamp(min=1)
+            metrics = (outputs.label_mask.sum(), outputs.entropy.detach().sum(), outputs.is_top1.sum())
+        else:
+            completion_mask = batch["completion_mask"]
+            inputs = {k: v for k, v in batch.items() if k != "completion_mask"}
+            labels = batch["input_ids"].masked_fill(completion_mask == 0, -100)
+            seq_len = completion_mask.size(1) - 1
+            outputs = model(**inputs, labels=labels, use_cache=False, fused_lm_head=True)
+            chosen, rejected = outputs.log_probs[:, -seq_len:].sum(dim=1).chunk(2, dim=0)
+            if settings.reference == "precomputed":
+                ref_chosen, ref_rejected = (torch.zeros_like(chosen), torch.zeros_like(rejected))  # from the dataset
+            else:
+                with torch.no_grad():
+                    if settings.reference == "adapters":
+                        with model.disable_adapter():
+                            ref = model(**inputs, labels=labels, use_cache=False, fused_lm_head=True)
+                    else:
+                        ref = reference_model(model)(**inputs, labels=labels, use_cache=False, fused_lm_head=True)
+                ref_chosen, ref_rejected = ref.log_probs[:, -seq_len:].sum(dim=1).chunk(2, dim=0)
+                del ref
+            beta = 0.1  # DPOConfig's default; the value does not change the memory
+            loss = -torch.nn.functional.logsigmoid(beta * ((chosen - ref_chosen) - (rejected - ref_rejected))).mean()
+            metrics = (outputs.label_mask.sum(), outputs.entropy.detach().sum(), outputs.is_top1.sum(),
+                       outputs.mean_logits.sum())
+    del outputs, metrics
+    if settings.gradient_accumulation_steps > 1:
+        loss = loss / settings.gradient_accumulation_steps
+    if settings.precision == "fp16-mixed":
+        loss = loss * 65536.0
     loss.backward()
     return loss.detach()
 

@@ -266,6 +266,102 @@ def _cuda_autocast_policy():
             setattr(owner, name, original)
 
 
+@contextlib.contextmanager
+def _truncated_normal_init_in_place():
+    """Let weight init by `trunc_normal_` run on fake tensors.
+
+    torch 2.13's `trunc_normal_` resamples until no value is out of bounds,
+    reading `.item()` of the data, which fake tensors do not have. The values
+    do not matter here and the init is in place (no allocation), so a plain
+    in-place `normal_` stands in for it while the model is built.
+    """
+    import transformers.initialization as hf_init
+
+    def trunc_normal_(tensor, mean=0.0, std=1.0, a=-2.0, b=2.0, generator=None):
+        with torch.no_grad():
+            return tensor.normal_(mean, std)
+
+    original_torch, original_hf = torch.nn.init.trunc_normal_, hf_init.TORCH_INIT_FUNCTIONS.get("trunc_normal_")
+    torch.nn.init.trunc_normal_ = trunc_normal_
+    if original_hf is not None:
+        hf_init.TORCH_INIT_FUNCTIONS["trunc_normal_"] = trunc_normal_
+    try:
+        yield
+    finally:
+        torch.nn.init.trunc_normal_ = original_torch
+        if original_hf is not None:
+            hf_init.TORCH_INIT_FUNCTIONS["trunc_normal_"] = original_hf
+
+
+# --- mixture-of-experts layers on fake tensors ----------------------------------
+
+def _is_experts(module) -> bool:
+    """A transformers experts module (fused 3-D expert weights behind `use_experts_implementation`)."""
+    return hasattr(module, "has_gate") and hasattr(module, "is_transposed") and hasattr(module, "num_experts")
+
+
+class _GroupedMatmul(torch.autograd.Function):
+    """What `torch.nn.functional.grouped_mm` allocates, for dtypes its meta kernel refuses.
+
+    transformers 5.23 runs experts through `grouped_mm` by default
+    (`get_correct_experts_implementation`), and on the CPU the real kernel
+    takes fp32 too; torch's meta registration accepts only bf16. The output
+    is (rows, out) in the input's dtype whatever the routing (the offsets only
+    say which expert each row uses); backward makes the input's gradient and
+    the weights' gradient when each needs one, as the derivative formula does.
+    """
+
+    @staticmethod
+    def forward(ctx, input, weight, offs):
+        ctx.save_for_backward(input, weight)
+        return torch.empty((input.shape[0], weight.shape[-1]), dtype=input.dtype, device=input.device)
+
+    @staticmethod
+    def backward(ctx, grad):
+        input, weight = ctx.saved_tensors
+        grad_input = torch.empty_like(input) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device) \
+            if ctx.needs_input_grad[1] else None
+        return grad_input, grad_weight, None
+
+
+@contextlib.contextmanager
+def _grouped_mm_any_dtype():
+    """Route transformers' grouped expert matmuls through `_GroupedMatmul` when the meta kernel would refuse."""
+    from transformers.integrations import moe
+
+    original = moe._grouped_mm
+
+    def grouped_mm(input, weight, offs):
+        if weight.dtype == torch.bfloat16:
+            return original(input, weight, offs=offs)
+        return _GroupedMatmul.apply(input.to(weight.dtype), weight, offs)
+
+    moe._grouped_mm = grouped_mm
+    try:
+        yield
+    finally:
+        moe._grouped_mm = original
+
+
+def _triton_folds_in_place(patches: contextlib.ExitStack) -> None:
+    """TRL's fused LM head as its Triton kernels run on a GPU: each tile folded in place, no temporaries.
+
+    On a device without Triton (the CPU, where the trace runs) TRL folds the tiles
+    with torch ops (`_forward_tile`, `_backward_tile`) that make fp32 temporaries
+    of the tile's size; on CUDA `_forward_kernel` / `_backward_kernel` keep them in
+    registers and write the tile in place, and `_addmm_fp32` accumulates into the
+    fp32 gradients with `addmm(out_dtype=float32)`, without upcast copies
+    (trl/kernels/chunked_logprob.py, TRL 1.16). Values do not matter on fake tensors.
+    """
+    import trl.kernels.chunked_logprob as kernel
+
+    for name in ("_forward_tile", "_backward_tile", "_addmm_fp32"):
+        original = getattr(kernel, name)
+        setattr(kernel, name, lambda *args, **kwargs: None)
+        patches.callback(setattr, kernel, name, original)
+
+
 # --- optimizers that cannot run on fake tensors -----------------------------
 
 class _Bnb8bitStateLayout(torch.optim.Optimizer):
@@ -387,11 +483,12 @@ def _make_traced_optimizer(model, settings: TrainSettings, cuda_semantics: bool)
                                                     **kwargs)
         made.cuda_semantics = cuda_semantics
         return made
-    if optimizer.low_rank and optimizer.state_bits == 8:
+    if optimizer.low_rank and (optimizer.state_bits == 8 or optimizer.family == "apollo"):
         from hf_memfit.errors import MemFitError
 
-        raise MemFitError(f"exact mode cannot trace `--optim {settings.optim}` (bitsandbytes' 8-bit kernels do not "
-                          "run on fake tensors); use `--mode fast`")
+        why = ("bitsandbytes' 8-bit kernels do not run on fake tensors" if optimizer.state_bits == 8 else
+               "APOLLO draws its projection seeds with `.tolist()` and compares its norm limiter as a Python number")
+        raise MemFitError(f"exact mode cannot trace `--optim {settings.optim}` ({why}); use `--mode fast`")
     made = training.make_optimizer(model, settings, cuda_semantics=cuda_semantics)
     if optimizer.family == "galore":
         # The projector's SVD runs every `update_proj_gap` steps; trace it in the measured step too, with
@@ -482,15 +579,10 @@ def _flash_supported(settings: TrainSettings) -> bool:
 
 
 def _layer_stacks(model) -> list[torch.nn.ModuleList]:
-    """The outermost ModuleLists of repeated blocks (decoder layers; T5's encoder and decoder)."""
-    stacks, seen = [], set()
-    for name, module in model.named_modules():
-        if any(name.startswith(prefix + ".") for prefix in seen):
-            continue
-        if isinstance(module, torch.nn.ModuleList) and len(module) > 0:
-            stacks.append(module)
-            seen.add(name)
-    return stacks
+    """The outermost ModuleLists of repeated blocks, found by structure (decoder layers; T5's encoder and decoder)."""
+    from hf_memfit.generic import layer_stacks
+
+    return [stack for _, stack in layer_stacks(model)]
 
 
 def _first_tensor(value):
@@ -521,6 +613,8 @@ class TraceResult:
     param_bytes: int
     quantizable_linear_params: int = 0
     largest_linear_numel: int = 0
+    host_bytes: int = 0  # offloaded activation checkpoints: the most pinned host memory held
+    stack_depths: tuple[int, ...] = ()  # the length of every layer stack found in the traced model
 
 
 def _install_region_hooks(tracker: StorageTracker, stacks, step_tag) -> list:
@@ -591,16 +685,22 @@ def trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], *
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     patches = contextlib.ExitStack()
     with fake_mode, tracker, patches:
+        patches.enter_context(training.quiet_transformers())  # its forward warns about the configs we build
         patches.enter_context(_deepcopy_fake_tensors_as_real_ones())  # peft copies modules; see there
+        patches.enter_context(_truncated_normal_init_in_place())  # ModernBERT, SigLIP init; see there
         if cuda:
             original_sdpa = torch.nn.functional.scaled_dot_product_attention
             torch.nn.functional.scaled_dot_product_attention = _gpu_sdpa(flash_supported=_flash_supported(settings))
             patches.callback(setattr, torch.nn.functional, "scaled_dot_product_attention", original_sdpa)
+        if cuda and settings.trainer != "trainer":
+            _triton_folds_in_place(patches)
         model = training.build_model(config, settings)
         for tensor in list(model.parameters()) + list(model.buffers()):
             tracker.mark(tensor, "weights")
         optimizer = _make_traced_optimizer(model, settings, cuda)
         stacks = _layer_stacks(model)
+        if any(_is_experts(m) for m in model.modules()):
+            patches.enter_context(_grouped_mm_any_dtype())
         position = {"step": 0, "micro": 0}
         step_tag = lambda: f"{position['step']}.{min(position['micro'], 1)}"  # noqa: E731
         handles = _install_region_hooks(tracker, stacks, step_tag)
@@ -641,9 +741,13 @@ def trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], *
             trainable_params=sum(p.numel() for p in params if p.requires_grad),
             total_params=sum(p.numel() for p in params),
             param_bytes=sum(p.numel() * p.element_size() for p in params),
+            stack_depths=tuple(len(stack) for stack in stacks),
         )
         if settings.load_in_4bit:
             result.quantizable_linear_params, result.largest_linear_numel = _quantizable_linear_params(model)
+        stash = getattr(model, "memfit_host_stash", None) or getattr(getattr(model, "base_model", None),
+                                                                     "memfit_host_stash", None)
+        result.host_bytes = stash.peak if stash is not None else 0
         del model, optimizer
     last_step = f"{steps - 1}."
     for region, (live, clock) in tracker.region_peaks.items():
@@ -706,11 +810,11 @@ def _region_class(region: str, depth: int) -> list[str]:
     return classes
 
 
-def _by_class(trace: TraceResult, depth_of_stack) -> dict[str, tuple[int, dict[str, int]]]:
+def _by_class(trace: TraceResult) -> dict[str, tuple[int, dict[str, int]]]:
     out = {}
     for region, live in trace.region_peaks.items():
         stack = region.split("|")[-1].split(".")[0] if "|" in region else ""
-        depth = depth_of_stack(stack)
+        depth = _depth_of(stack, trace.stack_depths or trace.depths)
         for cls in _region_class(region, depth):
             if cls not in out or live > out[cls][0]:
                 out[cls] = (live, trace.region_breakdowns[region])
@@ -718,7 +822,25 @@ def _by_class(trace: TraceResult, depth_of_stack) -> dict[str, tuple[int, dict[s
 
 
 def exact_candidates(spec, settings: TrainSettings, *, extrapolate: bool = True) -> StepMemory:
-    """Trace at small depths and extrapolate each region linearly to the model's real depth."""
+    """Trace at small depths and extrapolate each region linearly to the model's real depth.
+
+    A model whose forward has shapes that depend on the data (a mixture-of-experts layer that loops over the
+    experts a batch hits) cannot run on fake tensors; that is reported in one line, not as a traceback.
+    """
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+
+    try:
+        return _exact_candidates(spec, settings, extrapolate=extrapolate)
+    except (DataDependentOutputException, DynamicOutputShapeException) as exc:
+        from hf_memfit.errors import MemFitError
+
+        raise MemFitError(f"exact mode cannot trace model_type `{spec.model_type}`: its forward has shapes that "
+                          f"depend on the data ({type(exc).__name__} in {exc.func if hasattr(exc, 'func') else exc}),"
+                          " which fake tensors do not have; for mixture-of-experts models use transformers' "
+                          "grouped_mm experts (its default where the model supports it)") from None
+
+
+def _exact_candidates(spec, settings: TrainSettings, *, extrapolate: bool = True) -> StepMemory:
     real = _real_depths(spec)
     period = getattr(spec, "layer_period", 1) or 1
     # The first layer of a stack can differ from the rest (T5's relative position
@@ -727,7 +849,8 @@ def exact_candidates(spec, settings: TrainSettings, *, extrapolate: bool = True)
     base_depth, grown_depth = 2 * period, 3 * period
     if not extrapolate or max(real) <= grown_depth:
         progress.info("exact mode: tracing %s at its full depth %s", spec.name, _depth_text(real))
-        return full_depth_step_memory(trace_step(_config_with_depths(spec, real), settings, real), settings)
+        return full_depth_step_memory(trace_step(_config_with_depths(spec, real), settings, real), settings,
+                                      spec)
 
     base = tuple(min(base_depth, d) for d in real)
     depth_sets = [base] + [tuple(grown_depth if j == i else base[j] for j in range(len(real))) for i in range(len(real))]
@@ -736,8 +859,8 @@ def exact_candidates(spec, settings: TrainSettings, *, extrapolate: bool = True)
         progress.info("exact mode: tracing %s at depth %s (%d of %d), extrapolated to %s", spec.name,
                       _depth_text(depths), number, len(depth_sets), _depth_text(real))
         traces.append(trace_step(_config_with_depths(spec, depths), settings, depths))
-    base_classes = _by_class(traces[0], lambda s: _depth_of(s, base))
-    grown_classes = [_by_class(t, lambda s, t=t: _depth_of(s, t.depths)) for t in traces[1:]]
+    base_classes = _by_class(traces[0])
+    grown_classes = [_by_class(t) for t in traces[1:]]
     candidates = {}
     for cls, (_, base_breakdown) in base_classes.items():
         extrapolated = dict(base_breakdown)
@@ -749,27 +872,36 @@ def exact_candidates(spec, settings: TrainSettings, *, extrapolate: bool = True)
             for key in extrapolated:
                 extrapolated[key] += steps * (grown_breakdown[key] - base_breakdown[key])
         candidates[cls] = {k: max(0, int(round(v))) for k, v in extrapolated.items()}
-    result = _exact_result(candidates, traces, real, base_depth, traces[0], settings)
+    result = _exact_result(candidates, traces, real, base_depth, traces[0], settings, spec)
 
     def grow(attr):  # parameter counts grow linearly with depth too
         base_value = getattr(traces[0], attr)
-        return base_value + sum((real[i] - base[i]) // period * (getattr(t, attr) - base_value)
-                                for i, t in enumerate(traces[1:]))
+        # (real - base) / period periods are added; a depth that is not a whole number of
+        # periods (Gemma-3: 26 layers, period 6) adds a fraction of one, which is what it adds on average.
+        return base_value + int(round(sum((real[i] - base[i]) / period * (getattr(t, attr) - base_value)
+                                          for i, t in enumerate(traces[1:]))))
     result.trainable_params = grow("trainable_params")
     result.total_params = grow("total_params")
     result.quantizable_linear_params = grow("quantizable_linear_params")
+    result.host_bytes = grow("host_bytes")
     return result
 
 
-def full_depth_step_memory(trace: TraceResult, settings: TrainSettings) -> StepMemory:
+def full_depth_step_memory(trace: TraceResult, settings: TrainSettings, spec=None) -> StepMemory:
     """Exact mode's candidates from a trace at the model's real depth (nothing to extrapolate)."""
-    candidates = {r: b for r, (_, b) in _by_class(trace, lambda s: _depth_of(s, trace.depths)).items()}
-    return _exact_result(candidates, [trace], trace.depths, trace.depths[0], trace, settings)
+    candidates = {r: b for r, (_, b) in _by_class(trace).items()}
+    return _exact_result(candidates, [trace], trace.depths, trace.depths[0], trace, settings, spec)
 
 
-def _exact_result(candidates, traces, real, base, trace, settings) -> StepMemory:
-    return StepMemory(candidates, trace.trainable_params, trace.total_params, trace.largest_param_numel,
-                      trace.quantizable_linear_params, trace.largest_linear_numel)
+def _exact_result(candidates, traces, real, base, trace, settings, spec=None) -> StepMemory:
+    step = StepMemory(candidates, trace.trainable_params, trace.total_params, trace.largest_param_numel,
+                      trace.quantizable_linear_params, trace.largest_linear_numel, host_bytes=trace.host_bytes)
+    moe = getattr(spec, "moe", None)
+    if moe:
+        from hf_memfit.generic import moe_note
+
+        step.notes.append(moe_note(moe, settings))
+    return step
 
 
 def _depth_text(depths: tuple[int, ...]) -> str:
@@ -789,8 +921,10 @@ def _real_depths(spec) -> tuple[int, ...]:
 
 
 def _config_with_depths(spec, depths: tuple[int, ...]) -> dict:
+    from hf_memfit.spec import _set_path
+
     config = spec.with_layers(depths[0])
     keys = spec.layer_count_keys
     for key, depth in zip(keys, depths):
-        config[key] = depth
+        _set_path(config, key, depth)
     return config

@@ -66,6 +66,13 @@ BAD_INPUTS = [
     (["plan", "gpt2", "--seq-len", "128", "--global-batch-size", "6", "--num-gpus", "4", "--gpu-memory", "16GiB"],
      "--global-batch-size"),
     (["plan", "gpt2", "--seq-len", "128", "--global-batch-size", "8", "--gpu-memory", "12 parsecs"], "--gpu-memory"),
+    (["estimate", "gpt2", "--batch-size", "1"], "--seq-len"),
+    (["estimate", "gpt2", "--batch-size", "1", "--max-length", "64", "--packing"], "--trainer sft"),
+    (["estimate", "gpt2", "--batch-size", "1", "--seq-len", "64", "--max-length", "32", "--trainer", "sft"],
+     "--max-length"),
+    (["estimate", "gpt2", "--batch-size", "1", "--seq-len", "64", "--reference-model", "copy"], "--trainer dpo"),
+    (["estimate", "gpt2", "--batch-size", "1", "--seq-len", "64", "--trainer", "dpo", "--reference-model",
+      "adapters"], "--lora-r"),
 ]
 
 
@@ -153,3 +160,34 @@ def test_exact_mode_progress_goes_to_stderr_never_into_json(capsys, monkeypatch,
     lines = [line for line in err.splitlines() if line.startswith("hf-memfit: [")]
     assert len(lines) == 2, err  # traced at depths 2 and 3, extrapolated to 6
     assert "depth 2 (1 of 2), extrapolated to 6" in lines[0] and "depth 3 (2 of 2)" in lines[1]
+
+
+def test_plan_for_sft_prints_the_config_fields(capsys):
+    argv = ["plan", "Qwen/Qwen2.5-0.5B", "--gpu-memory", "16GiB", "--trainer", "sft", "--max-length", "2048",
+            "--packing", "--global-batch-size", "16"]
+    code, out, _ = run_cli(capsys, *argv)
+    assert code == 0
+    assert "MemFitSFTConfig(" in out and "packing=True," in out and "max_length=2048," in out
+    code, out, _ = run_cli(capsys, *argv, "--json")
+    data = json.loads(out)
+    plan = data["plan"]
+    fields = data["trl_config"]
+    assert fields["per_device_train_batch_size"] == plan["per_device_train_batch_size"]
+    assert fields["gradient_accumulation_steps"] == plan["gradient_accumulation_steps"]
+    assert fields["padding_free"] is True and fields["memory_budget"] == "16GiB"
+    assert data["estimate"]["settings"]["trainer"] == "sft" and data["estimate"]["settings"]["padding_free"]
+
+
+def test_trl_step_costs_what_its_head_keeps(capsys):
+    """TRL's fused head never builds the [b, s, vocab] logits the plain Trainer's loss keeps: a large-vocab model
+    needs far less, and DPO (chosen + rejected rows, a reference copy) more than SFT."""
+    base = ["estimate", "Qwen/Qwen2.5-0.5B", "--batch-size", "4", "--seq-len", "2048", "--precision", "bf16-mixed",
+            "--json"]
+    need = {}
+    for trainer in ("trainer", "sft", "dpo"):
+        code, out, _ = run_cli(capsys, *base, "--trainer", trainer)
+        assert code == 0
+        need[trainer] = json.loads(out)["peak_allocated_bytes"]
+    logits = 4 * 2048 * 151936 * 4  # one fp32 copy of the logits
+    assert need["trainer"] - need["sft"] > logits
+    assert need["dpo"] > need["sft"]

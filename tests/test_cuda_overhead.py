@@ -1,7 +1,6 @@
 """GPU-side overheads and the caching-allocator simulator: pure Python, no GPU."""
 
 import random
-import time
 
 import pytest
 
@@ -25,9 +24,19 @@ KiB = 1024
 
 # --- constants and pure functions ---
 
-def test_cuda_context_in_reported_range():
-    for gpu in (None, find_gpu("t4"), find_gpu("h100")):
-        assert 0.47 * GiB <= cuda_context_bytes(gpu) <= 0.95 * GiB
+def test_cuda_context_is_the_documented_figure_and_reaches_the_device_total():
+    # CUDA_MEMORY_FACTS.md: a bare lazily-loaded context of 0.25-0.45 GiB (the upper half, 0.4 GiB, for
+    # current CUDA) plus about 0.5 GiB once a training step has loaded its kernels.
+    expected = int(0.4 * GiB) + int(0.5 * GiB)
+    from hf_memfit.estimator import estimate
+
+    for gpu in (None, "t4", "h100"):
+        assert cuda_context_bytes(find_gpu(gpu) if gpu else None) == expected
+        one = estimate("gpt2", batch_size=1, seq_len=128, gpu=gpu)
+        assert one.device_total_bytes - one.peak_reserved_bytes == expected  # nvidia-smi counts it, torch does not
+    # With more GPUs, NCCL's buffers join it outside the allocator: 0.6 GiB per communicator (nccl#964).
+    two = estimate("gpt2", batch_size=1, seq_len=128, gpu="h100", num_gpus=2)
+    assert two.device_total_bytes - two.peak_reserved_bytes == expected + int(0.6 * GiB)
 
 
 def test_cublas_workspaces():
@@ -279,11 +288,78 @@ def test_random_traces_keep_the_books(seed):
     assert sim.reserved_bytes == 0 and sim.num_segments == 0
 
 
-def test_simulator_is_fast_enough_for_a_trace():
-    start = time.perf_counter()
-    for _ in _random_trace(7, 50_000):
-        pass
-    assert time.perf_counter() - start < 5.0
+class _ReferenceAllocator:
+    """CUDACachingAllocator's rules written the slow, obvious way: every segment a list of [size, free] blocks.
+
+    Best fit is a scan over every free block of the pool (smallest size, then lowest address); the
+    simulator under test keeps sorted free lists and linked blocks instead. Both must agree exactly.
+    """
+
+    def __init__(self):
+        self.segments: list[tuple[int, bool, list[list]]] = []  # (base address, small pool?, [[size, free], ...])
+        self.live: dict[object, tuple[int, int]] = {}  # key -> (segment index, block address)
+        self.next_addr = 0
+
+    def _blocks(self, index):
+        base, small, blocks = self.segments[index]
+        addr = base
+        for position, block in enumerate(blocks):
+            yield position, addr, block
+            addr += block[0]
+
+    def malloc(self, key, nbytes):
+        size = max(512, -(-nbytes // 512) * 512)
+        small = size <= MiB
+        fits = [(block[0], addr, index, position) for index, (_, pool, _) in enumerate(self.segments) if pool == small
+                for position, addr, block in self._blocks(index) if block[1] and block[0] >= size]
+        if fits:
+            _, addr, index, position = min(fits)
+        else:
+            segment = 2 * MiB if small else 20 * MiB if size < 10 * MiB else -(-size // (2 * MiB)) * 2 * MiB
+            self.segments.append((self.next_addr, small, [[segment, True]]))
+            self.next_addr += segment
+            index, position, addr = len(self.segments) - 1, 0, self.segments[-1][0]
+        blocks = self.segments[index][2]
+        remaining = blocks[position][0] - size
+        if remaining >= 512 if small else remaining > MiB:
+            blocks[position:position + 1] = [[size, False], [remaining, True]]
+        else:
+            blocks[position][1] = False
+        self.live[key] = (index, addr)
+
+    def free(self, key):
+        index, addr = self.live.pop(key)
+        blocks = self.segments[index][2]
+        position = next(p for p, a, _ in self._blocks(index) if a == addr)
+        blocks[position][1] = True
+        merged = []
+        for block in blocks:  # coalesce neighbouring free blocks
+            if merged and merged[-1][1] and block[1]:
+                merged[-1][0] += block[0]
+            else:
+                merged.append(list(block))
+        blocks[:] = merged
+
+    @property
+    def allocated(self):
+        return sum(b[0] for _, _, blocks in self.segments for b in blocks if not b[1])
+
+    @property
+    def reserved(self):
+        return sum(b[0] for _, _, blocks in self.segments for b in blocks)
+
+
+def test_simulator_matches_a_plain_reference_of_the_same_rules():
+    reference = _ReferenceAllocator()
+    sim = None
+    for step, (sim, live) in enumerate(_random_trace(5, 1500)):
+        # replay the same event into the reference: a new key is a malloc, a vanished one a free
+        for key in set(reference.live) - set(live):
+            reference.free(key)
+        for key in set(live) - set(reference.live):
+            reference.malloc(key, live[key])
+        assert (sim.allocated_bytes, sim.reserved_bytes) == (reference.allocated, reference.reserved), step
+    assert sim is not None and sim.num_segments == len(reference.segments)
 
 
 # --- optimizer step temporaries ---

@@ -175,7 +175,7 @@ def test_accelerate_loads_the_written_config(tmp_path, monkeypatch):
         else:
             assert plugin.sharding_strategy.name == strategy.upper()
         # and MemFitTrainer reads the same environment back as the same layout
-        from hf_memfit.trainer import _fsdp_layout
+        from hf_memfit.introspect import fsdp_layout as _fsdp_layout
 
         class NoFsdpArgs:
             fsdp = None
@@ -187,7 +187,7 @@ def test_accelerate_loads_the_written_config(tmp_path, monkeypatch):
 def test_trainer_reads_fsdp_from_training_arguments(tmp_path, monkeypatch):
     from transformers import TrainingArguments
 
-    from hf_memfit.trainer import _fixed_layout, _fsdp_layout
+    from hf_memfit.introspect import fixed_layout as _fixed_layout, fsdp_layout as _fsdp_layout
 
     monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
     cases = [("full_shard offload", None, ("full_shard", 2, True)), ("shard_grad_op", None, ("shard_grad_op", 2, False)),

@@ -18,7 +18,50 @@ def test_gpt2_xl_full_fine_tune_on_12_gib():
     assert result.estimate.device_total_bytes <= 12 * GiB * 0.95
     assert p.bf16 and not p.fp16
     assert result.estimate.trainable_params == result.estimate.total_params  # still a full fine-tune
-    assert len(p.reasons) >= 5 and any("GiB" in r for r in p.reasons)
+    _assert_reason_figures_are_the_estimators(result, budget=12 * GiB)
+
+
+def _assert_reason_figures_are_the_estimators(result, budget: int):
+    """Every size a reason quotes is what the estimator gives that configuration, recomputed here."""
+    import re
+
+    from hf_memfit.estimator import estimate_settings
+    from hf_memfit.spec import resolve_model
+    from hf_memfit.units import format_bytes
+
+    p = result.plan
+    spec = resolve_model(result.estimate.model)
+    s = p.settings.replace(mode="fast")  # the search's figures are fast mode; the plan's own may be confirmed exact
+
+    def total(settings) -> str:
+        return format_bytes(estimate_settings(spec, settings).device_total_bytes)
+
+    def reason(prefix: str) -> str:
+        found = [r for r in p.reasons if r.startswith(prefix)]
+        assert len(found) == 1, (prefix, p.reasons)
+        return found[0]
+
+    size = r"([\d.]+ [KMGT]?i?B)"
+    usable, of, peak = re.match(rf"budget: {size} usable of {size}; plan peaks at {size}", reason("budget")).groups()
+    assert (usable, of, peak) == (format_bytes(int(budget * 0.95)), format_bytes(budget),
+                                  format_bytes(result.estimate.device_total_bytes))
+    confirmed = [r for r in p.reasons if r.startswith("confirmed in exact mode")]
+    if confirmed:  # near the budget the planner re-estimates its choice in exact mode and quotes both
+        exact, fast = re.search(rf": {size}; the fastest fast-mode choice \({size}\)", confirmed[0]).groups()
+        assert (exact, fast) == (peak, total(s)) and result.estimate.settings.mode == "exact"
+    else:
+        assert peak == total(s)
+    batch = re.search(rf"micro-batch (\d+) would need {size}", reason("micro-batch"))
+    if batch:
+        bigger = int(batch[1])
+        assert batch[2] == total(s.replace(batch_size=bigger,
+                                           gradient_accumulation_steps=s.batch_size * s.gradient_accumulation_steps // bigger))
+    if s.gradient_checkpointing:
+        without = re.search(rf"without it the peak would be {size}", reason("gradient checkpointing on"))
+        assert without and without[1] == total(s.replace(gradient_checkpointing=False))
+    if s.zero_stage:
+        plain = re.search(rf"without it the peak would be {size}", reason("DeepSpeed"))
+        assert plain and plain[1] == total(s.replace(zero_stage=0, offload_optimizer="none", offload_param="none"))
 
 
 def test_fp16_on_gpus_without_bf16():

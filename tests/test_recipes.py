@@ -297,6 +297,23 @@ def test_the_package_imports_without_datasets():
     assert done.returncode == 0, done.stderr[-2000:]
 
 
+def test_smoke_fails_when_the_run_does_not_learn(tmp_path, monkeypatch, capsys):
+    """A smoke run passes only if the loss on a fixed batch went down (it was reported passed while its loss rose)."""
+    monkeypatch.chdir(tmp_path)
+    assert run(recipe("gpt2xl_12gb"), ["--smoke", "--learning_rate", "0"]) == 1
+    err = capsys.readouterr().err
+    assert re.search(r"smoke run failed: the loss on a fixed batch did not decrease: ([\d.]+) -> \1 ", err), err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_smoke_probe_leaves_4bit_training_intact(smoke):
+    """The before/after probe must not stop QLoRA from training (an eval-mode forward repacks bitsandbytes'
+    4-bit weights on AVX512-BF16 CPUs, after which the adapters got no gradients): every step has a gradient."""
+    trainer, _ = smoke("llama31_8b_qlora_24gb")
+    norms = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
+    assert len(norms) == 3 and all(norm > 0 for norm in norms), norms
+
+
 def test_70b_qlora_recipe_shards_4bit_weights_with_fsdp(capsys):
     """Llama-2-70B QLoRA on 2 x 24 GB: FSDP full_shard + CPU offload, the shipped accelerate config is the plan's."""
     import yaml

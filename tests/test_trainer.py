@@ -105,6 +105,10 @@ def test_gives_up_after_the_ladder_with_a_checkpoint(tmp_path):
     trainer = MemFitTrainer(model=model, args=make_args(tmp_path), train_dataset=TokenDataset())
     with pytest.raises(MemFitError, match="checkpoint"):
         trainer.train()
+    # the memory check's dispatch mode is uninstalled, not left counting every later op in the process
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    assert _get_current_dispatch_mode() is None and trainer._memfit_check.tracker == "done"
     assert any(p.name.startswith("checkpoint-") for p in (tmp_path / "out").iterdir())
     postmortem = json.loads((tmp_path / "out" / "memfit_postmortem.json").read_text())
     assert postmortem["reason"].startswith("out of memory")
@@ -322,7 +326,7 @@ def test_classification_loss_is_a_mean_through_oom_chunks(tmp_path):
     ({}, None, None),
 ])
 def test_the_launchers_sharding_fixes_the_layout(tmp_path, monkeypatch, env, layout, fsdp_layout):
-    from hf_memfit.trainer import _fixed_layout, _fsdp_layout
+    from hf_memfit.introspect import fixed_layout as _fixed_layout, fsdp_layout as _fsdp_layout
 
     for name in ("ACCELERATE_USE_FSDP", "FSDP_OFFLOAD_PARAMS", "ACCELERATE_USE_DEEPSPEED", "FSDP_VERSION",
                  "FSDP_RESHARD_AFTER_FORWARD", "FSDP_SHARDING_STRATEGY"):

@@ -1,0 +1,415 @@
+"""The generic path: describe any model transformers can build, with no per-family code.
+
+`generic_spec_fields(name, config)` asks transformers itself: its config class
+fills in the defaults a published config.json leaves out, its Auto mappings
+say which tasks the model builds for, and the model built on the meta device
+(no memory, no weights) gives the parameter counts, the linear modules peft
+can target and the repeating pattern of the layer stacks.
+
+What this learns is stored on disk per config (`cache_dir()`), so that after
+the first call fast mode reads it back without importing torch or
+transformers. The cache key covers the config, the transformers version and
+`CACHE_VERSION`; delete the folder (or point `HF_MEMFIT_CACHE` elsewhere) to
+start afresh.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from hf_memfit.errors import MemFitError
+
+#: Bumped whenever what is cached changes meaning.
+CACHE_VERSION = 2
+
+# Our task names -> the transformers Auto class and its model-type -> class-name mapping.
+TASK_AUTO = {
+    "causal-lm": ("AutoModelForCausalLM", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"),
+    "seq-cls": ("AutoModelForSequenceClassification", "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES"),
+    "token-cls": ("AutoModelForTokenClassification", "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES"),
+    "seq2seq": ("AutoModelForSeq2SeqLM", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES"),
+    "image-text-to-text": ("AutoModelForImageTextToText", "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES"),
+}
+
+
+def cache_dir() -> Path:
+    """Where calibrations and generic model facts are kept: `$HF_MEMFIT_CACHE`, else ~/.cache/hf_memfit."""
+    root = os.environ.get("HF_MEMFIT_CACHE")
+    if root:
+        return Path(root).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "hf_memfit"
+
+
+@lru_cache(maxsize=1)
+def _transformers_version() -> str:
+    """The installed transformers version, read from its __init__.py without importing it.
+
+    Importing transformers (or importlib.metadata) would cost the cached fast path
+    most of its time budget.
+    """
+    import importlib.util
+    import re
+
+    found = importlib.util.find_spec("transformers")
+    if found is None or not found.origin:
+        return "not installed"
+    try:
+        head = Path(found.origin).read_text(encoding="utf-8")[:20000]
+    except OSError:
+        return "unknown"
+    match = re.search(r"""^__version__\s*=\s*["']([^"']+)["']""", head, re.MULTILINE)
+    return match.group(1) if match else "unknown"
+
+
+def config_key(config: dict, *extra: Any) -> str:
+    """A stable hash of a config (and anything else the cached value depends on)."""
+    text = json.dumps([config, _transformers_version(), CACHE_VERSION, *extra], sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def read_cache(kind: str, key: str) -> dict | None:
+    """A cached JSON object, or None (missing or unreadable: the caller recomputes it)."""
+    path = cache_dir() / kind / f"{key}.json"
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def write_cache(kind: str, key: str, value: dict) -> None:
+    """Store a JSON object atomically; a cache that cannot be written is skipped, never fatal."""
+    folder = cache_dir() / kind
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / f".{key}.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps(value, sort_keys=True), encoding="utf-8")
+        os.replace(tmp, folder / f"{key}.json")
+    except OSError:
+        pass
+
+
+# --------------------------------------------------------------------------
+# Building the transformers config and model
+# --------------------------------------------------------------------------
+
+
+def hf_config(config: dict, name: str = ""):
+    """The transformers config object for a config dict; a one-line `MemFitError` when it cannot be built."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    model_type = config.get("model_type")
+    version = _transformers_version()
+    try:
+        return transformers.AutoConfig.for_model(**config)
+    except (ValueError, KeyError) as exc:
+        remote = " (its config names remote code in `auto_map`, which hf-memfit does not run)" \
+            if "auto_map" in config else ""
+        shown = f"`{name}` " if name else ""
+        raise MemFitError(f"`model` {shown}has model_type `{model_type}`, which transformers {version} cannot "
+                          f"build{remote}; upgrade transformers or pass a config of a model type it "
+                          f"knows ({str(exc).split('. ')[0][:120]})") from None
+
+
+def supported_tasks(model_type: str) -> tuple[str, ...]:
+    """Our tasks whose Auto class has a model for `model_type`, in TASK_AUTO order."""
+    from transformers.models.auto import modeling_auto
+
+    return tuple(task for task, (_, mapping) in TASK_AUTO.items()
+                 if model_type in getattr(modeling_auto, mapping, {}))
+
+
+def default_task(tasks: tuple[str, ...], is_encoder_decoder: bool) -> str:
+    """seq2seq for encoder-decoders, else causal LM, else the first task the model builds for."""
+    order = ("seq2seq", "causal-lm", "image-text-to-text", "seq-cls", "token-cls") if is_encoder_decoder else \
+        ("causal-lm", "image-text-to-text", "seq2seq", "seq-cls", "token-cls")
+    for task in order:
+        if task in tasks:
+            return task
+    return tasks[0]
+
+
+def meta_model(config: dict, task: str, num_labels: int = 2):
+    """The task's transformers model built on the meta device: every parameter, no memory."""
+    import torch
+
+    from hf_memfit.step import instantiate
+
+    with torch.device("meta"):
+        return instantiate(config, task, num_labels, dtype=torch.float32, attn_implementation=None)
+
+
+# --------------------------------------------------------------------------
+# What the meta model tells
+# --------------------------------------------------------------------------
+
+
+def layer_stacks(model) -> list[tuple[str, Any]]:
+    """(name, ModuleList) of the outermost ModuleLists: the repeated layer stacks, found by structure."""
+    import torch
+
+    stacks: list[tuple[str, Any]] = []
+    for name, module in model.named_modules():
+        if any(name.startswith(prefix + ".") for prefix, _ in stacks):
+            continue
+        if isinstance(module, torch.nn.ModuleList) and len(module) > 0:
+            stacks.append((name, module))
+    return stacks
+
+
+def _layer_signature(layer, layer_type: Any) -> tuple:
+    shapes = tuple((n, tuple(p.shape)) for n, p in layer.named_parameters())
+    classes = tuple(type(m).__name__ for m in layer.modules())
+    attention = tuple(sorted({str(getattr(m, attr)) for m in layer.modules()
+                              for attr in ("attention_type", "sliding_window", "is_sliding")
+                              if isinstance(getattr(m, attr, None), (str, int, bool))}))
+    return shapes, classes, attention, layer_type
+
+
+def layer_period(stack, layer_types: list | None) -> int:
+    """The smallest p with layer i shaped like layer i - p for every i (1 for a uniform stack).
+
+    Layer 0 may differ from the rest (T5's relative-position bias), so the
+    pattern is checked from layer 1 on; extrapolation traces at 2p and 3p
+    layers, which keeps the first layer out of the added ones.
+    """
+    n = len(stack)
+    sigs = [_layer_signature(layer, layer_types[i] if layer_types and i < len(layer_types) else None)
+            for i, layer in enumerate(stack)]
+    def same(i: int, j: int) -> bool:
+        # Against layer 0 only the attention kind counts: its parameters may differ.
+        return sigs[i][2:] == sigs[j][2:] if j == 0 else sigs[i] == sigs[j]
+
+    for p in range(1, n):
+        if all(same(i, i - p) for i in range(p, n)):
+            return p
+    return max(n, 1)
+
+
+def _linear_entries(model, stack_names: list[str]) -> list[list]:
+    """[name, in, out, bias, count, scope] of every nn.Linear / GPT-2 Conv1D, merged by shape."""
+    import torch
+
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:  # pragma: no cover - transformers always has it
+        Conv1D = ()
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    has_base = bool(prefix) and hasattr(model, prefix) and getattr(model, prefix) is not model
+    merged: dict[tuple, int] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            fan_in, fan_out = module.in_features, module.out_features
+        elif Conv1D and isinstance(module, Conv1D):
+            fan_in, fan_out = module.weight.shape
+        else:
+            continue
+        if any(name.startswith(s + ".") for s in stack_names):
+            scope = "layer"
+        elif has_base and not name.startswith(prefix + "."):
+            scope = "head"  # lm_head, score, classifier: outside the base model
+        else:
+            scope = "other"
+        key = (name.rsplit(".", 1)[-1], int(fan_in), int(fan_out), module.bias is not None, scope)
+        merged[key] = merged.get(key, 0) + 1
+    order = {"layer": 0, "other": 1, "head": 2}
+    return [[n, i, o, b, c, s] for (n, i, o, b, s), c in sorted(merged.items(), key=lambda kv: order[kv[0][4]])]
+
+
+def _parameter_counts(model, stack_names: list[str], depth_stack: str, depth: int) -> dict[str, int]:
+    """Parameters by where they live, each shared (tied) tensor once, as `model.parameters()` yields them."""
+    import torch
+
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    has_base = bool(prefix) and hasattr(model, prefix) and getattr(model, prefix) is not model
+    embedding_params = {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()}
+    counts = {"embedding": 0, "layers": 0, "final": 0, "head": 0}
+    in_depth_stack = 0
+    for name, param in model.named_parameters():  # named_parameters yields a tied tensor once
+        n = param.numel()
+        if any(name.startswith(s + ".") for s in stack_names):
+            counts["layers"] += n
+            if name.startswith(depth_stack + "."):
+                in_depth_stack += n
+        elif id(param) in embedding_params:
+            counts["embedding"] += n
+        elif has_base and not name.startswith(prefix + "."):
+            counts["head"] += n
+        else:
+            counts["final"] += n
+    counts["per_layer"] = in_depth_stack // max(depth, 1)
+    counts["total"] = counts["embedding"] + counts["layers"] + counts["final"] + counts["head"]
+    return counts
+
+
+def _depth_paths(config: dict, hf, text) -> tuple[list[str], list[int]]:
+    """Dotted config keys that set each stack's depth, and the depths."""
+    nested = "text_config" if text is not hf and isinstance(config.get("text_config"), dict) else ""
+    where = config.get(nested, {}) if nested else config
+    attribute_map = getattr(type(text), "attribute_map", {}) or {}
+    reverse = {}
+    for alias, canonical in attribute_map.items():
+        reverse.setdefault(canonical, alias)
+
+    def path(*keys: str) -> str:
+        for key in keys:
+            for candidate in (key, reverse.get(key)):
+                if candidate and candidate in where:
+                    return f"{nested}.{candidate}" if nested else candidate
+        return f"{nested}.{keys[0]}" if nested else keys[0]
+
+    if getattr(hf, "is_encoder_decoder", False):
+        enc = next((k for k in ("encoder_layers", "num_layers", "num_hidden_layers") if getattr(text, k, None)), None)
+        dec = next((k for k in ("decoder_layers", "num_decoder_layers") if getattr(text, k, None)), None)
+        if enc and dec:
+            return [path(enc), path(dec)], [int(getattr(text, enc)), int(getattr(text, dec))]
+    return [path("num_hidden_layers")], [int(text.num_hidden_layers)]
+
+
+def _int(value: Any, default: int = 0) -> int:
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) else default
+
+
+def _moe(text) -> dict[str, int] | None:
+    """Experts per layer and experts per token, when the model routes tokens to experts."""
+    experts = next((getattr(text, k) for k in ("num_experts", "num_local_experts", "n_routed_experts")
+                    if _int(getattr(text, k, None))), 0)
+    top_k = _int(getattr(text, "num_experts_per_tok", None))
+    if experts and top_k:
+        return {"experts": int(experts), "top_k": top_k}
+    return None
+
+
+def describe(name: str, config: dict) -> dict:
+    """Everything the spec needs about a model outside the hand-written families (cached on disk)."""
+    key = config_key(config)
+    cached = read_cache("specs", key)
+    if cached is not None:
+        return cached
+    hf = hf_config(config, name)
+    text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
+    model_type = hf.model_type
+    tasks = supported_tasks(model_type)
+    if not tasks:
+        raise MemFitError(f"`model` `{name}` has model_type `{model_type}`, which transformers "
+                          f"{_transformers_version()} builds for none of hf-memfit's tasks "
+                          f"({', '.join(TASK_AUTO)}); pass a causal LM, classifier or seq2seq config")
+    encdec = bool(getattr(hf, "is_encoder_decoder", False))
+    depth_keys, depths = _depth_paths(config, hf, text)
+    heads = _int(getattr(text, "num_attention_heads", None), 1)
+    hidden = _int(getattr(text, "hidden_size", None))
+    head_dim = _int(getattr(text, "head_dim", None)) or (hidden // heads if heads else 0)
+    kv = _int(getattr(text, "num_key_value_heads", None), heads)
+    tie = getattr(hf, "tie_word_embeddings", None)
+    if tie is None:
+        tie = getattr(text, "tie_word_embeddings", False)
+    positions = getattr(text, "max_position_embeddings", None)
+    sliding = getattr(text, "sliding_window", None)
+    if getattr(text, "use_sliding_window", True) is False:
+        sliding = None
+    peft_targets = _peft_targets(model_type)
+    fields = {
+        "hidden_size": hidden,
+        "num_layers": depths[0],
+        "num_decoder_layers": depths[1] if len(depths) > 1 else 0,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "head_dim": head_dim,
+        "intermediate_size": _int(getattr(text, "intermediate_size", None)),
+        "vocab_size": _int(getattr(text, "vocab_size", None)),
+        "max_position_embeddings": _int(positions) or None,
+        "tie_word_embeddings": bool(tie),
+        "is_encoder_decoder": encdec,
+        "default_task": default_task(tasks, encdec),
+        "supported_tasks": list(tasks),
+        "layer_count_keys": depth_keys,
+        "hidden_act": str(getattr(text, "hidden_act", getattr(text, "hidden_activation", "")) or ""),
+        "sliding_window": _int(sliding) or None,
+        "embedding_dim": hidden,
+    }
+    facts = {"fields": fields, "moe": _moe(text), "peft_targets": peft_targets, "tasks": {}}
+    facts["tasks"][_task_key(fields["default_task"], 2)] = _task_facts(config, fields["default_task"], 2, fields)
+    facts["layer_period"] = facts["tasks"][_task_key(fields["default_task"], 2)].pop("layer_period")
+    fields["layer_period"] = facts["layer_period"]
+    write_cache("specs", key, facts)
+    return facts
+
+
+def _task_key(task: str, num_labels: int) -> str:
+    return f"{task}|{num_labels}"
+
+
+def _task_facts(config: dict, task: str, num_labels: int, fields: dict) -> dict:
+    try:
+        model = meta_model(config, task, num_labels)
+    except MemFitError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any failure to build is the config's, reported in one line
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
+        raise MemFitError(f"`model`: transformers {_transformers_version()} could not build model_type "
+                          f"`{config.get('model_type')}` for task {task} from this config "
+                          f"({type(exc).__name__}: {reason}); pass an unmodified config.json") from None
+    stacks = layer_stacks(model)
+    names = [n for n, _ in stacks]
+    depth = fields["num_layers"]
+    # The stack whose length is the configured depth is the one the depth key sets.
+    main = next((n for n, s in stacks if len(s) == depth), names[0] if names else "")
+    stack = dict(stacks).get(main)
+    layer_types = _layer_types(model, depth)
+    return {
+        "linears": _linear_entries(model, names),
+        "counts": _parameter_counts(model, names, main, depth),
+        "layer_period": layer_period(stack, layer_types) if stack is not None else 1,
+    }
+
+
+def _layer_types(model, depth: int) -> list | None:
+    """Per-layer config values (`layer_types`, SmolLM3's `no_rope_layers`, ...): one tuple per layer."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
+    lists = [value for key, value in vars(text).items()
+             if isinstance(value, (list, tuple)) and len(value) == depth and depth > 1 and "token" not in key
+             and all(isinstance(v, (str, int, bool)) for v in value)] if text is not None else []
+    return [tuple(values[i] for values in lists) for i in range(depth)] if lists else None
+
+
+def task_facts(name: str, config: dict, facts: dict, task: str, num_labels: int) -> dict:
+    """Linear modules and parameter counts for one task (meta-built once, then cached with the spec)."""
+    key = _task_key(task, num_labels)
+    if key not in facts["tasks"]:
+        found = _task_facts(config, task, num_labels, facts["fields"])
+        found.pop("layer_period", None)
+        facts["tasks"][key] = found
+        write_cache("specs", config_key(config), facts)
+    return facts["tasks"][key]
+
+
+def _peft_targets(model_type: str) -> list[str] | None:
+    """peft's own default LoRA target modules for the model type (None: peft has none and asks for them)."""
+    import logging
+
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)  # importing peft loads torchao and bitsandbytes, which log their optional kernels
+    try:
+        from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as mapping
+    except ImportError:
+        return None
+    finally:
+        logging.disable(previous)
+    targets = mapping.get(model_type)
+    return list(targets) if targets else None
+
+
+def moe_note(moe: dict, settings) -> str:
+    """What the estimate assumes about routing, for a mixture-of-experts model."""
+    rows = settings.batch_size * settings.seq_len * moe["top_k"]
+    return (f"mixture of experts ({moe['experts']} experts, top-{moe['top_k']}): experts run through transformers' "
+            f"default grouped_mm, whose buffers hold every token-expert pair ({rows} rows per layer here) whatever "
+            "the routing; the estimate is exact for the traced tokens and is also the worst case for any routing, "
+            "balanced or not")

@@ -1,0 +1,96 @@
+"""Levers beyond the optimizer: Liger's fused linear cross-entropy, activation offloading."""
+
+import pytest
+
+from hf_memfit.errors import MemFitError
+from hf_memfit.formulas import fast_step_memory
+from hf_memfit.measure import measure_cpu_peak
+from hf_memfit.planner import plan
+from hf_memfit.settings import TrainSettings
+from hf_memfit.spec import ModelSpec
+from hf_memfit.trace import exact_candidates
+
+from conftest import TINY_LLAMA
+
+# A vocabulary large against the hidden size, as in real LMs (128k / 4k): the logits dominate the head.
+BIG_VOCAB_LLAMA = dict(TINY_LLAMA, vocab_size=4096)
+
+
+@pytest.fixture
+def llama_big_vocab():
+    return ModelSpec.from_config("tiny-llama-4k-vocab", BIG_VOCAB_LLAMA)
+
+
+@pytest.mark.parametrize("device,precision,extra", [
+    ("cpu", "fp32", {}),
+    ("cuda", "bf16-mixed", {}),
+    ("cuda", "bf16-mixed", {"gradient_checkpointing": True}),
+])
+def test_liger_fast_and_exact_agree_and_drop_the_logits(llama_big_vocab, device, precision, extra):
+    spec = llama_big_vocab
+    peaks = {}
+    for liger in (False, True):
+        settings = TrainSettings(batch_size=4, seq_len=64, device=device, precision=precision, use_liger_kernel=liger,
+                                 **extra).validate(spec)
+        fast, exact = fast_step_memory(spec, settings).peak_bytes, exact_candidates(spec, settings).peak_bytes
+        assert abs(fast - exact) <= 0.02 * exact, (liger, fast, exact)
+        peaks[liger] = exact
+    # 256 tokens x 4096 vocab: the fp32 logits, their log_softmax and gradients (~4 MiB each) are gone
+    assert peaks[False] - peaks[True] > 4 * 256 * 4096 * 1.5
+
+
+def test_liger_emulation_on_the_cpu_allocator(llama_big_vocab):
+    spec = llama_big_vocab
+    settings = TrainSettings(batch_size=4, seq_len=64, device="cpu", use_liger_kernel=True, mode="exact").validate(spec)
+    predicted = exact_candidates(spec, settings).peak_bytes
+    measured = measure_cpu_peak(spec.config, settings)
+    assert abs(predicted - measured) <= 0.01 * measured
+
+
+def test_liger_only_where_liger_patches(tiny_specs):
+    with pytest.raises(MemFitError, match="does nothing for gpt2"):
+        TrainSettings(use_liger_kernel=True).validate(tiny_specs["gpt2"])
+
+
+def test_planner_uses_liger_when_it_is_what_fits():
+    common = dict(gpu="a10g", seq_len=2048, global_batch_size=32, load_in_4bit=True, lora_r=16)
+    with_liger = plan("meta-llama/Llama-3.1-8B", use_liger_kernel=True, **common)
+    without = plan("meta-llama/Llama-3.1-8B", use_liger_kernel=False, **common)
+    assert with_liger.plan.use_liger_kernel and with_liger.plan.training_arguments()["use_liger_kernel"]
+    assert with_liger.plan.predicted_step_seconds < without.plan.predicted_step_seconds
+    assert any("Liger" in r and "without it the peak would be" in r for r in with_liger.plan.reasons)
+    assert not without.plan.use_liger_kernel
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "fp32"])
+def test_offloaded_checkpoints_leave_the_gpu_in_both_modes(tiny_specs, precision):
+    spec = tiny_specs["llama"]
+    base = TrainSettings(batch_size=4, seq_len=64, device="cuda", precision=precision, gradient_checkpointing=True)
+    plain, offloaded = base.validate(spec), base.replace(offload_activations=True).validate(spec)
+    fast, exact = fast_step_memory(spec, offloaded), exact_candidates(spec, offloaded)
+    assert abs(fast.peak_bytes - exact.peak_bytes) <= 0.02 * exact.peak_bytes
+    # one hidden state per layer (4 x 64 x 64, fp32: autocast leaves the residual stream in the weights'
+    # dtype) on the host, each a power of two already
+    hidden = 4 * 64 * 64 * 4
+    assert fast.host_bytes == exact.host_bytes == spec.num_layers * hidden
+    assert exact.peak_bytes <= exact_candidates(spec, plain).peak_bytes
+
+
+def test_offload_needs_checkpointing_and_a_gpu(tiny_specs):
+    with pytest.raises(MemFitError, match="add `--gradient-checkpointing`"):
+        TrainSettings(offload_activations=True).validate(tiny_specs["llama"])
+    with pytest.raises(MemFitError, match="needs `--device cuda`"):
+        TrainSettings(offload_activations=True, gradient_checkpointing=True, device="cpu").validate(tiny_specs["llama"])
+
+
+def test_planner_offloads_activations_only_when_it_pays():
+    common = dict(gpu="a10g", global_batch_size=4, load_in_4bit=True, lora_r=16, use_liger_kernel=True)
+    long = plan("meta-llama/Llama-3.1-8B", seq_len=32768, **common).plan
+    assert long.offload_activations and long.training_arguments()["gradient_checkpointing_kwargs"]["offload"]
+    assert any(r.startswith("activation checkpoints offloaded") and "without it the peak would be" in r
+               for r in long.reasons)
+    short = plan("meta-llama/Llama-3.1-8B", seq_len=16384, **common).plan
+    assert short.gradient_checkpointing and not short.offload_activations
+    assert any(r.startswith("activation checkpoints stay on the GPU") for r in short.reasons)
+    never = plan("meta-llama/Llama-3.1-8B", seq_len=16384, allow_offload="none", **common)
+    assert not never.plan.offload_activations
