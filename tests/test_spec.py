@@ -452,11 +452,11 @@ def test_family_knowledge_lives_in_the_family_modules():
         text = (root / shared).read_text()
         assert not re.search(r"model_type\s*(==|!=|in\s*[(\[{])", text), shared
     owners = {}
-    for name in models._MODULES:
-        module = __import__(f"hf_memfit.models.{name}", fromlist=["MODEL_TYPES"])
+    for module in models.family_modules():
         for model_type in module.MODEL_TYPES:
-            assert model_type not in owners, (model_type, owners.get(model_type), name)
-            owners[model_type] = name
+            assert model_type not in owners, (model_type, owners.get(model_type), module.__name__)
+            owners[model_type] = module.__name__
             assert set(module.DEFAULTS) == set(module.MODEL_TYPES)
         assert callable(module.fields) and callable(module.linears) and callable(module.counts)
         assert hasattr(module, "Forward")
+    assert set(owners) == set(models.hand_written_types())

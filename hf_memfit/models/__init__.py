@@ -8,9 +8,10 @@ and `counts` (the linear modules and parameter counts in closed form), and
 `Forward`, the symbolic forward fast mode runs (`formulas.py`). Optional:
 `embedding_tables(spec)`, `EAGER_ATTENTION_ONLY`, `USES_KV_CACHE`, `CONV1D_BODY`.
 
-Adding a family is adding one module here and its name to `_MODULES`. A model
-type no module claims takes the generic path (`generic.py`): exact mode traces
-it, and fast mode is calibrated from exact traces (`calibrated.py`).
+Adding a family is adding one module here: every module in this package whose
+name does not start with "_" is a family module. A model type no module claims
+takes the generic path (`generic.py`): exact mode traces it, and fast mode is
+calibrated from exact traces (`calibrated.py`).
 
 Nothing here imports torch or transformers.
 """
@@ -18,18 +19,26 @@ Nothing here imports torch or transformers.
 from __future__ import annotations
 
 import importlib
+import pkgutil
 from functools import lru_cache
 from types import ModuleType
 
-_MODULES = ("gpt2", "bert", "t5", "opt", "llama", "gemma2", "phi3", "gpt_neox")
+
+@lru_cache(maxsize=1)
+def family_modules() -> tuple[ModuleType, ...]:
+    """Every family module in this package, by name."""
+    names = sorted(info.name for info in pkgutil.iter_modules(__path__) if not info.name.startswith("_"))
+    return tuple(importlib.import_module(f"{__name__}.{name}") for name in names)
 
 
 @lru_cache(maxsize=1)
 def _registry() -> dict[str, ModuleType]:
     registry: dict[str, ModuleType] = {}
-    for name in _MODULES:
-        module = importlib.import_module(f"hf_memfit.models.{name}")
+    for module in family_modules():
         for model_type in module.MODEL_TYPES:
+            if model_type in registry:
+                raise RuntimeError(f"model type {model_type} is claimed by both {registry[model_type].__name__} "
+                                   f"and {module.__name__}")
             registry[model_type] = module
     return registry
 
