@@ -9,7 +9,7 @@ The same page measured the bare context with its kernels at 1343 MiB (`torch.one
 
     python benchmarks/v100_bert.py [--exact]
 
-The comparison is loose in known ways (docs/benchmarks.md, section 7): the measurements predate torch's
+The comparison is loose in known ways (docs/benchmarks.md, section 8): the measurements predate torch's
 lazy CUDA module loading, so their context is 1343 MiB where hf-memfit models today's 0.9 GiB; the Trainer's
 2022 default optimizer was transformers' own AdamW (a per-tensor loop, modelled here as `adamw_torch_fused`,
 which keeps no step temporaries); and nvidia-smi was read after training, not at the peak.
