@@ -693,11 +693,7 @@ def _parameters(spec, settings, wdt: str) -> list[_Param]:
     return params
 
 
-def _nbytes(numel: int, dtype_bytes: float, cuda: bool) -> int:
-    n = int(round(numel * dtype_bytes))
-    if cuda:
-        n = max(_CUDA_BLOCK, -(-n // _CUDA_BLOCK) * _CUDA_BLOCK)
-    return n
+_nbytes = optimizers.allocated_bytes  # one tensor's bytes, rounded to the caching allocator's blocks on CUDA
 
 
 def _param_bytes(p: _Param, cuda: bool, dtype: str | None = None) -> int:
