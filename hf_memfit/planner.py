@@ -875,6 +875,9 @@ def _make_plan(best: Candidate, candidates, usable: int, budget: int, ideal_seco
         reasons.append("Liger fused linear cross-entropy (`use_liger_kernel=True`): the loss runs over chunks of "
                        "tokens and never materialises the logits or their fp32 copies" + detail)
     reasons.append(attn_reason)
+    allocator_reason = _expandable_segments_reason(est)
+    if allocator_reason:
+        reasons.append(allocator_reason)
     if s.zero_stage or s.fsdp is not None:
         plain = _lookup(candidates, s.replace(zero_stage=0, offload_optimizer="none", offload_param="none", fsdp=None,
                                               fsdp_offload=False))
@@ -946,6 +949,24 @@ def _activation_offload_reason(best: Candidate, candidates) -> str:
     return (f"activation checkpoints stay on the GPU: offloading them would free {format_bytes(freed)} but add "
             f"{copy_s:.2f} s of PCIe copies per step ({share}) on the compute stream and pin host memory, and a "
             "plan fits without it")
+
+
+# The plan recommends expandable segments when the caching allocator's predicted slack is more than this share
+# of the peak: a planning threshold, the same 5% by which the estimator's two modes are held to agree.
+EXPANDABLE_SEGMENTS_HINT_SHARE = 0.05
+
+
+def _expandable_segments_reason(est: MemoryEstimate) -> str:
+    """A reason recommending PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True where fragmentation is predicted."""
+    from hf_memfit.cuda_overhead import EXPANDABLE_SEGMENTS_SLACK_BYTES
+
+    s = est.settings
+    slack = est.peak_reserved_bytes - est.peak_allocated_bytes
+    if s.device != "cuda" or s.expandable_segments or slack <= EXPANDABLE_SEGMENTS_HINT_SHARE * est.device_total_bytes:
+        return ""
+    return (f"allocator: {format_bytes(slack)} of the peak is the caching allocator's predicted fragmentation; "
+            f"set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to cut it to about "
+            f"{format_bytes(EXPANDABLE_SEGMENTS_SLACK_BYTES)} (`--expandable-segments` plans with it)")
 
 
 def _optimizer_reason(s: TrainSettings, candidates, keep_optimizer: bool) -> str:

@@ -170,3 +170,15 @@ def test_unwritable_deepspeed_output_fails_before_planning(make_path, expected, 
     assert expected in err and err.count("\n") == 1
     assert (tmp_path / "file.txt").read_text() == "keep me"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file.txt"]  # nothing half-written
+
+
+def test_expandable_segments_are_recommended_where_fragmentation_is_predicted():
+    request = dict(gpu_memory="24GiB", seq_len=1024, global_batch_size=8)
+    result = plan("gpt2", **request)
+    slack = result.estimate.peak_reserved_bytes - result.estimate.peak_allocated_bytes
+    assert slack > 0.05 * result.estimate.device_total_bytes  # activations dominate this small model's peak
+    hint = [r for r in result.plan.reasons if "expandable_segments:True" in r]
+    assert len(hint) == 1 and format_bytes(slack) in hint[0]
+    with_it = plan("gpt2", expandable_segments=True, **request)
+    assert with_it.estimate.peak_reserved_bytes - with_it.estimate.peak_allocated_bytes == 22 * MiB
+    assert not [r for r in with_it.plan.reasons if "expandable_segments:True" in r]
