@@ -42,6 +42,9 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/common.py
+from common import MARKER_BYTES, peak_after_marker  # noqa: E402
+
 ROWS = [
     # (name, family, precision, fsdp strategy, version, offload, lora_r)
     ("llama-L4 fp32 FSDP2 full_shard", "llama", "fp32", "full_shard", 2, False, None),
@@ -66,7 +69,6 @@ CONFIGS = {
                   tie_word_embeddings=False),
 }
 BATCH, SEQ, STEPS, WORLD = 2, 128, 3, 2
-MARKER_BYTES = 7_777_777  # a size nothing else allocates: marks where the training steps begin
 
 
 def settings_for(row: tuple, mode: str = "fast"):
@@ -170,14 +172,7 @@ def measure(config: dict, settings) -> int:
             training.forward_backward(model, batch, settings, device_type="cpu")
             del batch
             training.optimizer_step(model, optimizer)
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
-    live, peak, started = 0, 0, False
-    for event in events:
-        live += event.nbytes()
-        started = started or event.nbytes() == MARKER_BYTES
-        if started:
-            peak = max(peak, live)
+    peak = peak_after_marker(prof)
     dist.destroy_process_group()
     return peak
 

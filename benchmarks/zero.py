@@ -24,6 +24,9 @@ import subprocess
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/common.py
+from common import MARKER_BYTES, peak_after_marker  # noqa: E402
+
 ROWS = [
     # (name, catalogue-family config overrides, precision, zero_stage, offload_optimizer, offload_param)
     ("gpt2-L4 fp32 ZeRO-1", "gpt2", "fp32", 1, "none", "none"),
@@ -42,7 +45,6 @@ CONFIGS = {
                   num_attention_heads=8, num_key_value_heads=2, vocab_size=8192, max_position_embeddings=512),
 }
 BATCH, SEQ, STEPS = 2, 128, 3
-MARKER_BYTES = 7_777_777  # a size nothing else allocates: marks where the training steps begin
 
 
 def measure(row: tuple) -> int:
@@ -88,15 +90,7 @@ def measure(row: tuple) -> int:
             loss = engine(input_ids=ids, labels=ids).loss
             engine.backward(loss)
             engine.step()
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
-    live, peak, started = 0, 0, False
-    for event in events:
-        live += event.nbytes()
-        started = started or event.nbytes() == MARKER_BYTES
-        if started:
-            peak = max(peak, live)
-    return peak
+    return peak_after_marker(prof)
 
 
 def predict(row: tuple, mode: str) -> int:
