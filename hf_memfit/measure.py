@@ -18,7 +18,8 @@ def measure_cpu_peak(config: dict, settings: TrainSettings, *, steps: int = 2, s
     from torch.profiler import ProfilerActivity, profile
 
     torch.manual_seed(seed)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with training.cuda_synchronize_without_cuda(), \
+            profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         model = training.build_model(config, settings)
         optimizer = training.make_optimizer(model, settings)
         for _ in range(steps):

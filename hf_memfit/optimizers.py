@@ -180,11 +180,17 @@ def allocated_bytes(numel: int, dtype_bytes: float, cuda: bool) -> int:
     return n
 
 
-def _low_rank_dims(t: TensorGroup, rank: int) -> tuple[int, int, int]:
-    """(long side, short side, effective rank) of a projected 2-D tensor."""
+def _low_rank_dims(t: TensorGroup, rank: int, family: str = "galore") -> tuple[int, int, int]:
+    """(long side, short side, effective rank) of a projected 2-D tensor.
+
+    GaLore's projector is a slice of the SVD (`U[:, :rank]`), so its rank is at most
+    the short side; APOLLO draws a Gaussian of the full `rank` whatever the shape
+    (`stable_randn((m, rank))`), so a tensor narrower than the rank is projected *up*
+    to it (random_projector.py).
+    """
     rows, cols = t.shape[0], t.shape[-1]
     long, short = max(rows, cols), min(rows, cols)
-    return long, short, min(rank, short)
+    return long, short, (rank if family == "apollo" else min(rank, short))
 
 
 def state_bytes(t: TensorGroup, optim: str, cuda: bool, *, optim_args: str | None = None) -> int:
@@ -241,10 +247,12 @@ def _low_rank_state_bytes(t: TensorGroup, o: Optimizer, cuda: bool, rank: int) -
       gradient's dtype, plus the 0-d fp32 norm-growth limiter state.
     """
     nb = lambda numel, size: allocated_bytes(numel, size, cuda)  # noqa: E731
-    long, short, r = _low_rank_dims(t, rank)
+    long, short, r = _low_rank_dims(t, rank, o.family)
     b = t.dtype_bytes
     if o.state_bits == 8 and long * r >= BNB_MIN_8BIT_SIZE:
         states = 2 * (nb(long * r, 1) + nb(-(-long * r // BNB_BLOCK), 4))
+    elif o.state_bits == 8:  # bitsandbytes keeps fp32 states under `min_8bit_size`, whatever the dtype
+        states = 2 * nb(long * r, 4)
     else:
         states = 2 * nb(long * r, b)
     if o.family == "galore":
@@ -473,24 +481,82 @@ def _low_rank_step_bytes(tensors: list[TensorGroup], o: Optimizer, cuda: bool, r
     The previous tensor's `norm_grad` is still bound when the next tensor starts.
     """
     nb = lambda numel, size: allocated_bytes(numel, size, cuda)  # noqa: E731
+    if o.family == "galore" and o.state_bits == 8:
+        return _galore_8bit_step_bytes(tensors, cuda, rank)
     best = prev = 0
     for t in tensors:
         b = t.dtype_bytes
         if t.low_rank_target and len(t.shape) == 2:
-            long, short, r = _low_rank_dims(t, rank)
+            long, short, r = _low_rank_dims(t, rank, o.family)
             full = nb(t.numel, b)
             low = nb(long * r, b)
+            # The previous tensor's full-size `norm_grad` is released when this tensor's low-rank
+            # `norm_grad` is made, before the projection back (GaLore) or the scaled gradient (APOLLO).
+            before_back = 3 * low + prev
             if o.family == "galore":
-                half_copy = nb(t.numel, 4) if b != 4 else 0
-                svd = half_copy + nb(long * short, 4) + nb(short * short, 4) + nb(short, 4)
-                update = 3 * low + 2 * full
-                one, after = max(svd, update), full
-            else:
-                update = 3 * low + full + nb(long, 4)
-                one, after = update, full
-        else:
-            one = 2 * nb(t.numel, b)
-            after = nb(t.numel, b)
-        best = max(best, one + prev)
-        prev = after
+                peak = max(_galore_svd_bytes(t, cuda, rank) + prev, before_back, 3 * low + 2 * full)
+            else:  # the limiter's `scaled_grad / limiter` beside `scaled_grad`, and the column norms
+                peak = max(before_back, 3 * low + 2 * full + nb(long, 4))
+            best, prev = max(best, peak), full
+            continue
+        best = max(best, 2 * nb(t.numel, b) + prev)
+        prev = nb(t.numel, b)
+    return best
+
+
+def _galore_svd_bytes(t: TensorGroup, cuda: bool, rank: int = LOW_RANK_DEFAULT_RANK) -> int:
+    """GaLore's projector refresh on one [m, n] gradient (galore_projector.py `get_orthogonal_matrix`).
+
+    `torch.linalg.svd` of the fp32 gradient (a `.float()` copy for half precision):
+    U (m x k), S (k) and Vh (k x n), k = min(m, n); then the unused factor times
+    `diag(S[:r])` (an r x r diagonal, and an fp32 product of the long side x r), and
+    for half precision the kept factor's r x short copy in the gradient's dtype,
+    made while the old projector is still bound (fp32 keeps a view of U / Vh).
+    """
+    nb = lambda numel, size: allocated_bytes(numel, size, cuda)  # noqa: E731
+    long, short, r = _low_rank_dims(t, rank)
+    b = t.dtype_bytes
+    half_copy = nb(t.numel, 4) if b != 4 else 0
+    factors = nb(long * short, 4) + nb(short * short, 4) + nb(short, 4)
+    new_projector = nb(r * short, b) if b != 4 else 0
+    return half_copy + factors + nb(long * r, 4) + max(nb(r * r, 4), new_projector)
+
+
+def _bnb_update_bytes(numel: int, dtype_bytes: int, cuda: bool) -> int:
+    """bitsandbytes' update of one tensor: in place on CUDA, fp32 temporaries on the CPU (8-bit from 4096 elements)."""
+    optim = "adamw_bnb_8bit" if numel >= BNB_MIN_8BIT_SIZE else "paged_adamw_32bit"
+    return step_temporary_bytes(optim, numel, largest_param_numel=numel, device="cuda" if cuda else "cpu",
+                                param_dtype_bytes=dtype_bytes)
+
+
+def _galore_8bit_step_bytes(tensors: list[TensorGroup], cuda: bool, rank: int) -> int:
+    """`GaLoreAdamW8bit.step` (galore_torch/adamw8bit.py, bitsandbytes' Optimizer2State), one tensor at a time.
+
+    The Trainer's groups come in order: the rest (plain bnb 8-bit AdamW), then the
+    targets. For a target [m, n] (long side L, rank r), beyond the states:
+    - every `update_proj_gap` steps, GaLore's SVD (`_galore_svd_bytes`);
+    - `grad` = the low-rank projection (L x r), then `p.saved_data = p.data.clone()`
+      (m x n); `p.data = grad.clone()` (L x r) releases the weight's own storage, and
+      `p.grad = grad` the full gradient;
+    - bnb's update of the L x r tensor (`_bnb_update_bytes`);
+    - the projection back: the m x n matmul and its `* scale` copy, added into
+      `saved_data`, which becomes `p.data` again (the L x r copy is released).
+    So each target leaves its gradient at L x r until `zero_grad`: the full gradients
+    already replaced before a tensor are subtracted from its peak.
+    """
+    nb = lambda numel, size: allocated_bytes(numel, size, cuda)  # noqa: E731
+    best = released = 0
+    targets = [t for t in tensors if t.low_rank_target and len(t.shape) == 2]
+    rest = [t for t in tensors if not (t.low_rank_target and len(t.shape) == 2)]
+    for t in rest:
+        best = max(best, _bnb_update_bytes(t.numel, t.dtype_bytes, cuda))
+    for t in targets:
+        long, _, r = _low_rank_dims(t, rank)
+        full, low = nb(t.numel, t.dtype_bytes), nb(long * r, t.dtype_bytes)
+        kernel = _bnb_update_bytes(long * r, t.dtype_bytes, cuda)
+        one = max(_galore_svd_bytes(t, cuda, rank), low + full, 2 * low - full + kernel, 2 * low + full)
+        best = max(best, one - released)
+        # Identical tensors are a stack's layers, stepped layer by layer: the first of each
+        # shape comes after one of every earlier shape, so only one of each is released before it.
+        released += full - low
     return best

@@ -398,6 +398,11 @@ def make_optimizer(model, settings: TrainSettings, *, cuda_semantics: bool = Fal
     optimizer_cls, kwargs = trainer_optimizer_class(settings, model)
     kwargs = dict(kwargs)
     groups = kwargs.pop("params", None) or [g for g in param_groups(model) if g["params"]]
+    if "optimizer_dict" in kwargs:
+        # Layerwise GaLore / APOLLO: `get_optimizer_cls_and_kwargs` has already made one optimizer per
+        # parameter and registered the post-accumulate-grad hooks that step them inside backward; the
+        # Trainer then builds `LayerWiseDummyOptimizer(optimizer_dict, ...)`, whose step does nothing.
+        return optimizer_cls(kwargs.pop("optimizer_dict"), **kwargs)
     if cuda_semantics and optimizer_cls in (torch.optim.AdamW, torch.optim.Adam) and not kwargs.get("fused"):
         kwargs = {**kwargs, "foreach": True}
     return optimizer_cls(groups, **kwargs)
@@ -465,6 +470,32 @@ def _trl_forward_backward(model, batch: dict, settings: TrainSettings, device_ty
         loss = loss * 65536.0
     loss.backward()
     return loss.detach()
+
+
+def inner_optimizers(optimizer) -> list:
+    """The optimizers that really step: the per-parameter ones behind a layerwise dummy, else `optimizer` itself."""
+    per_parameter = getattr(optimizer, "optimizer_dict", None)
+    return list(per_parameter.values()) if per_parameter else [optimizer]
+
+
+@contextlib.contextmanager
+def cuda_synchronize_without_cuda():
+    """Let `torch.cuda.synchronize()` return at once on a torch built without CUDA.
+
+    galore_torch's `GaLoreAdamW8bit.step` calls it after every parameter's update
+    (galore_torch/adamw8bit.py), which a CPU-only torch refuses ("Torch not compiled
+    with CUDA enabled"). A synchronisation allocates nothing, so on a CPU build it
+    can only be a no-op; with CUDA present nothing is changed.
+    """
+    if torch.cuda.is_available():
+        yield
+        return
+    original = torch.cuda.synchronize
+    torch.cuda.synchronize = lambda device=None: None
+    try:
+        yield
+    finally:
+        torch.cuda.synchronize = original
 
 
 def optimizer_step(model, optimizer, *, cuda_semantics: bool = False) -> None:

@@ -403,13 +403,118 @@ class _Bnb8bitStateLayout(torch.optim.Optimizer):
                         state["state1"] = torch.zeros_like(p, dtype=torch.float32)
                         state["state2"] = torch.zeros_like(p, dtype=torch.float32)
                 if not self.cuda_semantics:
-                    # _optimizer_update_{8bit_blockwise,32bit}_cpu: dequantized states (8-bit),
-                    # grad.float() * gnorm_scale, p.data.float() (a copy unless fp32), and
-                    # denom = state2.sqrt() / correction2 beside its sqrt.
-                    fp32 = lambda: torch.empty_like(p, dtype=torch.float32)  # noqa: E731
-                    temporaries = [fp32(), fp32()] if eight_bit else []
-                    temporaries += [fp32(), fp32(), fp32()] + ([fp32()] if p.dtype != torch.float32 else [])
-                    del temporaries
+                    _bnb_cpu_update_temporaries(p, eight_bit)
+
+
+def _bnb_cpu_update_temporaries(p: torch.Tensor, eight_bit: bool) -> None:
+    """What bitsandbytes' CPU update of one tensor allocates, and frees before the next.
+
+    `_optimizer_update_{8bit_blockwise,32bit}_cpu` (bitsandbytes 0.50 backends/cpu/ops.py): the dequantized
+    states (8-bit only), grad.float() * gnorm_scale, p.data.float() (a copy unless fp32), and
+    denom = state2.sqrt() / correction2 beside its sqrt. On CUDA the kernel updates in place.
+    """
+    fp32 = lambda: torch.empty_like(p, dtype=torch.float32)  # noqa: E731
+    temporaries = [fp32(), fp32()] if eight_bit else []
+    temporaries += [fp32(), fp32(), fp32()] + ([fp32()] if p.dtype != torch.float32 else [])
+    del temporaries
+
+
+def _galore_8bit_kernels_as_layout(optimizer, cuda_semantics: bool) -> None:
+    """Make a real `GaLoreAdamW8bit` traceable by replacing only its call into bitsandbytes' kernels.
+
+    galore_torch's `GaLoreAdamW8bit` is bitsandbytes' `Optimizer2State`. Its `step` runs
+    GaLore in torch, which fake tensors run as they are: project the gradient,
+    `p.saved_data = p.data.clone()`, `p.data` and `p.grad` swapped for the low-rank
+    gradient (the full gradient is released there), project back and add. bnb's own
+    `init_state` makes the states (uint8 + an fp32 absmax per 256-element block, fp32
+    under 4096 elements). Only `update_step`, whose kernels read the data, is replaced:
+    it does what bnb's does around the kernel (contiguous copies, the step count) and
+    allocates what the kernel allocates (nothing on CUDA; `_bnb_cpu_update_temporaries`
+    on the CPU). The class is swapped on the instance, so the Trainer's own object,
+    with its groups and (layerwise) hooks, is the one traced.
+    """
+
+    class GaLore8bitKernelsAsLayout(type(optimizer)):
+        @torch.no_grad()
+        def update_step(self, group, p, gindex, pindex):
+            p.data = p.data.contiguous()
+            p.grad = p.grad.contiguous()
+            state = self.state[p]
+            state["step"] += 1
+            if not cuda_semantics:
+                _bnb_cpu_update_temporaries(p, state["state1"].dtype == torch.uint8)
+
+    optimizer.__class__ = GaLore8bitKernelsAsLayout
+
+
+@contextlib.contextmanager
+def _bnb_qmaps_made_concrete():
+    """bitsandbytes' 8-bit quantization maps, made from real numbers while an optimizer is built on fake tensors.
+
+    `Optimizer8bit.__init__` fills its two 256-entry fp32 maps with
+    `functional.create_dynamic_map`, which reads values (`.tolist()`). The values are
+    computed outside the fake and tracking modes; what the optimizer keeps is a tensor
+    of the same size made in the fake mode, so its bytes are counted as the real ones.
+    """
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    import bitsandbytes.functional as bnb_functional
+
+    original = bnb_functional.create_dynamic_map
+
+    def create_dynamic_map(*args, **kwargs):
+        with _disable_current_modes():
+            real = original(*args, **kwargs)
+        return torch.empty(real.shape, dtype=real.dtype)
+
+    bnb_functional.create_dynamic_map = create_dynamic_map
+    try:
+        yield
+    finally:
+        bnb_functional.create_dynamic_map = original
+
+
+@contextlib.contextmanager
+def _apollo_on_fake_tensors():
+    """Let APOLLO's real step run on fake tensors: its two reads of data are made concrete.
+
+    apollo_torch 1.0.3 (apollo.py, random_projector.py) reads values twice, which a
+    FakeTensor has not:
+    - `next_seed` draws the projector's next seed with `torch.randint(...).tolist()`
+      on a 15-element CPU tensor. It runs here outside the fake and tracking modes,
+      as a real seed: a host-side int64 scratch of 120 bytes, not device memory;
+    - the norm-growth limiter takes Python's `max(norm_ratio, 1.01)`, a comparison
+      of a 0-d tensor. Either branch then makes the same full-size
+      `scaled_grad / limiter` and a 0-d state; only whether `limiter` is a 0-d tensor
+      or a float differs. The comparison is answered with the tensor (the norm grew
+      by over 1%, the limiter acting).
+    Everything else (the seeded Gaussian projector, the low-rank states, the scaled
+    gradient) runs as it is.
+    """
+    import builtins
+
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    import apollo_torch.apollo as apollo
+    import apollo_torch.random_projector as projector
+
+    original_next_seed = projector.next_seed
+
+    def next_seed(seed, adv=projector.ADV_DEFAULT):
+        with _disable_current_modes():
+            return original_next_seed(seed, adv)
+
+    def limiter_max(*args, **kwargs):
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        return tensors[0] if tensors else builtins.max(*args, **kwargs)
+
+    projector.next_seed = next_seed
+    apollo.max = limiter_max  # a module global shadows the builtin for apollo.py's code only
+    try:
+        yield
+    finally:
+        projector.next_seed = original_next_seed
+        del apollo.max
 
 
 def _torchao_state_layout(optimizer_cls):
@@ -461,6 +566,13 @@ def _torchao_state_layout(optimizer_cls):
 def optimizer_state_tensors(optimizer) -> list[torch.Tensor]:
     """Every tensor holding optimizer state, the inner tensors of torchao's quantized states included."""
     out = []
+    for inner in training.inner_optimizers(optimizer):
+        out += _state_tensors(inner)
+    return out
+
+
+def _state_tensors(optimizer) -> list[torch.Tensor]:
+    out = []
     for state in optimizer.state.values():
         for value in state.values():
             if isinstance(value, torch.Tensor):
@@ -483,19 +595,19 @@ def _make_traced_optimizer(model, settings: TrainSettings, cuda_semantics: bool)
                                                     **kwargs)
         made.cuda_semantics = cuda_semantics
         return made
-    if optimizer.low_rank and (optimizer.state_bits == 8 or optimizer.family == "apollo"):
-        from hf_memfit.errors import MemFitError
-
-        why = ("bitsandbytes' 8-bit kernels do not run on fake tensors" if optimizer.state_bits == 8 else
-               "APOLLO draws its projection seeds with `.tolist()` and compares its norm limiter as a Python number")
-        raise MemFitError(f"exact mode cannot trace `--optim {settings.optim}` ({why}); use `--mode fast`")
-    made = training.make_optimizer(model, settings, cuda_semantics=cuda_semantics)
-    if optimizer.family == "galore":
-        # The projector's SVD runs every `update_proj_gap` steps; trace it in the measured step too, with
-        # the states already there, as every 200th real step runs it.
-        for group in made.param_groups:
-            if "update_proj_gap" in group:
-                group["update_proj_gap"] = 1
+    with _bnb_qmaps_made_concrete() if optimizer.state_bits == 8 else contextlib.nullcontext():
+        made = training.make_optimizer(model, settings, cuda_semantics=cuda_semantics)
+    # Layerwise variants: one real optimizer per parameter, stepped by hooks inside backward.
+    for inner in training.inner_optimizers(made):
+        if optimizer.low_rank:
+            # The projector is remade every `update_proj_gap` steps (GaLore's SVD, APOLLO's new Gaussian,
+            # beside the old one); trace it in the measured step too, with the states already there, as
+            # every 200th real step runs it.
+            for group in inner.param_groups:
+                if "update_proj_gap" in group:
+                    group["update_proj_gap"] = 1
+        if optimizer.family == "galore" and optimizer.state_bits == 8:
+            _galore_8bit_kernels_as_layout(inner, cuda_semantics)
     return made
 
 
@@ -688,6 +800,9 @@ def trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], *
         patches.enter_context(training.quiet_transformers())  # its forward warns about the configs we build
         patches.enter_context(_deepcopy_fake_tensors_as_real_ones())  # peft copies modules; see there
         patches.enter_context(_truncated_normal_init_in_place())  # ModernBERT, SigLIP init; see there
+        patches.enter_context(training.cuda_synchronize_without_cuda())  # GaLore 8-bit's step syncs
+        if settings.optimizer.family == "apollo":
+            patches.enter_context(_apollo_on_fake_tensors())
         if cuda:
             original_sdpa = torch.nn.functional.scaled_dot_product_attention
             torch.nn.functional.scaled_dot_product_attention = _gpu_sdpa(flash_supported=_flash_supported(settings))
@@ -725,6 +840,8 @@ def trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], *
             tracker.set_region(f"{step_tag()}|opt")
             tracker.markers.append((tracker.clock, f"step {step_index + 1} optimizer"))
             training.optimizer_step(model, optimizer, cuda_semantics=cuda)
+            for p in model.parameters():  # GaLore 8-bit's step gives each target a new storage (`p.saved_data`)
+                tracker.mark(p, "weights")
             for value in optimizer_state_tensors(optimizer):
                 tracker.mark(value, "optimizer")
         tracker.markers.append((tracker.clock, "end"))
