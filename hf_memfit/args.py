@@ -45,7 +45,8 @@ class MemFitFields:
         default="",
         metadata={"help": "Comma-separated optimizers the plan may switch to beyond the AdamW ladder, because "
                           "they change the training dynamics: galore_adamw, galore_adamw_8bit, apollo_adamw, "
-                          "adafactor."},
+                          "adafactor, and the layerwise galore_adamw_layerwise, galore_adamw_8bit_layerwise, "
+                          "apollo_adamw_layerwise (planned only with gradient accumulation 1 on one GPU)."},
     )
     memfit_max_recoveries: int = field(default=3, metadata={"help": "OOM recoveries before saving and stopping."})
     memfit_debug_memory: bool = field(

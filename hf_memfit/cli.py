@@ -198,7 +198,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                              "stochastic rounding) when no mixed-precision plan fits; it changes the numerics")
     parser.add_argument("--allow-optimizers", default="", metavar="NAMES",
                         help="comma-separated optimizers that change the training dynamics the plan may use: "
-                             "galore_adamw, galore_adamw_8bit, apollo_adamw, adafactor")
+                             "galore_adamw, galore_adamw_8bit, apollo_adamw, adafactor, and the layerwise "
+                             "galore_adamw_layerwise, galore_adamw_8bit_layerwise, apollo_adamw_layerwise (planned "
+                             "only with gradient accumulation 1 on one GPU, as the Trainer requires)")
     parser.add_argument("--optim", default="adamw_torch_fused", help="the optimizer to start from")
     parser.add_argument("--deepspeed-config-out", help="write the plan's DeepSpeed config (JSON) here")
     parser.add_argument("--accelerate-config-out",

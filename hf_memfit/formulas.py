@@ -851,7 +851,8 @@ class _LayerBackward:
     start_w: int = 0
 
 
-def _layer_backward(f: _Forward, scope: str, accumulate: bool, residual_grad: int) -> _LayerBackward:
+def _layer_backward(f: _Forward, scope: str, accumulate: bool, residual_grad: int,
+                    layerwise_step: dict[int, int] | None = None) -> _LayerBackward:
     """Replay one layer's backward over the forward tape, in reverse.
 
     Going back through the tape, the op at each position makes the gradient of
@@ -859,6 +860,9 @@ def _layer_backward(f: _Forward, scope: str, accumulate: bool, residual_grad: in
     its weight's gradient (in the compute dtype first under autocast, then the
     fp32 copy), and once an op is done the tensors it saved are freed. The
     gradient flowing along the residual stream stays alive throughout.
+    With `layerwise_step` (element count -> step temporaries of a tensor that size), each
+    weight's gradient is stepped by its own optimizer as soon as it is made and freed
+    (layerwise GaLore / APOLLO): it never joins the layer's gradients.
     """
     tensors = [t for t in f.tensors if t.scope == scope]
     if not tensors:
@@ -890,14 +894,18 @@ def _layer_backward(f: _Forward, scope: str, accumulate: bool, residual_grad: in
     for pos in range(end, start - 1, -1):
         t = by_pos.get(pos)
         tmp = residual_grad + (2 * f.bytes_of(t) if t is not None and t.rg and t.alloc else 0)
+        stepped = 0
         for numel, dtype, cast in grads_at.get(pos, ()):
             g = _nbytes(numel, _SIZE[dtype], cuda)
             if cast and cast != dtype:
                 tmp += _nbytes(numel, _SIZE[cast], cuda)
-            if accumulate:
+            if layerwise_step is not None:  # one gradient at a time with its step, then freed
+                stepped = max(stepped, g + layerwise_step.get(numel, 0))
+            elif accumulate:
                 tmp += g  # computed, added in place into .grad, freed
             else:
                 new += g
+        tmp += stepped
         if live + new + tmp > best.acts + best.grads + best.temp:
             best = _LayerBackward(live, new, tmp, 0, live_w)
         live -= frees.get(pos, 0)
@@ -1204,6 +1212,14 @@ def fast_step_memory(spec, settings) -> StepMemory:
     # Offloaded checkpoints (activation_checkpointing_kwargs={"offload": True}): each layer's saved
     # input is copied to pinned host memory in the forward and back for the layer's recompute.
     kept_inputs = 0 if settings.offload_activations else 1
+    # Layerwise GaLore / APOLLO: each parameter is stepped by its own optimizer as soon as its gradient
+    # is accumulated, inside backward, and the gradient is freed; no gradients outlive their step and
+    # there is no step after backward. In a layer's backward (`_layer_backward`) each gradient is stepped
+    # where it is made; the head's and the embeddings' at the end of their backward.
+    layerwise = settings.optimizer.layerwise
+    lw_layer_step = _layerwise_steps(trainable, opt_tensors, ("layer", "norm", "lora", "other"), settings)
+    lw_head = _layerwise_footprint(trainable, opt_tensors, ("head", "head_copy"), settings)
+    lw_emb = _layerwise_footprint(trainable, opt_tensors, ("embedding",), settings)
 
     def stack_fwd(st: _Stack) -> tuple[int, int]:
         """Bytes (and weight copies among them) a whole stack holds at the end of its forward."""
@@ -1251,19 +1267,27 @@ def fast_step_memory(spec, settings) -> StepMemory:
         saved_w = below_w + acts.final_w + head.saved_w
         candidates[f"{tag}|bwd|pre"] = _row(W, g_live + head_g, O, saved + head.bwd_peak_acts + head_a,
                                             head.bwd_peak, saved_w + head.bwd_peak_w)
+        if layerwise and not tied and any(lw_head):
+            # An untied head's gradient is stepped (and freed) by its hook as soon as the head's matmul
+            # backward has made it (AccumulateGrad runs first among ready nodes): the head's saved tensors
+            # are gone, the hidden states' gradient is there.
+            step = _row(W, g_live + head_g, O, saved - head.saved + head_a, head.bwd_after + sum(lw_head),
+                        saved_w - head.saved_w)
+            if sum(step.values()) > sum(candidates[f"{tag}|bwd|pre"].values()):
+                candidates[f"{tag}|bwd|pre"] = step
         # A tied weight's two gradients (head, embedding) meet in the autograd engine's input
         # buffer of its AccumulateGrad node: the head's waits there, as a temporary, until the
         # embedding's arrives; then their sum (made out of place) becomes, or is added into, .grad.
         if tied:
             grads, tied_tmp = g_live, head.grad_bytes
         else:  # an untied head's gradient becomes (or is added in place into) its .grad at once
-            grads, tied_tmp = g_live + (0 if m else head.grad_bytes), 0
+            grads, tied_tmp = g_live + (0 if m or layerwise else head.grad_bytes), 0
         for k in reversed(range(len(acts.stacks))):
             st = acts.stacks[k]
             below -= stacks_saved[k][0]
             below_w -= stacks_saved[k][1]
             tape = acts.gc_tape if gc else acts.tape
-            lb = _layer_backward(tape, f"{st.name}.L1", bool(m), st.carry + head.bwd_after)
+            lb = _layer_backward(tape, f"{st.name}.L1", bool(m), st.carry + head.bwd_after, lw_layer_step)
             if gc:
                 # Checkpointing keeps each layer's input. Backward first re-runs the layer's
                 # forward (everything it saves, plus its output, beside the incoming grad),
@@ -1302,10 +1326,12 @@ def fast_step_memory(spec, settings) -> StepMemory:
                     # peft made it require grad (checkpointing), through the embedding's ops
                     emb_acts = below
                     emb_tmp = 2 * st.carry if ctx.embeddings_need_grad else 0
+                if layerwise:  # only the table's own gradient; its step runs once the backward's buffers are freed
+                    grads_now, emb_tmp = (lw_emb[0], max(emb_tmp, lw_emb[1])) if emb_grads else (0, emb_tmp)
                 candidates[f"{tag}|bwd|{st.name}.post"] = _row(W, grads_now, O, emb_acts, emb_tmp,
                                                                below_w if k else 0)
-        if m == micros[-1]:
-            candidates[f"{tag}|opt"] = _row(W, G, O, 0, opt_tmp)
+        if m == micros[-1]:  # layerwise: the Trainer's `LayerWiseDummyOptimizer` steps nothing, no gradient is left
+            candidates[f"{tag}|opt"] = _row(W, 0, O, 0, 0) if layerwise else _row(W, G, O, 0, opt_tmp)
     return StepMemory(
         candidates=candidates,
         trainable_params=sum(p.numel * p.count for p in trainable),
@@ -1315,6 +1341,43 @@ def fast_step_memory(spec, settings) -> StepMemory:
         largest_linear_numel=_quantizable(spec, settings)[1],
         host_bytes=_offloaded_checkpoint_bytes(acts, settings),
     )
+
+
+def _layerwise_steps(trainable: list[_Param], tensors: list, kinds: tuple[str, ...], settings) -> dict[int, int] | None:
+    """Element count -> the most step temporaries of a layerwise optimizer over one tensor of these kinds that size.
+
+    None when the optimizer is not layerwise (`_layer_backward` then accumulates gradients).
+    """
+    if not settings.optimizer.layerwise:
+        return None
+    steps: dict[int, int] = {}
+    for p, t in zip(trainable, tensors):
+        if p.kind in kinds:
+            step = optimizers.tensors_step_temporary_bytes([t], settings.optim, settings.device,
+                                                           optim_args=settings.optim_args)
+            steps[p.numel] = max(steps.get(p.numel, 0), step)
+    return steps
+
+
+def _layerwise_footprint(trainable: list[_Param], tensors: list, kinds: tuple[str, ...], settings) -> tuple[int, int]:
+    """(gradient, step temporaries) of the tensor of these kinds whose step inside backward holds the most.
+
+    A layerwise optimizer steps one parameter at a time from its post-accumulate-grad hook: its
+    gradient, then its own optimizer's step (`optimizers.tensors_step_temporary_bytes` of it alone).
+    (0, 0) when the optimizer is not layerwise or no trainable tensor is of these kinds.
+    """
+    if not settings.optimizer.layerwise:
+        return 0, 0
+    cuda = settings.device == "cuda"
+    best = (0, 0)
+    for p, t in zip(trainable, tensors):
+        if p.kind in kinds:
+            grad = _nbytes(p.numel, _SIZE[p.dtype], cuda)
+            step = optimizers.tensors_step_temporary_bytes([t], settings.optim, settings.device,
+                                                           optim_args=settings.optim_args)
+            if grad + step > sum(best):
+                best = (grad, step)
+    return best
 
 
 def _offloaded_checkpoint_bytes(acts: _Activations, settings) -> int:

@@ -105,9 +105,18 @@ _TABLE = (
     Optimizer("galore_adamw_8bit", "galore", "galore", changes_dynamics=True, gpu_step_factor=2.0,
               package="galore_torch", state_bits=8),
     Optimizer("apollo_adamw", "apollo", "apollo", changes_dynamics=True, gpu_step_factor=2.0, package="apollo_torch"),
+    # The layerwise variants (transformers `_setup_low_rank_optimizer`): one optimizer per parameter,
+    # stepped by a `register_post_accumulate_grad_hook` inside backward, which then frees the gradient
+    # (`zero_grad()`, set_to_none), so the full gradients never exist together. The Trainer refuses them
+    # with gradient accumulation > 1 (ValueError) and under DDP (NotImplementedError); `settings` does too.
+    # The same work per parameter: the same step cost.
+    Optimizer("galore_adamw_layerwise", "galore", "galore", changes_dynamics=True, gpu_step_factor=2.0,
+              package="galore_torch", layerwise=True),
+    Optimizer("galore_adamw_8bit_layerwise", "galore", "galore", changes_dynamics=True, gpu_step_factor=2.0,
+              package="galore_torch", state_bits=8, layerwise=True),
+    Optimizer("apollo_adamw_layerwise", "apollo", "apollo", changes_dynamics=True, gpu_step_factor=2.0,
+              package="apollo_torch", layerwise=True),
 )
-# Not modelled: the layerwise GaLore / APOLLO variants (`*_layerwise`), which step each parameter inside
-# backward from a post-accumulate-grad hook and free its gradient at once, so gradients never all exist.
 OPTIMIZERS: dict[str, Optimizer] = {o.name: o for o in _TABLE}
 
 # The planner's default ladder, fastest first: AdamW, then the same AdamW with quantized states (the
@@ -223,10 +232,13 @@ def state_bytes(t: TensorGroup, optim: str, cuda: bool, *, optim_args: str | Non
             return t.count * (2 * one + step)
         return t.count * (2 * nb(n, b) + step)  # zeros_like(param)
     if o.low_rank:
+        # A layerwise 8-bit optimizer per parameter fills its own two 256-entry fp32 quantization maps
+        # (bitsandbytes `Optimizer8bit.fill_qmap`); one shared pair otherwise (2 KiB, not counted).
+        qmaps = t.count * 2 * nb(256, 4) if o.layerwise and o.state_bits == 8 else 0
         if t.low_rank_target and len(t.shape) == 2:
-            return t.count * _low_rank_state_bytes(t, o, cuda, low_rank_rank(optim_args))
+            return t.count * _low_rank_state_bytes(t, o, cuda, low_rank_rank(optim_args)) + qmaps
         if o.state_bits == 8:  # GaLoreAdamW8bit is bitsandbytes' 8-bit AdamW for the rest
-            return state_bytes(t, "adamw_bnb_8bit", cuda)
+            return state_bytes(t, "adamw_bnb_8bit", cuda) + qmaps
         return t.count * 2 * nb(n, b)  # exp_avg / exp_avg_sq = zeros_like(grad); `step` is a Python int
     # torch AdamW: exp_avg and exp_avg_sq are zeros_like(param) (the param's dtype), plus a scalar fp32 `step`.
     return t.count * (2 * nb(n, b) + nb(1, 4))
@@ -444,6 +456,8 @@ def tensors_step_temporary_bytes(tensors: list[TensorGroup], optim: str, device:
                 prev = one
         return best
     if o.low_rank:
+        if o.layerwise:  # each parameter is its own optimizer's whole step: nothing carries over between them
+            return max(_low_rank_step_bytes([t], o, cuda, low_rank_rank(optim_args)) for t in tensors)
         return _low_rank_step_bytes(tensors, o, cuda, low_rank_rank(optim_args))
     # torch AdamW. The Trainer makes two param groups (decay, no decay); each is one
     # `_multi_tensor_adam` / `_single_tensor_adam` call, so only one group's temporaries live at once.

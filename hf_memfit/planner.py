@@ -473,8 +473,10 @@ def _allowed_optimizers(base: TrainSettings, allowed: tuple[str, ...], keep_opti
     optims = ladder if base.optim in ADAM_LADDER else (base.optim,)
     for name in allowed:
         o = optimizers.OPTIMIZERS[name]
-        if o.low_rank and (base.uses_lora or o.layerwise):
-            continue  # low-rank optimizers are for full fine-tuning; layerwise ones are not planned
+        if o.low_rank and base.uses_lora:
+            continue  # low-rank optimizers are for full fine-tuning
+        if o.layerwise and base.world_size > 1:
+            continue  # the Trainer refuses layerwise optimizers under DDP
         if name not in optims:
             optims += (name,)
     return optims
@@ -542,6 +544,8 @@ def _grid(base: TrainSettings, per_rank: int, allow_offload: str, keep_optimizer
                     if (layout.get("zero_stage") or layout.get("fsdp")) and optim != "adamw_torch_fused":
                         continue  # sharded layouts already split the states; 8-bit states stay a plain-torch knob
                     low_rank = optimizers.OPTIMIZERS[optim].low_rank
+                    if optimizers.OPTIMIZERS[optim].layerwise and (per_rank // micro > 1 or world > 1):
+                        continue  # stepped inside backward: the Trainer refuses accumulation and DDP with them
                     yield base.replace(batch_size=micro, gradient_accumulation_steps=per_rank // micro,
                                        gradient_checkpointing=checkpointing, optim=optim, **layout,
                                        optim_target_modules=(base.optim_target_modules or low_rank_targets)
@@ -984,6 +988,10 @@ def _optimizer_reason(s: TrainSettings, candidates, keep_optimizer: bool) -> str
         what = (f"{o.name} ({library}, allowed by `--allow-optimizers`) keeps AdamW states only for a rank-"
                 f"{optimizers.low_rank_rank(s.optim_args)} projection of the gradients of "
                 f"{', '.join(s.optim_target_modules or ())}")
+        if o.layerwise:
+            what += ("; layerwise: each parameter is stepped by its own optimizer inside backward and its gradient "
+                     "freed at once, so the whole model's gradients are never held together (which is why it "
+                     "needs gradient accumulation 1 and one GPU)")
     elif o.family == "adafactor":
         what = "Adafactor (allowed by `--allow-optimizers`) keeps factored row and column second moments, no momentum"
     else:
