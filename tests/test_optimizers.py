@@ -154,3 +154,104 @@ def test_apollo_projects_a_narrow_tensor_up_to_its_rank():
         2 * 256 * 128 * 4 + 64 * 128 * 4 + 4
     # GaLore: rank min(128, 64) = 64; fp32 keeps the whole 64 x 64 factor the slice views
     assert state_bytes(narrow, "galore_adamw", cuda=False, optim_args="rank=128") == 2 * 256 * 64 * 4 + 64 * 64 * 4
+
+
+# --- layerwise GaLore / APOLLO (issue 13) ------------------------------------------------------------
+
+LAYERWISE = ["galore_adamw_layerwise", "galore_adamw_8bit_layerwise", "apollo_adamw_layerwise"]
+
+
+def _tiny_rows(seq_len: int, vocab: int):
+    class Rows(torch.utils.data.Dataset):
+        def __len__(self):
+            return 64
+
+        def __getitem__(self, i):
+            ids = torch.randint(0, vocab, (seq_len,), generator=torch.Generator().manual_seed(i))
+            return {"input_ids": ids, "labels": ids.clone()}
+
+    return Rows()
+
+
+def test_layerwise_with_the_real_trainer_on_the_cpu_allocator(tiny_specs, tmp_path):
+    """`Trainer(optim="galore_adamw_layerwise")`: steps inside backward through its own hooks, measured."""
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArguments
+
+    from tests.conftest import TINY_LLAMA
+
+    spec = tiny_specs["llama"]
+    args = TrainingArguments(output_dir=str(tmp_path), optim="galore_adamw_layerwise", optim_args="rank=16",
+                             optim_target_modules="all-linear", per_device_train_batch_size=2, max_steps=2,
+                             use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True)
+    torch.manual_seed(0)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**TINY_LLAMA), dtype=torch.float32)
+        trainer = Trainer(model=model, args=args, train_dataset=_tiny_rows(32, TINY_LLAMA["vocab_size"]))
+        trainer.train()
+        assert all(p.grad is None for p in model.parameters())  # every gradient was freed by its hook
+        del trainer, model
+    live = measured = 0
+    for event in sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                        key=lambda e: e.start_ns()):
+        live += event.nbytes()
+        measured = max(measured, live)
+    settings = TrainSettings(batch_size=2, seq_len=32, device="cpu", optim="galore_adamw_layerwise",
+                             optim_args="rank=16", optim_target_modules=("all-linear",)).validate(spec)
+    exact, fast = exact_candidates(spec, settings), fast_step_memory(spec, settings)
+    assert abs(exact.peak_bytes - measured) <= 0.005 * measured
+    assert abs(fast.peak_bytes - measured) <= 0.02 * measured
+    # no gradients outlive their step: the step after backward holds none
+    assert exact.candidates["1.0|opt"]["gradients"] == fast.candidates["1.0|opt"]["gradients"] == 0
+
+
+@pytest.mark.parametrize("optim,precision,device,checkpointing", [
+    ("galore_adamw_8bit_layerwise", "fp32", "cpu", False),
+    ("galore_adamw_8bit_layerwise", "bf16", "cuda", True),
+    ("apollo_adamw_layerwise", "bf16-mixed", "cuda", True),
+    ("apollo_adamw_layerwise", "fp32", "cpu", False),
+])
+def test_layerwise_fast_and_exact_agree(tiny_specs, optim, precision, device, checkpointing):
+    spec = tiny_specs["llama"]
+    settings = TrainSettings(batch_size=2, seq_len=32, device=device, optim=optim, precision=precision,
+                             gradient_checkpointing=checkpointing, optim_args="rank=16",
+                             optim_target_modules=("all-linear",)).validate(spec)
+    fast, exact = fast_step_memory(spec, settings), exact_candidates(spec, settings)
+    assert abs(fast.peak_bytes - exact.peak_bytes) <= 0.02 * exact.peak_bytes
+    # the same step without layerwise holds every gradient after backward
+    whole = fast_step_memory(spec, settings.replace(optim=optim.removesuffix("_layerwise")))
+    assert whole.candidates["1.0|opt"]["gradients"] > 0 == fast.candidates["1.0|opt"]["gradients"]
+
+
+def test_layerwise_refuses_accumulation_and_ddp_like_the_trainer(tiny_specs, tmp_path):
+    from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArguments
+
+    from tests.conftest import TINY_LLAMA
+
+    # the Trainer's own refusal, verified
+    args = TrainingArguments(output_dir=str(tmp_path), optim="galore_adamw_layerwise", optim_target_modules="all-linear",
+                             gradient_accumulation_steps=2, use_cpu=True, report_to=[])
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**TINY_LLAMA))
+    with pytest.raises(ValueError, match="does not support gradient accumulation"):
+        Trainer.get_optimizer_cls_and_kwargs(args, model)
+    spec = tiny_specs["llama"]
+    base = dict(optim="galore_adamw_layerwise", optim_target_modules=("all-linear",))
+    with pytest.raises(MemFitError, match=r"^`--optim galore_adamw_layerwise` steps inside backward .* "
+                                          r"`--gradient-accumulation-steps 1`$"):
+        TrainSettings(gradient_accumulation_steps=2, **base).validate(spec)
+    with pytest.raises(MemFitError, match=r"^`--optim galore_adamw_layerwise` does not support DDP"):
+        TrainSettings(num_gpus=2, **base).validate(spec)
+
+
+def test_planner_picks_layerwise_only_at_accumulation_1_on_one_gpu():
+    allow = dict(allow_offload="none", allow_optimizers="galore_adamw_layerwise,apollo_adamw_layerwise")
+    # Llama-2-7B on 50 GiB: only a layerwise optimizer fits (its gradients are never all held)
+    chosen = plan("meta-llama/Llama-2-7b-hf", gpu_memory="50GiB", seq_len=1024, global_batch_size=2, **allow)
+    assert chosen.plan.optim.endswith("_layerwise") and chosen.plan.gradient_accumulation_steps == 1
+    assert chosen.estimate.breakdown["gradients"] == 0
+    assert any("layerwise: each parameter is stepped" in r for r in chosen.plan.reasons)
+    # a global batch that only fits as micro-batches with accumulation, or two GPUs: never layerwise
+    for extra in (dict(global_batch_size=16), dict(global_batch_size=2, num_gpus=2)):
+        with pytest.raises(MemFitError) as refused:
+            plan("meta-llama/Llama-2-7b-hf", gpu_memory="50GiB", seq_len=1024, **{**allow, **extra})
+        assert "layerwise" not in str(refused.value).split("what would fit")[0]
