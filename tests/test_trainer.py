@@ -192,6 +192,25 @@ def test_resume_keeps_the_plan_and_the_training(tmp_path):
         torch.testing.assert_close(ours[name], value, rtol=0, atol=1e-6, msg=name)
 
 
+def test_resume_restores_the_optimizer_arguments(tmp_path):
+    # The optimizer's state only loads into the same optimizer, built with the same arguments.
+    trainer = MemFitTrainer(model=tiny_gpt2(), args=make_args(tmp_path), train_dataset=TokenDataset())
+    state = trainer.memfit_state()
+    assert {"optim_args", "optim_target_modules", "gradient_checkpointing_kwargs"} <= set(state["knobs"])
+    state["knobs"].update(optim_args="bf16_stochastic_round=True", gradient_checkpointing=True,
+                          gradient_checkpointing_kwargs={"use_reentrant": False})
+    folder = tmp_path / "checkpoint-7"
+    folder.mkdir()
+    (folder / "memfit_state.json").write_text(json.dumps(state))
+    trainer._restore_plan(str(folder))
+    assert trainer.args.optim_args == "bf16_stochastic_round=True"
+    assert trainer.args.gradient_checkpointing_kwargs == {"use_reentrant": False}
+    # a checkpoint written before these knobs were saved still resumes
+    del state["knobs"]["optim_args"]
+    (folder / "memfit_state.json").write_text(json.dumps(state))
+    trainer._restore_plan(str(folder))
+
+
 def test_an_oom_step_down_survives_resume(tmp_path):
     model = tiny_gpt2()
 
@@ -344,3 +363,15 @@ def test_a_bf16_lora_plan_loads_in_bf16():
     result = plan("gpt2", gpu_memory="8GiB", seq_len=256, global_batch_size=8, lora_r=8, precision="bf16")
     assert result.plan.torch_dtype == "bfloat16"
     assert plan("gpt2", gpu_memory="8GiB", seq_len=256, global_batch_size=8).plan.torch_dtype == "float32"  # autocast
+
+
+def test_fsdp_on_the_cpu_is_planned_as_the_ddp_accelerate_runs(tmp_path, monkeypatch):
+    # accelerate promotes only GPU runs to FSDP: on the CPU, a launched run with `fsdp` set trains under DDP.
+    from hf_memfit.introspect import fsdp_layout_run
+
+    monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
+    args = TrainingArguments(output_dir=str(tmp_path), fsdp="full_shard", use_cpu=True, report_to=[])
+    notes = []
+    assert fsdp_layout_run(args, on_gpu=False, notes=notes) is None
+    assert notes and "accelerate runs DDP" in notes[0]
+    assert fsdp_layout_run(args, on_gpu=True, notes=[]) == ("full_shard", 2, False)
