@@ -77,6 +77,9 @@ def add_step_arguments(parser: argparse.ArgumentParser, *, with_batch: bool = Tr
                      help="SFT packing (bfd, TRL's default): rows packed to --max-length, trained padding-free")
     trl.add_argument("--padding-free", action="store_true",
                      help="the micro-batch's rows concatenated into one row (SFT padding_free)")
+    trl.add_argument("--activation-offloading", action="store_true",
+                     help="TRL's SFTConfig / DPOConfig activation_offloading: every saved activation of 1 KiB or "
+                          "more in pinned host memory, back to the GPU in backward")
     trl.add_argument("--reference-model", choices=("copy", "adapters", "precomputed"),
                      help="DPO: a frozen copy (default for a full fine-tune), the LoRA base (default with "
                           "--lora-r), or precompute_ref_log_probs")
@@ -123,7 +126,7 @@ def step_shape(args: argparse.Namespace) -> dict:
     check_all(problems)
     return {"seq_len": args.seq_len or args.max_length, "trainer": args.trainer,
             "padding_free": args.padding_free or args.packing, "reference_model": args.reference_model,
-            "decoder_seq_len": args.decoder_seq_len}
+            "decoder_seq_len": args.decoder_seq_len, "activation_offloading": args.activation_offloading}
 
 
 def settings_from_args(args: argparse.Namespace):
@@ -276,6 +279,8 @@ def trl_config_fields(chosen, args: argparse.Namespace) -> dict:
         fields["padding_free"] = bool(args.padding_free or args.packing)
     if args.trainer == "dpo" and args.reference_model == "precomputed":
         fields["precompute_ref_log_probs"] = True
+    if args.activation_offloading:
+        fields["activation_offloading"] = True
     if chosen.deepspeed is not None:
         fields["deepspeed"] = args.deepspeed_config_out or "<the plan's DeepSpeed config: --deepspeed-config-out FILE>"
     if args.gpu_memory:

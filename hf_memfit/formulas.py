@@ -73,7 +73,7 @@ class _T:
     """
 
     __slots__ = ("numel", "dtype", "rg", "scope", "saved", "held", "base", "layout", "alloc", "idx", "first_save",
-                 "weight_copy", "last_use")
+                 "weight_copy", "last_use", "saves")
 
     def __init__(self, numel, dtype, rg, scope, alloc=True, base=None, layout="bshd", idx=0, weight_copy=False):
         self.numel, self.dtype, self.rg, self.scope = int(numel), dtype, rg, scope
@@ -83,6 +83,7 @@ class _T:
         self.first_save = None  # tape position of the first op that saved it (its last user in backward)
         self.weight_copy = weight_copy  # autocast's compute-dtype copy of a weight: counted with the weights
         self.last_use = idx  # tape position of the last op that reads it
+        self.saves = 0  # how many ops save it (TRL's offloading keeps a tensor saved twice on the GPU)
 
 
 def _promote(*dtypes: str) -> str:
@@ -171,6 +172,7 @@ class _Forward:
             t = t.base or t
             if t.alloc:
                 t.saved = True
+                t.saves += 1
                 if t.first_save is None:
                     t.first_save = len(self.tensors)
 
@@ -1211,7 +1213,13 @@ def fast_step_memory(spec, settings) -> StepMemory:
 
     # Offloaded checkpoints (activation_checkpointing_kwargs={"offload": True}): each layer's saved
     # input is copied to pinned host memory in the forward and back for the layer's recompute.
-    kept_inputs = 0 if settings.offload_activations else 1
+    kept_inputs = 0 if settings.offload_activations or settings.activation_offloading else 1
+    # TRL's activation_offloading (step.TrlOffloadedActivations): every saved tensor of 1 KiB or more goes to
+    # pinned host memory as it is saved and comes back when its backward node runs. Modelled here: nothing
+    # saved outside the layer being run backward stays on the GPU (the checkpoints' inputs, the embeddings',
+    # the other layers'); the head's saved tensors and the running layer's are counted whole (they come back
+    # node by node: an upper bound), as is what the forward's last five offloaded tensors overlap with.
+    trl_offload = settings.activation_offloading
     # Layerwise GaLore / APOLLO: each parameter is stepped by its own optimizer as soon as its gradient
     # is accumulated, inside backward, and the gradient is freed; no gradients outlive their step and
     # there is no step after backward. In a layer's backward (`_layer_backward`) each gradient is stepped
@@ -1221,16 +1229,25 @@ def fast_step_memory(spec, settings) -> StepMemory:
     lw_head = _layerwise_footprint(trainable, opt_tensors, ("head", "head_copy"), settings)
     lw_emb = _layerwise_footprint(trainable, opt_tensors, ("embedding",), settings)
 
+    def trl_kept(st: _Stack) -> int:
+        """Per layer, what TRL's offloading leaves on the GPU (saved twice, or too small to offload)."""
+        return 0 if gc else _trl_kept_bytes(acts.tape, f"{st.name}.L1")
+
     def stack_fwd(st: _Stack) -> tuple[int, int]:
         """Bytes (and weight copies among them) a whole stack holds at the end of its forward."""
         if gc:  # each checkpointed layer keeps its input; autocast still caches its weight copies
             return st.first_held + st.depth * (kept_inputs * st.carry + st.gc_held), st.depth * st.gc_held
+        if trl_offload:  # saved tensors offloaded; autocast's weight copies stay in its cache until the forward ends
+            held = st.total(True) - st.total(False)
+            return held + st.total_w(False) + st.depth * trl_kept(st), st.total_w(True)
         return st.total(True), st.total_w(True)
 
     def stack_saved(st: _Stack) -> tuple[int, int]:
         """Bytes (and weight copies) a stack keeps for backward once the forward is over."""
         if gc:  # the checkpoints keep each layer's input, and what layer 0 passes on (T5's bias)
             return max(0, st.first_held) + kept_inputs * st.depth * st.carry, 0
+        if trl_offload:
+            return st.depth * trl_kept(st), 0
         return st.first_saved + st.depth * st.saved, st.first_saved_w + st.depth * st.saved_w
 
     candidates: dict[str, dict[str, int]] = {}
@@ -1250,6 +1267,8 @@ def fast_step_memory(spec, settings) -> StepMemory:
             total, total_w = stack_fwd(st)
             # inside a layer: its unsaved temporaries (checkpointing saves nothing in the layer)
             layer_peak = st.transient
+            if trl_offload:  # the last offloaded tensors, kept until their copy is done
+                layer_peak += _trl_forward_stash(st, acts.tape, gc)
             candidates[f"{tag}|fwd|{st.name}.last"] = _row(W, g_live, O, fwd + total + layer_peak, 0,
                                                             fwd_w + total_w)
             fwd, fwd_w = fwd + total, fwd_w + total_w
@@ -1261,8 +1280,8 @@ def fast_step_memory(spec, settings) -> StepMemory:
         candidates[f"{tag}|fwd|{last}.post"] = _row(W, g_live + head_g, O, end + head_a, 0, end_w)
         # --- backward: the head, then each stack top-down, then the embeddings --------
         stacks_saved = [stack_saved(st) for st in acts.stacks]
-        below = acts.pre_saved + acts.mid_saved + sum(x for x, _ in stacks_saved)
-        below_w = acts.pre_w + acts.mid_w + sum(x for _, x in stacks_saved)
+        below = (0 if trl_offload else acts.pre_saved + acts.mid_saved) + sum(x for x, _ in stacks_saved)
+        below_w = (0 if trl_offload else acts.pre_w + acts.mid_w) + sum(x for _, x in stacks_saved)
         saved = below + acts.final_saved + head.saved
         saved_w = below_w + acts.final_w + head.saved_w
         candidates[f"{tag}|bwd|pre"] = _row(W, g_live + head_g, O, saved + head.bwd_peak_acts + head_a,
@@ -1303,7 +1322,7 @@ def fast_step_memory(spec, settings) -> StepMemory:
                     W, grads + (st.depth - 1) * lb.layer_grads + new_g, O, below + kept + st.carry,
                     inner + tied_tmp)
             else:
-                rest = st.first_saved + (st.depth - 1) * st.saved
+                rest = (st.depth - 1) * trl_kept(st) if trl_offload else st.first_saved + (st.depth - 1) * st.saved
                 candidates[f"{tag}|bwd|{st.name}.first"] = _row(
                     W, grads + lb.grads, O, below + rest + lb.acts, lb.temp + tied_tmp,
                     below_w + st.first_saved_w + (st.depth - 1) * st.saved_w + lb.acts_w)
@@ -1339,7 +1358,7 @@ def fast_step_memory(spec, settings) -> StepMemory:
         largest_param_numel=max(p.numel for p in params),
         quantizable_linear_params=_quantizable(spec, settings)[0],
         largest_linear_numel=_quantizable(spec, settings)[1],
-        host_bytes=_offloaded_checkpoint_bytes(acts, settings),
+        host_bytes=_offloaded_checkpoint_bytes(acts, settings) + _trl_host_bytes(acts, settings),
     )
 
 
@@ -1378,6 +1397,56 @@ def _layerwise_footprint(trainable: list[_Param], tensors: list, kinds: tuple[st
             if grad + step > sum(best):
                 best = (grad, step)
     return best
+
+
+# TRL 1.16 OffloadActivations: tensors under `min_offload_size` stay on the GPU; the last `max_fwd_stash_size`
+# offloaded tensors are kept alive on the GPU until their copy is done (trl/models/activation_offloading.py).
+TRL_MIN_OFFLOAD_BYTES = 1024
+TRL_FORWARD_STASH = 5
+
+
+def _trl_host_bytes(acts: _Activations, settings) -> int:
+    """Pinned host memory TRL's activation offloading holds at the end of the forward: one copy of every tensor
+    saved outside a checkpointed layer (1 KiB or more), each rounded up to a power of two by the host allocator.
+    With checkpointing a layer saves only its input."""
+    if not settings.activation_offloading:
+        return 0
+    tape = acts.tape
+
+    def scope_host(scope: str) -> int:
+        sizes = (t.numel * _SIZE[t.dtype] for t in tape.tensors if t.scope == scope and t.saved)
+        return sum(pinned_host_bytes(n) for n in sizes if n >= TRL_MIN_OFFLOAD_BYTES)
+
+    # the head's saved tensors are known only as a total here (TRL's fused head: the hidden states, two fp32
+    # and one int64 per-token vector): taken without the power-of-two rounding of each
+    host = scope_host("emb") + scope_host("mid") + scope_host("final") + acts.head.saved
+    for st in acts.stacks:
+        host += st.depth * (pinned_host_bytes(st.carry) if settings.gradient_checkpointing
+                            else scope_host(f"{st.name}.L1"))
+    return host
+
+
+def _trl_kept_bytes(tape: _Forward, scope: str) -> int:
+    """Bytes of `scope`'s tensors that TRL's offloading leaves on the GPU until backward: those saved by more
+    than one op (the second save finds the storage already offloaded and in the stash, and keeps it), and
+    those under `min_offload_size`."""
+    return sum(tape.bytes_of(t) for t in tape.tensors if t.scope == scope and t.saved
+               and (t.saves > 1 or t.numel * _SIZE[t.dtype] < TRL_MIN_OFFLOAD_BYTES))
+
+
+def _trl_forward_stash(st: _Stack, tape: _Forward, gc: bool) -> int:
+    """GPU bytes TRL's forward stash keeps beyond what the forward itself holds, in a stack's forward.
+
+    With checkpointing the offloaded tensors are the layers' inputs, which the forward
+    would have dropped: the last five of them. Without, the five largest tensors a
+    layer saves (an upper bound: the stash holds the last five saved, some of which
+    the forward still holds).
+    """
+    if gc:
+        return min(TRL_FORWARD_STASH, st.depth) * st.carry
+    sizes = sorted((tape.bytes_of(t) for t in tape.tensors if t.saved and t.scope == f"{st.name}.L1"
+                    and tape.bytes_of(t) >= TRL_MIN_OFFLOAD_BYTES), reverse=True)
+    return sum(sizes[:TRL_FORWARD_STASH])
 
 
 def _offloaded_checkpoint_bytes(acts: _Activations, settings) -> int:

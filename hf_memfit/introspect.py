@@ -406,9 +406,16 @@ def plan_inputs(trainer, model, args, fields, train_dataset, collator, tokenizer
     attention = attention_implementation(model)
     if attention is None:
         notes.append(f"attention {base.config._attn_implementation!r} is not modelled; planned as sdpa")
+    activation_offloading = False
     if getattr(args, "activation_offloading", False):
-        notes.append("TRL's activation_offloading is not modelled: the activations are planned on the device, so "
-                     "the plan keeps more headroom than the run needs")
+        if not on_gpu:
+            notes.append("TRL's activation_offloading moves only tensors on an accelerator (and TRL 1.16 cannot build "
+                         "it on a torch without one): planned without it")
+        elif step.get("trainer", "trainer") not in ("sft", "dpo"):
+            notes.append("TRL's activation_offloading is modelled for SFT and DPO only: the activations are planned "
+                         "on the device, so the plan keeps more headroom than the run needs")
+        else:
+            activation_offloading = True
     lora = lora_settings(model)
     quantized = bool(getattr(base, "is_loaded_in_4bit", False))
     quant_config = getattr(base.config, "quantization_config", None) if quantized else None
@@ -430,4 +437,5 @@ def plan_inputs(trainer, model, args, fields, train_dataset, collator, tokenizer
         allow_optimizers=fields.allow_optimizers, attn_implementation=attention or "sdpa",
         trainer=step.get("trainer", "trainer"), padding_free=padding_free,
         reference_model=step.get("reference_model"), decoder_seq_len=decoder, notes=notes,
+        activation_offloading=activation_offloading,
     )

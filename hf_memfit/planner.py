@@ -216,7 +216,8 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
          bnb_4bit_quant_storage: str | None = None, allow_pure_bf16: bool = False, allow_optimizers=(),
          expandable_segments: bool = False, progress=None, use_liger_kernel: bool | None = None,
          attn_implementation: str | None = None, trainer: str = "trainer", padding_free: bool = False,
-         reference_model: str | None = None, decoder_seq_len: int | None = None) -> PlanResult:
+         reference_model: str | None = None, decoder_seq_len: int | None = None,
+         activation_offloading: bool = False) -> PlanResult:
     """Pick the fastest configuration that trains `model` within the memory budget.
 
     The budget is `gpu_memory` (a size such as "12GiB", or "auto" for the local
@@ -243,7 +244,8 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
     `use_liger_kernel` is True; False never searches it.
     `attn_implementation` pins the attention (the trainer passes the loaded
     model's); `trainer`, `padding_free`, `reference_model` and
-    `decoder_seq_len` describe the step as `TrainSettings` does.
+    `decoder_seq_len` describe the step as `TrainSettings` does; so does
+    `activation_offloading` (TRL's, kept as set: it is the user's choice).
     Raises `MemFitError` when the request is invalid or nothing fits, saying what would.
     """
     spec = model if isinstance(model, ModelSpec) else resolve_model(model)
@@ -293,6 +295,7 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
         gpu=gpu_info.name if gpu_info else None, mode="fast", expandable_segments=expandable_segments,
         bnb_4bit_use_double_quant=bnb_4bit_use_double_quant, bnb_4bit_quant_storage=bnb_4bit_quant_storage,
         trainer=trainer, padding_free=padding_free, reference_model=reference_model, decoder_seq_len=decoder_seq_len,
+        activation_offloading=activation_offloading,
     ).validate(spec)
     fixed_layout = None
     if deepspeed_layout is not None and fsdp_layout is not None:
@@ -343,6 +346,8 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
         precision_reason = _pure_bf16_reason(best, candidates, host)
     chosen = _make_plan(best, candidates, usable, budget, ideal, [precision_reason, attn_reason], nvme_path,
                         keep_optimizer, largest, host, fast_total)
+    if best.settings.activation_offloading:
+        chosen.reasons.append(_trl_offload_reason(spec, best, usable, host, gpu_info))
     return PlanResult(chosen, best.estimate, alternatives, len(candidates))
 
 
@@ -453,7 +458,7 @@ def _with_activation_offload(grid, searched: bool):
     """Each configuration, and (when searched) its checkpointed ones with the checkpoints offloaded to the host."""
     for settings in grid:
         yield settings
-        if searched and settings.gradient_checkpointing:
+        if searched and settings.gradient_checkpointing and not settings.activation_offloading:
             yield settings.replace(offload_activations=True)
 
 
@@ -670,6 +675,8 @@ def step_seconds(spec: ModelSpec, settings: TrainSettings, est: MemoryEstimate, 
     # Offloaded activation checkpoints: each micro-batch copies every layer's input to the host and back,
     # on the compute stream (transformers' save_on_cpu), so nothing overlaps them.
     offload_activations = micro_steps * 2 * offloaded_activation_bytes(spec, settings) / pcie
+    if settings.activation_offloading:
+        offload_activations += trl_offload_seconds(spec, settings, est, compute, pcie)
     if settings.fsdp_offload:
         # FSDP copies each rank's host shard in before every all-gather (forward and backward)
         # and each reduced gradient shard out.
@@ -696,6 +703,25 @@ def step_seconds(spec: ModelSpec, settings: TrainSettings, est: MemoryEstimate, 
             comm = 2 * grad_bytes * ring / link  # DDP all-reduce once per optimizer step (no_sync while accumulating)
         comm *= 1 - COMM_OVERLAP
     return compute + optimizer + offload_param + offload_activations + comm
+
+
+def trl_offload_seconds(spec: ModelSpec, settings: TrainSettings, est: MemoryEstimate, compute: float,
+                        pcie: float) -> float:
+    """PCIe time TRL's `activation_offloading` adds to a step (trl/models/activation_offloading.py, TRL 1.16).
+
+    Every offloaded tensor crosses PCIe twice per micro-batch: its pinned host copy (the estimate's host
+    bytes, when nothing else is offloaded) out in the forward and back in backward. Forward copies run on
+    TRL's side stream while the forward computes (the stash keeps five tensors alive for them): only what
+    exceeds the forward's compute, taken as a third of the step's (2 of 6 FLOPs per weight and token), costs.
+    In backward a node's tensors are fetched when the node starts and the compute stream waits for them: no
+    overlap is assumed. A planning figure, not a GPU measurement.
+    """
+    host = est.cpu_bytes
+    if settings.offload_optimizer != "none" or settings.offload_param != "none" or settings.fsdp_offload:
+        # the host figure holds the ZeRO / FSDP shards too: count the layers' hidden states only
+        host = offloaded_activation_bytes(spec, settings.replace(offload_activations=True))
+    one_way = settings.gradient_accumulation_steps * host / pcie
+    return max(0.0, one_way - compute / 3) + one_way
 
 
 def offloaded_activation_bytes(spec: ModelSpec, settings: TrainSettings) -> int:
@@ -931,6 +957,23 @@ def _make_plan(best: Candidate, candidates, usable: int, budget: int, ideal_seco
         offload_activations=s.offload_activations,
         optim_target_modules=list(s.optim_target_modules) if s.optim_target_modules else None,
     )
+
+
+def _trl_offload_reason(spec, best: Candidate, usable: int, host: "HostLimit", gpu_info) -> str:
+    """What TRL's `activation_offloading` (as the run sets it) does to this plan: host memory, GPU freed, PCIe time."""
+    s, est = best.settings, best.estimate
+    without = _evaluate(spec, s.replace(activation_offloading=False), usable, host, gpu_info)
+    freed = without.estimate.device_total_bytes - est.device_total_bytes
+    copy_s = best.step_seconds - without.step_seconds
+    if freed > 0:
+        effect = f"it frees {format_bytes(freed)} on the GPU" + ("" if without.fits else
+                                                                   ", which this micro-batch needs")
+    else:  # the stash and the tensors it keeps (saved twice, small) outweigh what it moves at this peak
+        effect = f"at this peak it frees nothing on the GPU ({format_bytes(-freed)} more than without)"
+    return (f"TRL activation_offloading (as set): {format_bytes(est.cpu_bytes)} of saved activations in pinned host "
+            f"memory per GPU; {effect}; its PCIe copies cost about {copy_s:.2f} s per step "
+            f"({100 * copy_s / best.step_seconds:.0f}% of the step)" +
+            ("" if freed > 0 else "; it does not pay here: set `activation_offloading=False`"))
 
 
 def _activation_offload_reason(best: Candidate, candidates) -> str:

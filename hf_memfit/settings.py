@@ -78,6 +78,9 @@ class TrainSettings:
     padding_free: bool = False  # the micro-batch's rows are concatenated into one row (TRL padding_free / bfd packing)
     reference_model: str | None = None  # DPO only; None: "adapters" under LoRA, else "copy"
     decoder_seq_len: int | None = None  # seq2seq: the label / decoder length; None: seq_len
+    # TRL's SFTConfig/DPOConfig `activation_offloading`: every tensor saved for backward in the training step
+    # (>= 1 KiB, not a parameter) goes to pinned host memory and comes back in backward (TRL 1.16 OffloadActivations)
+    activation_offloading: bool = False
 
     @property
     def world_size(self) -> int:
@@ -191,6 +194,17 @@ class TrainSettings:
                             "`--gradient-checkpointing`")
         if self.offload_activations and self.device != "cuda":
             problems.append("`--offload-activations` copies activations from a GPU to the host: it needs `--device cuda`")
+        if self.activation_offloading and self.trainer not in ("sft", "dpo"):
+            problems.append("`--activation-offloading` is TRL's (SFTConfig / DPOConfig): add `--trainer sft` or "
+                            "`--trainer dpo`, or use `--offload-activations` (transformers' checkpoint offload)")
+        if self.activation_offloading and self.device != "cuda":
+            # TRL 1.16 offloads only tensors on the accelerator, and its OffloadActivations reads
+            # torch.accelerator.current_accelerator().type, which fails on a torch without one.
+            problems.append("`--activation-offloading` copies activations from a GPU to the host: it needs "
+                            "`--device cuda`")
+        if self.activation_offloading and self.offload_activations:
+            problems.append("`--activation-offloading` already offloads the checkpoints' saved inputs: drop "
+                            "`--offload-activations`")
         if self.use_liger_kernel and self.task not in (None, "causal-lm"):
             problems.append("`--use-liger-kernel` fuses the causal-LM head and loss: it needs `--task causal-lm`")
         if self.zero_stage not in (0, 1, 2, 3):

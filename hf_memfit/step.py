@@ -117,6 +117,10 @@ def _build_model(config: dict, settings: TrainSettings):
         _add_trl_head(model, settings.trainer)
     if settings.uses_lora:
         model = _add_lora(model, settings)
+    if settings.activation_offloading:
+        # SFTTrainer / DPOTrainer build it on `self.model` (the peft model) after `Trainer.__init__`
+        model.__dict__["memfit_trl_offload"] = TrlOffloadedActivations(model)
+        model.memfit_host_stash = model.__dict__["memfit_trl_offload"].host
     model.train()
     if settings.reference == "copy":
         # DPOTrainer keeps a frozen copy of the model (same dtype, no adapters), patched with the default head.
@@ -239,6 +243,153 @@ def _offload_checkpoint_inputs(model) -> None:
                 return _checkpoint(function, *args, **kwargs)
 
         module._gradient_checkpointing_func = offloaded
+
+
+# --- TRL's activation offloading -------------------------------------------------------------
+
+class TrlOffloadedActivations(torch.autograd.graph.saved_tensors_hooks):
+    """TRL 1.16's `OffloadActivations` as `SFTConfig(activation_offloading=True)` builds it, re-stated for a trace.
+
+    trl/models/activation_offloading.py, `get_act_offloading_ctx_manager(model)` with its
+    defaults (pinned memory, streams, `min_offload_size=1024`, `max_fwd_stash_size=5`),
+    entered around every `training_step` (forward, loss and backward). Its rules, kept here:
+    - pack (forward): every tensor autograd saves is offloaded unless it is under 1024
+      bytes, a parameter (or shares a parameter's storage), or a storage already
+      offloaded and still in the forward stash (then it stays on the GPU until it is
+      unpacked, and so does every later save of that storage); tensors saved inside the
+      `lm_head` / `output` module's forward or a Liger module are not seen (TRL wraps
+      them in a `NoOpManager`; TRL's own fused LM head does not call `lm_head`, so its
+      tensors are offloaded). A view with a storage offset is cloned on the GPU first
+      (a non-contiguous one made contiguous). The copy goes to pinned host memory
+      (`empty_like(pin_memory=True)`, rounded by CachingHostAllocator); the GPU tensor
+      is kept in a stash until 5 newer tensors have been offloaded (the side stream's
+      copy must finish).
+    - unpack (backward): a tensor still in the forward stash is used as it is; an
+      offloaded one is copied back to a new GPU tensor, kept until the next autograd
+      node has run (TRL frees the previous node's tensors in the current node's hook).
+    What differs here: no streams or events (they order copies, they allocate
+    nothing), and the host copy is counted in `host` (pinned host bytes) instead of
+    being made. The trace's emulation of the GPU is this; on a CPU-only torch TRL
+    itself cannot build `OffloadActivations` (`torch.accelerator.current_accelerator()`
+    is None), so a CPU run has no ground truth to compare with.
+    """
+
+    MIN_OFFLOAD_BYTES = 1024  # TRL's min_offload_size default
+    FORWARD_STASH = 5  # TRL's max_fwd_stash_size default
+
+    def __init__(self, model):
+        self.host = HostStash()
+        self.param_storages = {p.untyped_storage()._cdata for p in model.parameters()}
+        self.tracker: dict[int, tuple] = {}  # id -> (device tensor kept, None) | (host layout, host bytes)
+        self.storage_to_id: dict[tuple, int] = {}
+        self.key_of_id: dict[int, tuple] = {}
+        self.fwd_stash: dict[int, torch.Tensor] = {}
+        self.bwd_stash: dict[int, torch.Tensor] = {}
+        self.tensor_id = 0
+        self.current_node = None
+        self._no_offload_in_output_head(model)
+        super().__init__(self._pack, self._unpack)
+
+    def _no_offload_in_output_head(self, model) -> None:
+        """TRL's `NoOpManager` around the output head's forward (and any module named *liger*)."""
+        from torch.autograd.graph import saved_tensors_hooks
+
+        noop = saved_tensors_hooks(lambda t: t, lambda t: t)
+        unwrapped = getattr(model, "module", model)
+        if hasattr(unwrapped, "base_model") and hasattr(unwrapped, "peft_config"):
+            unwrapped = unwrapped.base_model
+        heads = [getattr(unwrapped, name) for name in ("output", "lm_head")
+                 if isinstance(getattr(unwrapped, name, None), torch.nn.Module)][:1]
+        heads += [m for name, m in unwrapped.named_modules() if "liger" in name.lower()]
+        for module in heads:
+            module.register_forward_pre_hook(lambda *args: noop.__enter__())
+            module.register_forward_hook(lambda *args: noop.__exit__(), always_call=True)
+
+    def _track(self, key: tuple, tensor_id: int) -> None:
+        self.storage_to_id[key] = tensor_id
+        self.key_of_id[tensor_id] = key
+
+    def _release(self, tensor_id: int) -> None:
+        key = self.key_of_id.pop(tensor_id, None)
+        if key is not None and self.storage_to_id.get(key) == tensor_id:
+            del self.storage_to_id[key]
+
+    def _pack(self, activation: torch.Tensor) -> int:
+        self.tensor_id += 1
+        tensor_id = self.tensor_id
+        storage = activation.untyped_storage()
+        key = (storage._cdata, activation.storage_offset(), activation.dtype)
+        if key in self.storage_to_id:  # already offloaded and still stashed: kept on the GPU
+            self.tracker[tensor_id] = (activation, None)
+            self._track(key, tensor_id)
+            return tensor_id
+        if (activation.element_size() * activation.nelement() < self.MIN_OFFLOAD_BYTES
+                or isinstance(activation, torch.nn.Parameter) or storage._cdata in self.param_storages):
+            self.tracker[tensor_id] = (activation, None)
+            return tensor_id
+        broadcast = 0 in activation.stride()
+        if not broadcast and (not activation.is_contiguous() or activation.storage_offset() != 0):
+            activation = (activation.clone(memory_format=torch.contiguous_format) if activation.storage_offset()
+                          else activation.contiguous())
+        for old in [i for i in self.fwd_stash if i <= tensor_id - self.FORWARD_STASH]:
+            del self.fwd_stash[old]
+            self._release(old)
+        from hf_memfit.formulas import pinned_host_bytes
+
+        host_numel = storage.nbytes() // activation.element_size() if broadcast else activation.numel()
+        host = pinned_host_bytes(host_numel * activation.element_size())
+        self.host.live += host
+        self.host.peak = max(self.host.peak, self.host.live)
+        layout = (activation.size(), activation.stride(), activation.storage_offset(), activation.dtype, host_numel)
+        self.tracker[tensor_id] = (layout, host)
+        self.fwd_stash[tensor_id] = activation
+        self._track(key, tensor_id)
+        return tensor_id
+
+    def _unpack(self, tensor_id: int) -> torch.Tensor:
+        value, host = self.tracker.pop(tensor_id)
+        self._release(tensor_id)
+        if host is None:
+            return value
+        self.host.live -= host
+        node = torch._C._current_autograd_node()
+        previous = []
+        if node is not self.current_node:  # a new node: the previous node's tensors go once it has run
+            self.current_node = node
+            previous = list(self.bwd_stash)
+        if tensor_id in self.fwd_stash:
+            tensor = self.fwd_stash[tensor_id]
+        else:
+            size, stride, offset, dtype, numel = value
+            tensor = torch.empty(numel, dtype=dtype).as_strided(size, stride, offset)  # `.to(device)`
+            self.bwd_stash[tensor_id] = tensor
+
+        def after_node(outputs, inputs):
+            self.fwd_stash.clear()  # "if there are still things in the fwd_stash, get rid of them"
+            for old in previous:
+                self.bwd_stash.pop(old, None)
+            return outputs
+
+        if node is not None:
+            node.register_hook(after_node)
+        return tensor
+
+    def __enter__(self):
+        # TRL drops what a previous step left (tensors saved but never unpacked) when the next one starts.
+        self.host.live -= sum(host for _, host in self.tracker.values() if host)
+        self.tracker.clear()
+        self.storage_to_id.clear()
+        self.key_of_id.clear()
+        self.fwd_stash.clear()
+        self.bwd_stash.clear()
+        self.tensor_id = 0
+        self.current_node = None
+        return super().__enter__()
+
+    def __exit__(self, *args):
+        self.bwd_stash.clear()  # TRL queues this at the end of backward, and clears the stashes on exit
+        self.fwd_stash.clear()
+        return super().__exit__(*args)
 
 
 # --- Liger's fused linear cross-entropy, on the CPU ----------------------------------------
@@ -433,6 +584,12 @@ def forward_backward(model, batch: dict, settings: TrainSettings, device_type: s
 
 def _trl_forward_backward(model, batch: dict, settings: TrainSettings, device_type: str):
     """TRL 1.16's `compute_loss` (SFTTrainer's, or DPOTrainer's `_compute_loss` with its defaults), then backward."""
+    offload = model.__dict__.get("memfit_trl_offload")
+    with offload if offload is not None else contextlib.nullcontext():  # TRL wraps the whole training_step
+        return _trl_loss_backward(model, batch, settings, device_type)
+
+
+def _trl_loss_backward(model, batch: dict, settings: TrainSettings, device_type: str):
     autocast_dtype = settings.autocast_dtype
     autocast = torch.autocast(device_type, dtype=torch_dtype(autocast_dtype)) if autocast_dtype else \
         contextlib.nullcontext()

@@ -94,3 +94,78 @@ def test_planner_offloads_activations_only_when_it_pays():
     assert any(r.startswith("activation checkpoints stay on the GPU") for r in short.reasons)
     never = plan("meta-llama/Llama-3.1-8B", seq_len=16384, allow_offload="none", **common)
     assert not never.plan.offload_activations
+
+
+# --- TRL's activation_offloading (SFTConfig / DPOConfig) ---------------------------------------------
+
+@pytest.mark.parametrize("trainer,precision,checkpointing,layers", [
+    ("sft", "bf16-mixed", True, 12),
+    ("sft", "fp32", False, 8),
+    ("dpo", "bf16-mixed", True, 8),
+])
+def test_trl_activation_offloading_in_both_modes(trainer, precision, checkpointing, layers):
+    spec = ModelSpec.from_config("tiny-llama", dict(TINY_LLAMA, num_hidden_layers=layers))
+    base = TrainSettings(batch_size=4, seq_len=256, device="cuda", precision=precision, trainer=trainer,
+                         gradient_checkpointing=checkpointing)
+    plain, offloaded = base.validate(spec), base.replace(activation_offloading=True).validate(spec)
+    fast, exact = fast_step_memory(spec, offloaded), exact_candidates(spec, offloaded)
+    assert abs(fast.peak_bytes - exact.peak_bytes) <= 0.05 * exact.peak_bytes
+    assert exact.host_bytes > 0 and abs(fast.host_bytes - exact.host_bytes) <= 0.1 * exact.host_bytes
+    # the saved activations leave the GPU: with checkpointing at least the layers' inputs (rows x 256 x 64 fp32
+    # each; DPO runs chosen and rejected rows together)
+    inputs = layers * offloaded.rows * 256 * 64 * 4
+    freed = exact_candidates(spec, plain).peak_bytes - exact.peak_bytes
+    assert freed > (inputs if checkpointing else 0)
+    if checkpointing:  # then the host holds the layer inputs and a few tensors outside the layers
+        assert inputs <= exact.host_bytes <= 2 * inputs
+
+
+def test_trl_activation_offloading_is_trls_and_needs_a_gpu(tiny_specs):
+    spec = tiny_specs["llama"]
+    with pytest.raises(MemFitError, match=r"`--activation-offloading` is TRL's .* `--trainer sft`"):
+        TrainSettings(activation_offloading=True).validate(spec)
+    with pytest.raises(MemFitError, match=r"`--activation-offloading` copies activations from a GPU .* "
+                                          r"`--device cuda`"):
+        TrainSettings(activation_offloading=True, trainer="sft", device="cpu").validate(spec)
+    with pytest.raises(MemFitError, match="drop `--offload-activations`"):
+        TrainSettings(activation_offloading=True, trainer="sft", gradient_checkpointing=True,
+                      offload_activations=True).validate(spec)
+
+
+def test_planner_keeps_trl_activation_offloading_and_says_what_it_does():
+    common = dict(gpu="a10g", trainer="sft", seq_len=16384, global_batch_size=4, load_in_4bit=True, lora_r=16)
+    offloaded = plan("meta-llama/Llama-3.1-8B", activation_offloading=True, **common)
+    plain = plan("meta-llama/Llama-3.1-8B", **common)
+    assert offloaded.plan.settings.activation_offloading and not offloaded.plan.offload_activations
+    assert offloaded.estimate.cpu_bytes > 0
+    # it lets a bigger micro-batch fit than the on-device plan
+    assert offloaded.plan.per_device_train_batch_size > plain.plan.per_device_train_batch_size
+    reason = next(r for r in offloaded.plan.reasons if r.startswith("TRL activation_offloading (as set)"))
+    assert "pinned host memory" in reason and "frees" in reason and "PCIe" in reason
+
+
+def test_trl_activation_offloading_on_a_cpu_only_torch(tmp_path, caplog):
+    """What TRL 1.16 really does here: its OffloadActivations needs an accelerator and fails to build; the plan,
+    made before that, is made without it and says so."""
+    import logging
+
+    import torch
+    from datasets import Dataset
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hf_memfit import MemFitSFTConfig, MemFitSFTTrainer
+    from test_trl import sentences, tokenizer
+
+    if torch.accelerator.current_accelerator() is not None:
+        pytest.skip("a machine with an accelerator builds TRL's offloading")
+    config = AutoConfig.for_model("llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=2, num_key_value_heads=1, vocab_size=123, pad_token_id=0,
+                                  eos_token_id=1, bos_token_id=1)
+    args = MemFitSFTConfig(output_dir=str(tmp_path), memory_budget="1GiB", use_cpu=True, max_steps=1, report_to=[],
+                           save_strategy="no", max_length=32, activation_offloading=True)
+    with caplog.at_level(logging.WARNING, logger="hf_memfit"), pytest.raises(AttributeError):
+        MemFitSFTTrainer(model=AutoModelForCausalLM.from_config(config), args=args,
+                         train_dataset=Dataset.from_dict({"text": sentences(8, 40, 60, seed=3)}),
+                         processing_class=tokenizer())
+    assert any("activation_offloading moves only tensors on an accelerator" in r.getMessage()
+               for r in caplog.records)
