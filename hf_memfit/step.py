@@ -23,6 +23,7 @@ without grad). The whole `compute_loss` runs under the Trainer's autocast.
 
 import contextlib
 import tempfile
+import weakref
 
 import torch
 
@@ -283,6 +284,7 @@ class TrlOffloadedActivations(torch.autograd.graph.saved_tensors_hooks):
         self.tracker: dict[int, tuple] = {}  # id -> (device tensor kept, None) | (host layout, host bytes)
         self.storage_to_id: dict[tuple, int] = {}
         self.key_of_id: dict[int, tuple] = {}
+        self.storage_of_id: dict[int, "weakref.ref"] = {}  # the storage a key was made from
         self.fwd_stash: dict[int, torch.Tensor] = {}
         self.bwd_stash: dict[int, torch.Tensor] = {}
         self.tensor_id = 0
@@ -305,23 +307,43 @@ class TrlOffloadedActivations(torch.autograd.graph.saved_tensors_hooks):
             module.register_forward_pre_hook(lambda *args: noop.__enter__())
             module.register_forward_hook(lambda *args: noop.__exit__(), always_call=True)
 
-    def _track(self, key: tuple, tensor_id: int) -> None:
+    def _track(self, key: tuple, tensor_id: int, storage) -> None:
         self.storage_to_id[key] = tensor_id
         self.key_of_id[tensor_id] = key
+        self.storage_of_id[tensor_id] = weakref.ref(storage)
 
     def _release(self, tensor_id: int) -> None:
         key = self.key_of_id.pop(tensor_id, None)
+        self.storage_of_id.pop(tensor_id, None)
         if key is not None and self.storage_to_id.get(key) == tensor_id:
             del self.storage_to_id[key]
+
+    def _offloaded_before(self, key: tuple, storage) -> bool:
+        """Whether this very storage is already offloaded and tracked (TRL's deduplication).
+
+        TRL keys storages by address (`data_ptr() + storage_offset()`, dtype); the key here is the
+        storage's address in the process, which Python may reuse once a stashed view's base is freed,
+        so the tracked storage itself is compared too. (On a GPU the caching allocator can hand a freed
+        address to a new tensor while TRL still tracks it, which deduplicates that tensor by mistake:
+        not modelled.)
+        """
+        tensor_id = self.storage_to_id.get(key)
+        if tensor_id is None:
+            return False
+        ref = self.storage_of_id.get(tensor_id)
+        if ref is not None and ref() is storage:
+            return True
+        self._release(tensor_id)  # a stale key: another storage at the same address
+        return False
 
     def _pack(self, activation: torch.Tensor) -> int:
         self.tensor_id += 1
         tensor_id = self.tensor_id
         storage = activation.untyped_storage()
         key = (storage._cdata, activation.storage_offset(), activation.dtype)
-        if key in self.storage_to_id:  # already offloaded and still stashed: kept on the GPU
+        if self._offloaded_before(key, storage):  # already offloaded and still stashed: kept on the GPU
             self.tracker[tensor_id] = (activation, None)
-            self._track(key, tensor_id)
+            self._track(key, tensor_id, storage)
             return tensor_id
         if (activation.element_size() * activation.nelement() < self.MIN_OFFLOAD_BYTES
                 or isinstance(activation, torch.nn.Parameter) or storage._cdata in self.param_storages):
@@ -343,7 +365,7 @@ class TrlOffloadedActivations(torch.autograd.graph.saved_tensors_hooks):
         layout = (activation.size(), activation.stride(), activation.storage_offset(), activation.dtype, host_numel)
         self.tracker[tensor_id] = (layout, host)
         self.fwd_stash[tensor_id] = activation
-        self._track(key, tensor_id)
+        self._track(key, tensor_id, storage)
         return tensor_id
 
     def _unpack(self, tensor_id: int) -> torch.Tensor:
@@ -380,6 +402,7 @@ class TrlOffloadedActivations(torch.autograd.graph.saved_tensors_hooks):
         self.tracker.clear()
         self.storage_to_id.clear()
         self.key_of_id.clear()
+        self.storage_of_id.clear()
         self.fwd_stash.clear()
         self.bwd_stash.clear()
         self.tensor_id = 0

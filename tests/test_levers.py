@@ -115,7 +115,7 @@ def test_trl_activation_offloading_in_both_modes(trainer, precision, checkpointi
     # each; DPO runs chosen and rejected rows together)
     inputs = layers * offloaded.rows * 256 * 64 * 4
     freed = exact_candidates(spec, plain).peak_bytes - exact.peak_bytes
-    assert freed > (inputs if checkpointing else 0)
+    assert freed >= (inputs if checkpointing else 1)
     if checkpointing:  # then the host holds the layer inputs and a few tensors outside the layers
         assert inputs <= exact.host_bytes <= 2 * inputs
 
