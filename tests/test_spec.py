@@ -59,7 +59,14 @@ def numel(model) -> int:
 
 
 def real_linears(model) -> collections.Counter:
-    """(name, in, out, bias, scope) -> count, scoped like `LinearModule.scope`."""
+    """(name, in, out, bias, scope) -> count, scoped like `LinearModule.scope`.
+
+    "head" is what lives outside the base model (`base_model_prefix`): a bare
+    `lm_head`/`classifier`, but also a nested one such as ModernBERT's
+    `head.dense` prediction head; without a base model, a top-level module.
+    """
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    has_base = bool(prefix) and hasattr(model, prefix) and getattr(model, prefix) is not model
     found: collections.Counter = collections.Counter()
     for path, module in model.named_modules():
         if isinstance(module, Conv1D):
@@ -68,7 +75,8 @@ def real_linears(model) -> collections.Counter:
             fan_in, fan_out = module.in_features, module.out_features
         else:
             continue
-        scope = "layer" if _LAYER_INDEX.match(path) else ("head" if "." not in path else "other")
+        outside_body = not path.startswith(prefix + ".") if has_base else "." not in path
+        scope = "layer" if _LAYER_INDEX.match(path) else ("head" if outside_body else "other")
         found[(path.rsplit(".", 1)[-1], fan_in, fan_out, module.bias is not None, scope)] += 1
     return found
 
@@ -104,9 +112,16 @@ def check_against_meta(spec: ModelSpec, task: str, num_labels: int = 2) -> None:
         by_stack = {stack.split(".")[0]: sizes[(stack, 1)] for stack in stacks}
         assert by_stack == {"encoder": counts["per_encoder_layer"], "decoder": counts["per_decoder_layer"]}
     else:
-        assert len(stacks) == 1
-        assert all(size == counts["per_layer"] for (_, _), size in sizes.items())
-        assert len(sizes) == spec.num_layers
+        # Every repeated stack (an image-text model also has its vision tower's) is in "layers";
+        # "per_layer" is the mean over the stack that `num_hidden_layers` sets (ModernBERT's
+        # layer 0 has no attention norm, so its layers are not all one size).
+        assert counts["layers"] == sum(sizes.values())
+        depth = [stack for stack in stacks if sum(s == stack for s, _ in sizes) == spec.num_layers]
+        assert depth, (stacks, spec.num_layers)
+        depth_sizes = [size for (stack, _), size in sizes.items() if stack == depth[0]]
+        assert sum(depth_sizes) // spec.num_layers == counts["per_layer"]
+        if spec.model_type in SUPPORTED_MODEL_TYPES:  # the hand-written families claim equal layers
+            assert stacks == [depth[0]] and set(depth_sizes) == {counts["per_layer"]}
     if task in ("causal-lm", "seq2seq") and not spec.tie_word_embeddings:
         assert counts["head"] == model.get_output_embeddings().weight.numel()
 
