@@ -142,6 +142,12 @@ def test_catalogue_has_the_required_models():
         "Qwen/Qwen2.5-14B", "Qwen/Qwen2.5-32B", "Qwen/Qwen2.5-72B", "google/gemma-2-2b",
         "google/gemma-2-9b", "microsoft/Phi-3-mini-4k-instruct", "EleutherAI/pythia-160m",
         "EleutherAI/pythia-1b",
+        # issue 9: the 2025 models people fine-tune, each copied from its published config.json
+        "Qwen/Qwen3-0.6B", "Qwen/Qwen3-8B-Base", "Qwen/Qwen3-14B", "Qwen/Qwen3-32B", "Qwen/Qwen3-30B-A3B",
+        "google/gemma-3-4b-it", "google/gemma-3-12b-pt", "google/gemma-3-27b-it",
+        "meta-llama/Llama-3.3-70B-Instruct", "microsoft/phi-4", "HuggingFaceTB/SmolLM3-3B",
+        "openai/gpt-oss-20b", "allenai/OLMo-2-1124-7B", "allenai/OLMo-2-1124-13B",
+        "answerdotai/ModernBERT-base", "answerdotai/ModernBERT-large",
     }
     assert required <= set(ALL_MODELS)
     for path in CATALOGUE_DIR.glob("*.json"):
@@ -178,6 +184,22 @@ def test_catalogue_model_matches_transformers(name):
         ("gemma-2-2b", 2_614_341_888),
         ("Phi-3-mini-4k-instruct", 3_821_079_552),
         ("pythia-160m", 162_322_944),
+        # issue 9 catalogue; the published totals (safetensors, GGUF general.parameter_count or KerasHub preset)
+        ("Qwen3-0.6B", 596_049_920),  # KerasHub qwen3_0.6b_en; the checkpoint also stores the tied lm_head
+        ("Qwen3-14B", 14_768_307_200),
+        ("Qwen3-32B", 32_762_123_264),
+        ("Qwen3-30B-A3B", 30_532_122_624),  # all 128 experts; 3.3B active per token
+        ("gemma-3-4b-it", 4_300_079_472),  # with the SigLIP vision tower
+        ("gemma-3-12b-pt", 12_187_325_040),
+        ("gemma-3-27b-it", 27_432_406_640),
+        ("Llama-3.3-70B-Instruct", 70_553_706_496),
+        ("phi-4", 14_659_507_200),
+        ("OLMo-2-1124-7B", 7_298_617_344),
+        ("OLMo-2-1124-13B", 13_716_198_400),
+        # ModernBERT plans sequence classification: the published masked-LM checkpoints (149,655,232 and
+        # 395,881,664) less the MLM decoder bias (50,368) plus a 2-label classifier
+        ("ModernBERT-base", 149_655_232 - 50_368 + (768 * 2 + 2)),
+        ("ModernBERT-large", 395_881_664 - 50_368 + (1024 * 2 + 2)),
     ],
 )
 def test_famous_parameter_counts(name, expected):
