@@ -126,6 +126,17 @@ def fsdp_layout(args) -> tuple[str, int, bool] | None:
     return _fsdp_strategy(raw, version), version, offload
 
 
+def fsdp_layout_run(args, on_gpu: bool, notes: list[str]) -> tuple[str, int, bool] | None:
+    """`fsdp_layout` as the run applies it: accelerate promotes only GPU-like multi-process runs to FSDP
+    (`AcceleratorState.__init__`: MULTI_CPU is not among them), so a CPU run with FSDP set trains under
+    DDP, and is planned as the DDP it runs (with a note saying so)."""
+    layout = fsdp_layout(args)
+    if layout is not None and not on_gpu:
+        notes.append("FSDP is set but this run is on the CPU, where accelerate runs DDP instead; planned as DDP")
+        return None
+    return layout
+
+
 def _fsdp_strategy(raw, version: int) -> str:
     from hf_memfit.settings import FSDP_STRATEGIES
 
@@ -386,6 +397,7 @@ def plan_inputs(trainer, model, args, fields, train_dataset, collator, tokenizer
     step = trl_step(trainer, args, call_arguments(trainer), model)
     shape = longest_batch(spec, train_dataset, collator, tokenizer, getattr(args, "max_length", None))
     notes = list(shape.notes)
+    run_fsdp = fsdp_layout_run(args, on_gpu, notes)
     padding_free = step.get("padding_free", False) or shape.padding_free
     task = model_task(model)
     if task == "seq2seq" and not spec.is_encoder_decoder:
@@ -410,7 +422,7 @@ def plan_inputs(trainer, model, args, fields, train_dataset, collator, tokenizer
         allow_offload=fields.allow_offload if on_gpu else "none", headroom=fields.headroom,
         keep_optimizer=fields.keep_optimizer, optim=str(getattr(args.optim, "value", args.optim)),
         device="cuda" if on_gpu else "cpu", mode=fields.memfit_mode, precision=model_precision(model, args, on_gpu),
-        deepspeed_layout=fixed_layout(args), fsdp_layout=fsdp_layout(args),
+        deepspeed_layout=fixed_layout(args), fsdp_layout=run_fsdp,
         bnb_4bit_use_double_quant=bool(quant.get("bnb_4bit_use_double_quant", True)),
         bnb_4bit_quant_storage=quant_storage if quantized else None,
         cpu_memory="auto",  # the trainer runs on the machine it plans for: its RAM holds what is offloaded

@@ -333,7 +333,9 @@ def _fsdp(rank: RankMemory, step: StepMemory, settings: TrainSettings, units: Wr
         # post-backward stream). The caching allocator keeps those blocks for their streams.
         all_gather_pool = FSDP_GATHERED_UNITS * layer if settings.fsdp_version == 2 else 0
         reduce_scatter_pool = units.layer_trainable * compute
-        rank.stream_cached = {region: all_gather_pool + reduce_scatter_pool for region in rank.candidates}
+        pre_unshard_pool = _fsdp1_pre_unshard_pool(settings, units, layer, dp, staged=offload or stored_per_param > compute + 0.01)
+        rank.stream_cached = {region: all_gather_pool + reduce_scatter_pool + pre_unshard_pool
+                              for region in rank.candidates}
     strategy = {"full_shard": "parameters, gradients and optimizer states", "shard_grad_op":
                 "parameters (whole from forward to backward), gradients and optimizer states",
                 "hybrid_shard": f"parameters, gradients and optimizer states within each node ({dp} GPUs)",
@@ -343,3 +345,25 @@ def _fsdp(rank: RankMemory, step: StepMemory, settings: TrainSettings, units: Wr
                       f"{'every layer' if settings.fsdp == 'shard_grad_op' else FSDP_GATHERED_UNITS} layer unit(s) "
                       f"of {units.layer_params:,}"
                       + ("; CPU offload: parameter, gradient and optimizer shards on the host" if settings.fsdp_offload else ""))
+
+
+def _fsdp1_pre_unshard_pool(settings: TrainSettings, units: WrapUnits, layer: int, dp: int, staged: bool) -> int:
+    """Blocks FSDP1 keeps on its pre-unshard stream: each unit's shard, staged on the device to be all-gathered.
+
+    FSDP1's `_unshard` (torch 2.13 `distributed/fsdp/_runtime_utils.py`) runs `FlatParamHandle.pre_unshard`
+    on a separate pre-unshard stream. Under CPU offload it copies the unit's host shard to the device
+    (`flat_param_to(self.device)`); with a mixed-precision param_dtype narrower than the stored shard it
+    casts the shard into a fresh low-precision copy (`_use_low_precision_shard`). Either copy lives until
+    the all-gather reading it ends (`_no_dispatch_record_stream` onto the unshard stream), and the caching
+    allocator keeps its block in the pre-unshard stream's pool (free blocks are keyed by stream). In flight
+    at once: the rate limiter's two all-gathers (`limit_all_gathers`) plus the copy `pre_unshard` makes
+    before the limiter waits; the root's shard, made at the start of the forward, overlaps the first
+    layer's. FSDP2 casts inside its all-gather copy-in (`_fsdp_collectives.foreach_all_gather`), which its
+    all-gather pool covers, so this is FSDP1's alone.
+    """
+    if settings.fsdp_version != 1 or not staged or dp <= 1:
+        return 0
+    compute = 4 if settings.compute_dtype == "float32" else 2
+    layer_shard = layer // dp
+    root_shard = units.root_params * compute // dp
+    return max(root_shard + layer_shard, (FSDP_GATHERED_UNITS + 1) * layer_shard)

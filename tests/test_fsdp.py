@@ -92,6 +92,27 @@ def test_stream_pools_are_reserved_not_allocated():
     assert two.peak_reserved_bytes > one.peak_reserved_bytes
 
 
+def test_fsdp1_stages_shards_on_its_pre_unshard_stream():
+    # FSDP1 copies each unit's shard to the device (CPU offload) or casts it to param_dtype (bf16-mixed over
+    # fp32) on its pre-unshard stream before the all-gather; those blocks stay in that stream's pool.
+    from hf_memfit.sharding import FSDP_GATHERED_UNITS
+
+    bf16 = dict(precision="bf16", fsdp="full_shard", fsdp_version=1)
+    plain, offloaded = fsdp(**bf16), fsdp(**bf16, fsdp_offload=True)
+    staged = offloaded.peak_reserved_bytes - offloaded.peak_allocated_bytes
+    pools = plain.peak_reserved_bytes - plain.peak_allocated_bytes
+    layer_shard = 2 * 60_821_504 // 4  # one Llama-3.2-1B decoder layer in bf16, over 4 ranks
+    root_shard = 2 * 262_670_336 // 4  # the root unit: the tied embedding and the final norm
+    # the same activations and slack, so the difference is the staged shards alone
+    assert staged - pools == max(root_shard + layer_shard, (FSDP_GATHERED_UNITS + 1) * layer_shard)
+    # fp32 weights cast to bf16 for compute are staged too; FSDP2 casts inside its all-gather copy-in
+    mixed = fsdp(precision="bf16-mixed", fsdp="full_shard", fsdp_version=1)
+    assert mixed.peak_reserved_bytes - mixed.peak_allocated_bytes > pools
+    two = fsdp(precision="bf16", fsdp="full_shard", fsdp_offload=True)
+    assert two.peak_reserved_bytes == fsdp(precision="bf16", fsdp="full_shard").peak_reserved_bytes \
+        - fsdp(precision="bf16", fsdp="full_shard").peak_allocated_bytes + two.peak_allocated_bytes
+
+
 def test_sharded_qlora_by_fsdp_and_zero3():
     qlora = dict(model="meta-llama/Llama-2-70b-hf", precision="bf16-mixed", load_in_4bit=True, lora_r=8,
                  batch_size=1, seq_len=512, num_gpus=2, gpu="a100-40gb")

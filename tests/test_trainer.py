@@ -344,3 +344,15 @@ def test_a_bf16_lora_plan_loads_in_bf16():
     result = plan("gpt2", gpu_memory="8GiB", seq_len=256, global_batch_size=8, lora_r=8, precision="bf16")
     assert result.plan.torch_dtype == "bfloat16"
     assert plan("gpt2", gpu_memory="8GiB", seq_len=256, global_batch_size=8).plan.torch_dtype == "float32"  # autocast
+
+
+def test_fsdp_on_the_cpu_is_planned_as_the_ddp_accelerate_runs(tmp_path, monkeypatch):
+    # accelerate promotes only GPU runs to FSDP: on the CPU, a launched run with `fsdp` set trains under DDP.
+    from hf_memfit.introspect import fsdp_layout_run
+
+    monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
+    args = TrainingArguments(output_dir=str(tmp_path), fsdp="full_shard", use_cpu=True, report_to=[])
+    notes = []
+    assert fsdp_layout_run(args, on_gpu=False, notes=notes) is None
+    assert notes and "accelerate runs DDP" in notes[0]
+    assert fsdp_layout_run(args, on_gpu=True, notes=[]) == ("full_shard", 2, False)
