@@ -93,6 +93,16 @@ def rows():
                 dict(batch_size=4, seq_len=768, precision="bf16", lora_r=32, lora_alpha=64,
                      lora_target_modules=("q_proj", "v_proj"), attn_implementation="sdpa", gpu="l40s"),
                 21242, "MiB", "published: max_memory_reserved minus init, as above"))
+    # The same benchmark's 2026-07 rows (bf16 weights, fp32 adapters, no checkpointing), in bytes.
+    out.append(("Llama-3.2-3B LoRA r64 q,v, bf16, b4 s768 (2026-07)", "meta-llama/Llama-3.2-3B",
+                dict(batch_size=4, seq_len=768, precision="bf16", lora_r=64, lora_alpha=128,
+                     lora_target_modules=("q_proj", "v_proj"), attn_implementation="sdpa", gpu="l40s"),
+                22552772608 / 2**20, "MiB", "published: max_memory_reserved minus init (bytes), incl. eval generation"))
+    out.append(("Llama-3.2-3B LoRA r10 gate,up,down, bf16, b4 s768 (2026-07)", "meta-llama/Llama-3.2-3B",
+                dict(batch_size=4, seq_len=768, precision="bf16", lora_r=10, lora_alpha=20,
+                     lora_target_modules=("gate_proj", "up_proj", "down_proj"), attn_implementation="sdpa",
+                     gpu="l40s"),
+                24698159104 / 2**20, "MiB", "published: max_memory_reserved minus init (bytes), incl. eval generation"))
     out.append(("Qwen2-7B (Qwen2.5-7B shapes) FSDP x4, gc, bf16, b32 s512", "Qwen/Qwen2.5-7B",
                 dict(batch_size=32, seq_len=512, precision="bf16", gradient_checkpointing=True, fsdp="full_shard",
                      num_gpus=4, attn_implementation="sdpa", gpu="a100"),

@@ -44,7 +44,10 @@ logger = logging.getLogger(__name__)
 # plus any step down the OOM ladder), so that a resumed run keeps them.
 STATE_FILE = "memfit_state.json"
 _PLAN_KNOBS = ("per_device_train_batch_size", "gradient_accumulation_steps", "gradient_checkpointing", "optim",
-               "bf16", "fp16")
+               "bf16", "fp16",
+               # the optimizer's own arguments (bf16 stochastic rounding, GaLore's target modules) and the
+               # checkpointing kwargs (activation offload): its saved state loads only into the same setup
+               "optim_args", "optim_target_modules", "gradient_checkpointing_kwargs")
 
 
 # transformers 5 renamed `gradient_checkpointing*` to `activation_checkpointing*`; the old names are
@@ -191,7 +194,7 @@ class MemFitMixin(Trainer):
 
     def memfit_state(self) -> dict:
         """The knobs this run trains with now: the plan's, after any step down the OOM ladder."""
-        knobs = {name: getattr(self.args, name) for name in _PLAN_KNOBS}
+        knobs = {name: getattr(self.args, name) for name in _PLAN_KNOBS if hasattr(self.args, name)}
         knobs["optim"] = str(getattr(knobs["optim"], "value", knobs["optim"]))
         return {"knobs": knobs, "micro_batch_chunk": self._memfit_chunk, "recoveries": self._memfit_recoveries}
 
@@ -225,7 +228,7 @@ class MemFitMixin(Trainer):
                               f"but this run plans bf16={self.args.bf16}, fp16={self.args.fp16}; resume on a GPU "
                               "with the same precision support or start a new run")
         current = self.memfit_state()["knobs"]
-        changed = {name: value for name, value in knobs.items() if value != current[name]}
+        changed = {name: value for name, value in knobs.items() if name in current and value != current[name]}
         for name, value in _with_checkpointing_aliases(self.args, changed).items():
             setattr(self.args, name, OptimizerNames(value) if name == "optim" else value)
         self._train_batch_size = self.args.train_batch_size

@@ -520,7 +520,8 @@ def _pure_bf16_reason(best: "Candidate", candidates: list["Candidate"], host: "H
             f"there is no fp32 master copy, so {best.settings.optim} runs with "
             f"`optim_args=\"{optimizers.BF16_STOCHASTIC_ROUND_ARGS}\"`: without a master copy an update smaller than "
             "bf16's resolution (8 significant bits, ~0.4% of the weight) would be rounded away; stochastic "
-            "rounding keeps it right on average")
+            "rounding keeps it right on average; the weights load in bf16 and train with `bf16=False` (no "
+            "autocast, which would run layer norms and softmax in fp32 over them)")
 
 
 def _grid(base: TrainSettings, per_rank: int, allow_offload: str, keep_optimizer: bool, world: int,
@@ -906,7 +907,9 @@ def _make_plan(best: Candidate, candidates, usable: int, budget: int, ideal_seco
         num_gpus=s.num_gpus,
         num_nodes=s.num_nodes,
         gradient_checkpointing=s.gradient_checkpointing,
-        bf16=s.precision.startswith("bf16"),
+        # Pure bf16 weights train without autocast, as estimated: `bf16=True` would make the Trainer
+        # autocast over them, and CUDA autocast runs its float32 ops (layer_norm, softmax, ...) in fp32.
+        bf16=s.precision == "bf16-mixed",
         fp16=s.precision.startswith("fp16"),
         torch_dtype=torch_dtype,
         optim=s.optim,

@@ -94,6 +94,9 @@ def test_gpt2_xl_on_a_12_gb_card_with_16_gb_of_ram_needs_pure_bf16():
     assert p.settings.precision == "bf16" and p.torch_dtype == "bfloat16"
     assert p.optim in optimizers.PURE_BF16_LADDER
     assert p.training_arguments()["optim_args"] == "bf16_stochastic_round=True"
+    # trained without autocast, as estimated (autocast would run layer norms in fp32 over bf16 weights)
+    assert p.training_arguments()["bf16"] is False and p.training_arguments()["fp16"] is False
+    assert est.settings.autocast_dtype is None
     assert est.device_total_bytes <= 0.95 * p.budget_bytes and est.cpu_bytes <= 16 * GiB
     assert est.trainable_params == est.total_params  # still a full fine-tune
     assert any("stochastic" in r and "no fp32 master copy" in r for r in p.reasons)

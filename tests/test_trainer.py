@@ -192,6 +192,25 @@ def test_resume_keeps_the_plan_and_the_training(tmp_path):
         torch.testing.assert_close(ours[name], value, rtol=0, atol=1e-6, msg=name)
 
 
+def test_resume_restores_the_optimizer_arguments(tmp_path):
+    # The optimizer's state only loads into the same optimizer, built with the same arguments.
+    trainer = MemFitTrainer(model=tiny_gpt2(), args=make_args(tmp_path), train_dataset=TokenDataset())
+    state = trainer.memfit_state()
+    assert {"optim_args", "optim_target_modules", "gradient_checkpointing_kwargs"} <= set(state["knobs"])
+    state["knobs"].update(optim_args="bf16_stochastic_round=True", gradient_checkpointing=True,
+                          gradient_checkpointing_kwargs={"use_reentrant": False})
+    folder = tmp_path / "checkpoint-7"
+    folder.mkdir()
+    (folder / "memfit_state.json").write_text(json.dumps(state))
+    trainer._restore_plan(str(folder))
+    assert trainer.args.optim_args == "bf16_stochastic_round=True"
+    assert trainer.args.gradient_checkpointing_kwargs == {"use_reentrant": False}
+    # a checkpoint written before these knobs were saved still resumes
+    del state["knobs"]["optim_args"]
+    (folder / "memfit_state.json").write_text(json.dumps(state))
+    trainer._restore_plan(str(folder))
+
+
 def test_an_oom_step_down_survives_resume(tmp_path):
     model = tiny_gpt2()
 
