@@ -939,7 +939,9 @@ def _make_plan(best: Candidate, candidates, usable: int, budget: int, ideal_seco
         gradient_checkpointing=s.gradient_checkpointing,
         # Pure bf16 weights train without autocast, as estimated: `bf16=True` would make the Trainer
         # autocast over them, and CUDA autocast runs its float32 ops (layer_norm, softmax, ...) in fp32.
-        bf16=s.precision == "bf16-mixed",
+        # Under ZeRO the flag fills DeepSpeed's `bf16.enabled: "auto"` instead, and DeepSpeed's bf16
+        # mode does not autocast (the step is traced so: sharding.py).
+        bf16=s.precision == "bf16-mixed" or (s.precision == "bf16" and s.zero_stage > 0),
         fp16=s.precision.startswith("fp16"),
         torch_dtype=torch_dtype,
         optim=s.optim,

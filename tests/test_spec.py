@@ -59,7 +59,14 @@ def numel(model) -> int:
 
 
 def real_linears(model) -> collections.Counter:
-    """(name, in, out, bias, scope) -> count, scoped like `LinearModule.scope`."""
+    """(name, in, out, bias, scope) -> count, scoped like `LinearModule.scope`.
+
+    "head" is what lives outside the base model (`base_model_prefix`): a bare
+    `lm_head`/`classifier`, but also a nested one such as ModernBERT's
+    `head.dense` prediction head; without a base model, a top-level module.
+    """
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    has_base = bool(prefix) and hasattr(model, prefix) and getattr(model, prefix) is not model
     found: collections.Counter = collections.Counter()
     for path, module in model.named_modules():
         if isinstance(module, Conv1D):
@@ -68,7 +75,8 @@ def real_linears(model) -> collections.Counter:
             fan_in, fan_out = module.in_features, module.out_features
         else:
             continue
-        scope = "layer" if _LAYER_INDEX.match(path) else ("head" if "." not in path else "other")
+        outside_body = not path.startswith(prefix + ".") if has_base else "." not in path
+        scope = "layer" if _LAYER_INDEX.match(path) else ("head" if outside_body else "other")
         found[(path.rsplit(".", 1)[-1], fan_in, fan_out, module.bias is not None, scope)] += 1
     return found
 
@@ -104,9 +112,16 @@ def check_against_meta(spec: ModelSpec, task: str, num_labels: int = 2) -> None:
         by_stack = {stack.split(".")[0]: sizes[(stack, 1)] for stack in stacks}
         assert by_stack == {"encoder": counts["per_encoder_layer"], "decoder": counts["per_decoder_layer"]}
     else:
-        assert len(stacks) == 1
-        assert all(size == counts["per_layer"] for (_, _), size in sizes.items())
-        assert len(sizes) == spec.num_layers
+        # Every repeated stack (an image-text model also has its vision tower's) is in "layers";
+        # "per_layer" is the mean over the stack that `num_hidden_layers` sets (ModernBERT's
+        # layer 0 has no attention norm, so its layers are not all one size).
+        assert counts["layers"] == sum(sizes.values())
+        depth = [stack for stack in stacks if sum(s == stack for s, _ in sizes) == spec.num_layers]
+        assert depth, (stacks, spec.num_layers)
+        depth_sizes = [size for (stack, _), size in sizes.items() if stack == depth[0]]
+        assert sum(depth_sizes) // spec.num_layers == counts["per_layer"]
+        if spec.model_type in SUPPORTED_MODEL_TYPES:  # the hand-written families claim equal layers
+            assert stacks == [depth[0]] and set(depth_sizes) == {counts["per_layer"]}
     if task in ("causal-lm", "seq2seq") and not spec.tie_word_embeddings:
         assert counts["head"] == model.get_output_embeddings().weight.numel()
 
@@ -127,6 +142,12 @@ def test_catalogue_has_the_required_models():
         "Qwen/Qwen2.5-14B", "Qwen/Qwen2.5-32B", "Qwen/Qwen2.5-72B", "google/gemma-2-2b",
         "google/gemma-2-9b", "microsoft/Phi-3-mini-4k-instruct", "EleutherAI/pythia-160m",
         "EleutherAI/pythia-1b",
+        # issue 9: the 2025 models people fine-tune, each copied from its published config.json
+        "Qwen/Qwen3-0.6B", "Qwen/Qwen3-8B-Base", "Qwen/Qwen3-14B", "Qwen/Qwen3-32B", "Qwen/Qwen3-30B-A3B",
+        "google/gemma-3-4b-it", "google/gemma-3-12b-pt", "google/gemma-3-27b-it",
+        "meta-llama/Llama-3.3-70B-Instruct", "microsoft/phi-4", "HuggingFaceTB/SmolLM3-3B",
+        "openai/gpt-oss-20b", "allenai/OLMo-2-1124-7B", "allenai/OLMo-2-1124-13B",
+        "answerdotai/ModernBERT-base", "answerdotai/ModernBERT-large",
     }
     assert required <= set(ALL_MODELS)
     for path in CATALOGUE_DIR.glob("*.json"):
@@ -163,6 +184,22 @@ def test_catalogue_model_matches_transformers(name):
         ("gemma-2-2b", 2_614_341_888),
         ("Phi-3-mini-4k-instruct", 3_821_079_552),
         ("pythia-160m", 162_322_944),
+        # issue 9 catalogue; the published totals (safetensors, GGUF general.parameter_count or KerasHub preset)
+        ("Qwen3-0.6B", 596_049_920),  # KerasHub qwen3_0.6b_en; the checkpoint also stores the tied lm_head
+        ("Qwen3-14B", 14_768_307_200),
+        ("Qwen3-32B", 32_762_123_264),
+        ("Qwen3-30B-A3B", 30_532_122_624),  # all 128 experts; 3.3B active per token
+        ("gemma-3-4b-it", 4_300_079_472),  # with the SigLIP vision tower
+        ("gemma-3-12b-pt", 12_187_325_040),
+        ("gemma-3-27b-it", 27_432_406_640),
+        ("Llama-3.3-70B-Instruct", 70_553_706_496),
+        ("phi-4", 14_659_507_200),
+        ("OLMo-2-1124-7B", 7_298_617_344),
+        ("OLMo-2-1124-13B", 13_716_198_400),
+        # ModernBERT plans sequence classification: the published masked-LM checkpoints (149,655,232 and
+        # 395,881,664) less the MLM decoder bias (50,368) plus a 2-label classifier
+        ("ModernBERT-base", 149_655_232 - 50_368 + (768 * 2 + 2)),
+        ("ModernBERT-large", 395_881_664 - 50_368 + (1024 * 2 + 2)),
     ],
 )
 def test_famous_parameter_counts(name, expected):
