@@ -205,6 +205,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                              "galore_adamw_layerwise, galore_adamw_8bit_layerwise, apollo_adamw_layerwise (planned "
                              "only with gradient accumulation 1 on one GPU, as the Trainer requires)")
     parser.add_argument("--optim", default="adamw_torch_fused", help="the optimizer to start from")
+    parser.add_argument("--optim-target-modules",
+                        help="with a GaLore / APOLLO --optim: comma-separated linear module names, or all-linear")
+    parser.add_argument("--optim-args", help='with a GaLore / APOLLO --optim: TrainingArguments.optim_args, e.g. "rank=64"')
     parser.add_argument("--deepspeed-config-out", help="write the plan's DeepSpeed config (JSON) here")
     parser.add_argument("--accelerate-config-out",
                         help="write the plan's accelerate FSDP config (YAML, for `accelerate launch --config_file`) here")
@@ -230,6 +233,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         mode=args.mode, expandable_segments=args.expandable_segments, progress=_progress,
         allow_pure_bf16=args.allow_pure_bf16, allow_optimizers=args.allow_optimizers,
         use_liger_kernel={"auto": None, "yes": True, "no": False}[args.use_liger_kernel],
+        optim_target_modules=args.optim_target_modules, optim_args=args.optim_args,
     )
     if args.accelerate_config_out:
         if result.plan.settings.fsdp is None:

@@ -437,5 +437,17 @@ def plan_inputs(trainer, model, args, fields, train_dataset, collator, tokenizer
         allow_optimizers=fields.allow_optimizers, attn_implementation=attention or "sdpa",
         trainer=step.get("trainer", "trainer"), padding_free=padding_free,
         reference_model=step.get("reference_model"), decoder_seq_len=decoder, notes=notes,
-        activation_offloading=activation_offloading,
+        activation_offloading=activation_offloading, **low_rank_arguments(args),
     )
+
+
+def low_rank_arguments(args) -> dict:
+    """`optim_target_modules` / `optim_args` of a GaLore / APOLLO run, for the planner; {} for other optimizers."""
+    from hf_memfit.optimizers import OPTIMIZERS
+
+    optim = OPTIMIZERS.get(str(getattr(args.optim, "value", args.optim)))
+    if optim is None or not optim.low_rank:
+        return {}
+    targets = args.optim_target_modules
+    return {"optim_target_modules": [targets] if isinstance(targets, str) else targets,
+            "optim_args": args.optim_args}

@@ -387,6 +387,13 @@ class MemFitMixin(Trainer):
         return total
 
     def _step_down_the_ladder(self, model, inputs, error):
+        optim = str(getattr(self.args.optim, "value", self.args.optim))
+        if optim.endswith("_layerwise"):
+            # Each parameter was stepped by its hook as soon as its gradient was made: an OOM in backward
+            # leaves part of this step's update applied, and chunks would each step every parameter.
+            raise MemFitError(f"out of memory with `optim={optim}`, which updates each parameter inside backward: "
+                              "part of this step is already applied, so it cannot be redone in place or in chunks; "
+                              "lower `memory_budget` and plan again, resuming from the last checkpoint") from error
         if self.is_deepspeed_enabled or self.is_fsdp_enabled:
             engine = "DeepSpeed" if self.is_deepspeed_enabled else "FSDP"
             raise MemFitError(f"out of memory under {engine}, whose forward and backward run collectives that cannot "

@@ -149,7 +149,9 @@ class Plan:
         if self.use_liger_kernel:
             kwargs["use_liger_kernel"] = True
         if self.optim_target_modules:
-            kwargs["optim_target_modules"] = list(self.optim_target_modules)
+            # the Trainer reads "all-linear" only as a string (in a list it is a module name)
+            targets = list(self.optim_target_modules)
+            kwargs["optim_target_modules"] = "all-linear" if targets == ["all-linear"] else targets
         if self.gradient_checkpointing:
             kwargs["gradient_checkpointing_kwargs"] = {"use_reentrant": False}
             if self.offload_activations:
@@ -217,7 +219,7 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
          expandable_segments: bool = False, progress=None, use_liger_kernel: bool | None = None,
          attn_implementation: str | None = None, trainer: str = "trainer", padding_free: bool = False,
          reference_model: str | None = None, decoder_seq_len: int | None = None,
-         activation_offloading: bool = False) -> PlanResult:
+         activation_offloading: bool = False, optim_target_modules=None, optim_args: str | None = None) -> PlanResult:
     """Pick the fastest configuration that trains `model` within the memory budget.
 
     The budget is `gpu_memory` (a size such as "12GiB", or "auto" for the local
@@ -246,6 +248,8 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
     model's); `trainer`, `padding_free`, `reference_model` and
     `decoder_seq_len` describe the step as `TrainSettings` does; so does
     `activation_offloading` (TRL's, kept as set: it is the user's choice).
+    `optim_target_modules` / `optim_args` go with a GaLore / APOLLO `optim` the run
+    already has (TrainingArguments' names; "all-linear" or module names).
     Raises `MemFitError` when the request is invalid or nothing fits, saying what would.
     """
     spec = model if isinstance(model, ModelSpec) else resolve_model(model)
@@ -295,7 +299,8 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
         gpu=gpu_info.name if gpu_info else None, mode="fast", expandable_segments=expandable_segments,
         bnb_4bit_use_double_quant=bnb_4bit_use_double_quant, bnb_4bit_quant_storage=bnb_4bit_quant_storage,
         trainer=trainer, padding_free=padding_free, reference_model=reference_model, decoder_seq_len=decoder_seq_len,
-        activation_offloading=activation_offloading,
+        activation_offloading=activation_offloading, optim_args=optim_args,
+        optim_target_modules=_target_modules(optim_target_modules),
     ).validate(spec)
     fixed_layout = None
     if deepspeed_layout is not None and fsdp_layout is not None:
@@ -470,6 +475,15 @@ def _with_liger(grid, liger: bool):
             yield settings.replace(use_liger_kernel=True)
 
 
+def _target_modules(targets) -> tuple[str, ...] | None:
+    """TrainingArguments.optim_target_modules ("all-linear", "q_proj,v_proj" or a list) as a tuple."""
+    if not targets:
+        return None
+    if isinstance(targets, str):
+        targets = [t.strip() for t in targets.split(",") if t.strip()]
+    return tuple(targets)
+
+
 def _allowed_optimizers(base: TrainSettings, allowed: tuple[str, ...], keep_optimizer: bool) -> tuple[str, ...]:
     """The optimizers to search: the AdamW ladder (unless kept), plus those the user allowed."""
     if keep_optimizer:
@@ -499,7 +513,8 @@ def _pure_bf16_base(base: TrainSettings, gpu_info, fixed_layout) -> TrainSetting
         return None
     if base.device == "cuda" and gpu_info is not None and not gpu_info.supports_bf16:
         return None
-    return base.replace(precision="bf16", optim_args=optimizers.BF16_STOCHASTIC_ROUND_ARGS)
+    return base.replace(precision="bf16", optim_args=optimizers.BF16_STOCHASTIC_ROUND_ARGS,
+                        optim_target_modules=None)  # torchao's AdamW: a GaLore / APOLLO run's targets do not apply
 
 
 def _pure_bf16_grid(pure: TrainSettings, per_rank: int):
@@ -1033,7 +1048,8 @@ def _optimizer_reason(s: TrainSettings, candidates, keep_optimizer: bool) -> str
     if o.family in ("adam8bit", "adam4bit"):
         what = f"{o.state_bits}-bit AdamW states ({library}) take ~{2 * o.state_bits / 8:g} B/param instead of 8"
     elif o.low_rank:
-        what = (f"{o.name} ({library}, allowed by `--allow-optimizers`) keeps AdamW states only for a rank-"
+        what = (f"{o.name} ({library}; it changes the training dynamics, so it is used only when the run asks for "
+                f"it or `--allow-optimizers` names it) keeps AdamW states only for a rank-"
                 f"{optimizers.low_rank_rank(s.optim_args)} projection of the gradients of "
                 f"{', '.join(s.optim_target_modules or ())}")
         if o.layerwise:
@@ -1071,6 +1087,9 @@ def _nothing_fits(spec, base: TrainSettings, candidates, usable: int, budget: in
     on_device = [c for c in candidates if c.estimate.device_total_bytes <= usable]
     on_gpu = base.device == "cuda"
     optims = tuple(o for o in optims if not optimizers.OPTIMIZERS[o].low_rank)  # no targets to project here
+    if base.optimizer.low_rank:  # the run's own GaLore / APOLLO: the remedies are searched over AdamW instead
+        base = base.replace(optim="adamw_torch_fused", optim_target_modules=None)
+        optims = optims or ADAM_LADDER
     lean = dict(gradient_checkpointing=True, zero_stage=0, offload_optimizer="none", offload_param="none")
     offload = dict(zero_stage=3, offload_optimizer="cpu", offload_param="cpu", optim="adamw_torch_fused")
 

@@ -137,7 +137,13 @@ def test_gpt2xl_recipe_plans_the_16_gb_ram_machine_with_the_flag():
                                              ("apollo_adamw", "fp32"), ("apollo_adamw", "bf16")])
 def test_low_rank_exact_mode_on_the_cpu_allocator(tiny_specs, optim, precision):
     """The real GaLoreAdamW8bit / APOLLOAdamW step, measured; exact mode traces the same objects."""
+    from bitsandbytes.optim import GlobalOptimManager
+
     from hf_memfit.measure import measure_cpu_peak
+
+    # bitsandbytes keeps per-(group, index) overrides in a process-wide singleton: a Trainer run earlier in this
+    # process (which registers fp32 states for its embeddings) would change which of these tensors get 8-bit states
+    GlobalOptimManager.get_instance().initialize()
 
     spec = tiny_specs["llama"]
     settings = TrainSettings(batch_size=1, seq_len=16, device="cpu", optim=optim, precision=precision,

@@ -375,3 +375,21 @@ def test_fsdp_on_the_cpu_is_planned_as_the_ddp_accelerate_runs(tmp_path, monkeyp
     assert fsdp_layout_run(args, on_gpu=False, notes=notes) is None
     assert notes and "accelerate runs DDP" in notes[0]
     assert fsdp_layout_run(args, on_gpu=True, notes=[]) == ("full_shard", 2, False)
+
+
+def test_a_layerwise_optimizer_is_planned_at_accumulation_1_and_an_oom_is_not_redone(tmp_path):
+    """Layerwise GaLore steps parameters inside backward: the plan takes the global batch in one micro-batch,
+    and an OOM (after part of the update) stops with a clear error instead of redoing the step."""
+    model = tiny_gpt2()
+    args = make_args(tmp_path, optim="galore_adamw_layerwise", optim_target_modules="all-linear",
+                     optim_args="rank=8")
+    trainer = MemFitTrainer(model=model, args=args, train_dataset=TokenDataset())
+    assert trainer.memfit_plan.optim == "galore_adamw_layerwise"
+    assert (trainer.args.per_device_train_batch_size, trainer.args.gradient_accumulation_steps) == (8, 1)
+
+    def fake_oom(module, grad_input, grad_output):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    model.transformer.h[0].register_full_backward_hook(fake_oom)
+    with pytest.raises(MemFitError, match="updates each parameter inside backward"):
+        trainer.train()
