@@ -166,7 +166,7 @@ def step_command(command: str, model: str, s) -> str:
     if s.optim_target_modules:
         flags.append(f"--optim-target-modules {','.join(s.optim_target_modules)}")
     for name in ("gradient_checkpointing", "offload_activations", "load_in_4bit", "use_liger_kernel",
-                 "expandable_segments", "padding_free"):
+                 "expandable_segments", "padding_free", "activation_offloading"):
         if getattr(s, name):
             flags.append(f"--{name.replace('_', '-')}")
     names = ("num_gpus", "num_nodes", "zero_stage", "offload_optimizer", "offload_param", "fsdp", "device")

@@ -142,6 +142,22 @@ def test_planner_keeps_trl_activation_offloading_and_says_what_it_does():
     assert offloaded.plan.per_device_train_batch_size > plain.plan.per_device_train_batch_size
     reason = next(r for r in offloaded.plan.reasons if r.startswith("TRL activation_offloading (as set)"))
     assert "pinned host memory" in reason and "frees" in reason and "PCIe" in reason
+    # the estimate command the plan prints reproduces its figure
+    import contextlib
+    import io
+    import json
+    import re
+    import shlex
+
+    from hf_memfit.cli import main
+    from hf_memfit.report import format_plan
+
+    command = re.search(r"hf-memfit estimate .*", format_plan(offloaded)).group(0)
+    assert "--activation-offloading" in command
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(shlex.split(command)[1:] + ["--json"]) == 0
+    assert json.loads(out.getvalue())["device_total_bytes"] == offloaded.estimate.device_total_bytes
 
 
 def test_trl_activation_offloading_on_a_cpu_only_torch(tmp_path, caplog):
