@@ -708,7 +708,8 @@ def _optimizer_tensors(params: list[_Param], settings, spec) -> list:
 
     targets = _low_rank_targets(spec, settings)
     return [TensorGroup(p.shape, p.count, _SIZE[p.dtype], p.decay,
-                        low_rank_target=len(p.shape) == 2 and p.module in targets) for p in params if p.trainable]
+                        low_rank_target=len(p.shape) == 2 and p.module in targets, embedding=p.kind == "embedding")
+            for p in params if p.trainable]
 
 
 def _low_rank_targets(spec, settings) -> frozenset:

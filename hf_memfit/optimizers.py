@@ -19,7 +19,7 @@ No torch here: the fast path must import nothing heavy.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hf_memfit.errors import MemFitError
 
@@ -164,7 +164,9 @@ class TensorGroup:
     """`count` trainable tensors of one shape and element size, as the optimizer sees them.
 
     `low_rank_target`: a 2-D weight of an `nn.Linear` named by `optim_target_modules`
-    (GaLore / APOLLO project its gradient); `decay`: in the Trainer's weight-decay group.
+    (GaLore / APOLLO project its gradient); `decay`: in the Trainer's weight-decay group;
+    `embedding`: an `nn.Embedding` weight, which the Trainer gives 32-bit states under
+    bitsandbytes' 8-bit optimizers (`eight_bit_states`).
     """
 
     shape: tuple[int, ...]
@@ -172,6 +174,7 @@ class TensorGroup:
     dtype_bytes: int
     decay: bool = True
     low_rank_target: bool = False
+    embedding: bool = False
 
     @property
     def numel(self) -> int:
@@ -179,6 +182,17 @@ class TensorGroup:
         for d in self.shape:
             n *= d
         return n
+
+
+def eight_bit_states(t: TensorGroup) -> bool:
+    """Whether bitsandbytes' 8-bit AdamW, as the HF Trainer builds it, keeps 8-bit states for `t`.
+
+    Not under 4096 elements (`min_8bit_size`), and not for an `nn.Embedding` weight: the
+    Trainer registers `{"optim_bits": 32}` for every embedding with bitsandbytes'
+    `GlobalOptimManager` (`Trainer.create_optimizer`, transformers 5.23), so a trainable
+    embedding table, and a head tied to it, keeps two fp32 states (8 B/param).
+    """
+    return t.numel >= BNB_MIN_8BIT_SIZE and not t.embedding
 
 
 def allocated_bytes(numel: int, dtype_bytes: float, cuda: bool) -> int:
@@ -217,7 +231,7 @@ def state_bytes(t: TensorGroup, optim: str, cuda: bool, *, optim_args: str | Non
             return t.count * (nb(t.shape[0], 4) + nb(t.shape[-1], 4) + rms)
         return t.count * (nb(n, 4) + rms)
     if o.family == "adam8bit" and o.implementation == "bnb":
-        if n >= BNB_MIN_8BIT_SIZE:  # uint8 state1/state2 and an fp32 absmax per block each
+        if eight_bit_states(t):  # uint8 state1/state2 and an fp32 absmax per block each
             return t.count * 2 * (nb(n, 1) + nb(-(-n // BNB_BLOCK), 4))
         return t.count * 2 * nb(n, 4)
     if o.family == "adam32bit_bnb":
@@ -238,7 +252,8 @@ def state_bytes(t: TensorGroup, optim: str, cuda: bool, *, optim_args: str | Non
         if t.low_rank_target and len(t.shape) == 2:
             return t.count * _low_rank_state_bytes(t, o, cuda, low_rank_rank(optim_args)) + qmaps
         if o.state_bits == 8:  # GaLoreAdamW8bit is bitsandbytes' 8-bit AdamW for the rest
-            return state_bytes(t, "adamw_bnb_8bit", cuda) + qmaps
+            # (a galore_torch class: the Trainer registers no 32-bit override for its embeddings)
+            return state_bytes(replace(t, embedding=False), "adamw_bnb_8bit", cuda) + qmaps
         return t.count * 2 * nb(n, b)  # exp_avg / exp_avg_sq = zeros_like(grad); `step` is a Python int
     # torch AdamW: exp_avg and exp_avg_sq are zeros_like(param) (the param's dtype), plus a scalar fp32 `step`.
     return t.count * (2 * nb(n, b) + nb(1, 4))
@@ -435,7 +450,7 @@ def tensors_step_temporary_bytes(tensors: list[TensorGroup], optim: str, device:
     if o.implementation == "bnb":
         # bitsandbytes: in place on CUDA; on the CPU fp32 temporaries of one tensor at a time
         # (tensors under 4096 elements keep fp32 states and take the 32-bit kernel).
-        return max(step_temporary_bytes(optim if t.numel >= BNB_MIN_8BIT_SIZE else "paged_adamw_32bit",
+        return max(step_temporary_bytes(optim if eight_bit_states(t) else "paged_adamw_32bit",
                                         t.numel, largest_param_numel=t.numel, device=device,
                                         param_dtype_bytes=t.dtype_bytes) for t in tensors)
     if o.implementation == "torch_fused":

@@ -579,7 +579,42 @@ def make_optimizer(model, settings: TrainSettings, *, cuda_semantics: bool = Fal
         return optimizer_cls(kwargs.pop("optimizer_dict"), **kwargs)
     if cuda_semantics and optimizer_cls in (torch.optim.AdamW, torch.optim.Adam) and not kwargs.get("fused"):
         kwargs = {**kwargs, "foreach": True}
-    return optimizer_cls(groups, **kwargs)
+    optimizer = optimizer_cls(groups, **kwargs)
+    if any(cls.__module__.startswith("bitsandbytes") for cls in optimizer_cls.__mro__):
+        _bnb_overrides_as_the_trainer_sets_them(model, trainer_keeps_embeddings_32bit(optimizer_cls, kwargs))
+    return optimizer
+
+
+def trainer_keeps_embeddings_32bit(optimizer_cls, kwargs: dict) -> bool:
+    """Whether the Trainer gives `nn.Embedding` weights 32-bit states: its bitsandbytes 8-bit optimizers.
+
+    `Trainer.create_optimizer` (transformers 5.23): for a bitsandbytes class with
+    `optim_bits == 8` it registers `{"optim_bits": 32}` for every `nn.Embedding`
+    weight with bitsandbytes' `GlobalOptimManager`, which the optimizer applies at
+    its first step (`check_overrides`). A frozen embedding is in no param group, so
+    nothing changes for it.
+    """
+    return "bitsandbytes" in str(optimizer_cls) and kwargs.get("optim_bits") == 8
+
+
+def _bnb_overrides_as_the_trainer_sets_them(model, embeddings_32bit: bool) -> None:
+    """bitsandbytes' per-parameter overrides for this optimizer: 32-bit embeddings where the Trainer asks.
+
+    bitsandbytes keeps overrides in a process-wide singleton (`GlobalOptimManager`), looked up by
+    (group, position) and by `id(param)`, so what an earlier optimizer in this process registered
+    would apply to this one's parameters: start from a clean manager. The Trainer registers the
+    module (`register_module_override`), which keeps the module alive in the singleton; the same
+    override by parameter id (`override_config`) holds no reference, so a measured model is freed
+    when the measurement drops it.
+    """
+    import bitsandbytes
+
+    manager = bitsandbytes.optim.GlobalOptimManager.get_instance()
+    manager.initialize()
+    if embeddings_32bit:
+        for module in model.modules():
+            if isinstance(module, torch.nn.Embedding):
+                manager.override_config(module.weight, key_value_dict={"optim_bits": 32})
 
 
 def forward_backward(model, batch: dict, settings: TrainSettings, device_type: str = "cpu"):

@@ -379,10 +379,12 @@ class _Bnb8bitStateLayout(torch.optim.Optimizer):
     min_8bit_size = 4096
     block_size = 256
 
-    def __init__(self, params, state_bits: int = 8, cuda_semantics: bool = True, **_):
+    def __init__(self, params, state_bits: int = 8, cuda_semantics: bool = True, thirty_two_bit: set = frozenset(),
+                 **_):
         super().__init__(params, {})
         self.state_bits = state_bits
         self.cuda_semantics = cuda_semantics
+        self.thirty_two_bit = thirty_two_bit  # ids of parameters with a 32-bit override (embeddings)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -391,7 +393,8 @@ class _Bnb8bitStateLayout(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 state = self.state[p]
-                eight_bit = self.state_bits == 8 and p.numel() >= self.min_8bit_size
+                eight_bit = (self.state_bits == 8 and p.numel() >= self.min_8bit_size
+                             and id(p) not in self.thirty_two_bit)
                 if not state:
                     if eight_bit:
                         blocks = -(-p.numel() // self.block_size)
@@ -588,7 +591,10 @@ def _make_traced_optimizer(model, settings: TrainSettings, cuda_semantics: bool)
     optimizer = settings.optimizer
     trainable = [p for p in model.parameters() if p.requires_grad]
     if optimizer.implementation == "bnb":
-        return _Bnb8bitStateLayout(trainable, state_bits=optimizer.state_bits, cuda_semantics=cuda_semantics)
+        # The Trainer keeps 32-bit states for nn.Embedding weights (step.trainer_keeps_embeddings_32bit)
+        embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+        return _Bnb8bitStateLayout(trainable, state_bits=optimizer.state_bits, cuda_semantics=cuda_semantics,
+                                   thirty_two_bit=embeddings if optimizer.state_bits == 8 else set())
     if optimizer.implementation == "torchao":
         optimizer_cls, kwargs = training.trainer_optimizer_class(settings, model)
         made = _torchao_state_layout(optimizer_cls)([g for g in training.param_groups(model) if g["params"]],

@@ -123,7 +123,7 @@ def test_host_memory_is_checked_per_node():
 def test_nothing_fits_prints_the_estimators_figure_and_remedies_that_fit(tiny_llama):
     request = dict(seq_len=1024, global_batch_size=16, device="cpu", allow_offload="none")
     with pytest.raises(MemFitError) as error:
-        plan(tiny_llama, gpu_memory="480MB", **request)
+        plan(tiny_llama, gpu_memory="550MB", **request)
     message = str(error.value)
     found = re.search(r"the smallest footprint found is ([\d.]+ MiB) \(micro-batch (\d+) x accumulation (\d+), "
                       r"checkpointing (on|off), (\w+),", message)
@@ -134,8 +134,8 @@ def test_nothing_fits_prints_the_estimators_figure_and_remedies_that_fit(tiny_ll
     assert format_bytes(estimate(tiny_llama, **settings).device_total_bytes) == found.group(1)
     seq = int(re.search(r"a shorter sequence `--seq-len (\d+)`", message).group(1))
     assert seq >= 512  # the remedy searches the optimizers the plan does (the old fused-only search said 32)
-    assert plan(tiny_llama, gpu_memory="480MB", **{**request, "seq_len": seq}).estimate.device_total_bytes \
-        <= 480e6 * 0.95
+    assert plan(tiny_llama, gpu_memory="550MB", **{**request, "seq_len": seq}).estimate.device_total_bytes \
+        <= 550e6 * 0.95
 
 
 @pytest.mark.parametrize("argv, expected", [
