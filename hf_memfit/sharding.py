@@ -333,7 +333,8 @@ def _fsdp(rank: RankMemory, step: StepMemory, settings: TrainSettings, units: Wr
         # post-backward stream). The caching allocator keeps those blocks for their streams.
         all_gather_pool = FSDP_GATHERED_UNITS * layer if settings.fsdp_version == 2 else 0
         reduce_scatter_pool = units.layer_trainable * compute
-        pre_unshard_pool = _fsdp1_pre_unshard_pool(settings, units, layer, dp, staged=offload or stored_per_param > compute + 0.01)
+        pre_unshard_pool = _fsdp1_pre_unshard_pool(settings, units.root_params * compute, layer, dp,
+                                                   staged=offload or stored_per_param > compute + 0.01)
         rank.stream_cached = {region: all_gather_pool + reduce_scatter_pool + pre_unshard_pool
                               for region in rank.candidates}
     strategy = {"full_shard": "parameters, gradients and optimizer states", "shard_grad_op":
@@ -347,7 +348,7 @@ def _fsdp(rank: RankMemory, step: StepMemory, settings: TrainSettings, units: Wr
                       + ("; CPU offload: parameter, gradient and optimizer shards on the host" if settings.fsdp_offload else ""))
 
 
-def _fsdp1_pre_unshard_pool(settings: TrainSettings, units: WrapUnits, layer: int, dp: int, staged: bool) -> int:
+def _fsdp1_pre_unshard_pool(settings: TrainSettings, root: int, layer: int, dp: int, staged: bool) -> int:
     """Blocks FSDP1 keeps on its pre-unshard stream: each unit's shard, staged on the device to be all-gathered.
 
     FSDP1's `_unshard` (torch 2.13 `distributed/fsdp/_runtime_utils.py`) runs `FlatParamHandle.pre_unshard`
@@ -363,7 +364,5 @@ def _fsdp1_pre_unshard_pool(settings: TrainSettings, units: WrapUnits, layer: in
     """
     if settings.fsdp_version != 1 or not staged or dp <= 1:
         return 0
-    compute = 4 if settings.compute_dtype == "float32" else 2
-    layer_shard = layer // dp
-    root_shard = units.root_params * compute // dp
+    layer_shard, root_shard = layer // dp, root // dp  # `root`, `layer`: a unit's bytes in the compute dtype
     return max(root_shard + layer_shard, (FSDP_GATHERED_UNITS + 1) * layer_shard)
