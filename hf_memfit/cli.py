@@ -469,6 +469,11 @@ def main(argv: list[str] | None = None) -> int:
     # bitsandbytes warns on import, on CPUs with AVX512-BF16, that an optional 4-bit CPU
     # matmul kernel package is missing; estimating never runs that kernel.
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    # torchao (imported with the Trainer's optimizers in exact mode) warns on import when its CUDA-only
+    # extensions do not load on this machine, and torch warns that torchao registers Enum pytree
+    # constants; neither changes an estimate.
+    logging.getLogger("torchao").setLevel(logging.ERROR)
+    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
     with _progress_on_stderr():
         return _main(argv)
 
