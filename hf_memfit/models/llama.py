@@ -49,7 +49,6 @@ PEFT_LORA_TARGETS: dict[str, list[str]] = {
 def fields(get: Getter) -> dict[str, Any]:
     """The normalised fields of a Llama-layout model (Gemma-2 adds its own on top)."""
     model_type = get.config["model_type"]
-    h, heads = get("hidden_size"), get("num_attention_heads")
     if model_type == "llama":
         qkv_bias = out_bias = bool(get("attention_bias"))
         mlp_bias = bool(get("mlp_bias"))
@@ -64,6 +63,13 @@ def fields(get: Getter) -> dict[str, Any]:
         sliding = get("sliding_window")
     else:
         sliding = None
+    return decoder_fields(get, qkv_bias=qkv_bias, out_bias=out_bias, mlp_bias=mlp_bias, sliding_window=sliding)
+
+
+def decoder_fields(get: Getter, *, qkv_bias: bool, out_bias: bool, mlp_bias: bool,
+                   sliding_window: int | None) -> dict[str, Any]:
+    """The fields every Llama-layout decoder shares (separate q/k/v, gated MLP, RMS norms); Phi-3 builds on them."""
+    h, heads = get("hidden_size"), get("num_attention_heads")
     return {
         **common(get, h, get("num_hidden_layers"), heads),
         "num_decoder_layers": 0,
@@ -81,7 +87,7 @@ def fields(get: Getter) -> dict[str, Any]:
         "fused_qkv": False, "qkv_bias": qkv_bias, "attn_out_bias": out_bias, "mlp_bias": mlp_bias,
         "attention_dropout": float(get("attention_dropout") or 0.0),
         "hidden_dropout": 0.0, "embedding_dropout": 0.0, "activation_dropout": 0.0,
-        "sliding_window": sliding,
+        "sliding_window": sliding_window,
         "layer_period": 1,
         "embedding_dim": h,
     }

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from hf_memfit.models import llama
-from hf_memfit.models._shared import Getter, Lin, common, decoder_counts, head_linears, kv_heads
+from hf_memfit.models._shared import Getter, Lin, decoder_counts, head_linears
 
 MODEL_TYPES = ('phi3',)
 
@@ -31,27 +31,13 @@ PEFT_LORA_TARGETS: dict[str, list[str]] = {}
 
 
 def fields(get: Getter) -> dict[str, Any]:
-    h, heads = get("hidden_size"), get("num_attention_heads")
+    """Llama's fields, with the fused projections and Phi-3's residual dropout."""
     return {
-        **common(get, h, get("num_hidden_layers"), heads),
-        "num_decoder_layers": 0,
-        "num_key_value_heads": kv_heads(get, heads),
-        "head_dim": get("head_dim") or h // heads,
-        "intermediate_size": get("intermediate_size"),
-        "max_position_embeddings": get("max_position_embeddings"),
-        "tie_word_embeddings": bool(get("tie_word_embeddings")),
-        "is_encoder_decoder": False,
-        "default_task": "causal-lm",
-        "supported_tasks": ("causal-lm", "seq-cls"),
-        "layer_count_keys": ("num_hidden_layers",),
-        "hidden_act": get("hidden_act"),
-        "gated_mlp": True, "norm_type": "rmsnorm", "norms_per_layer": 2, "fused_qkv": True,
-        "qkv_bias": False, "attn_out_bias": False, "mlp_bias": False,
+        **llama.decoder_fields(get, qkv_bias=False, out_bias=False, mlp_bias=False,
+                               sliding_window=get("sliding_window")),
+        "fused_qkv": True,
         "attention_dropout": float(get("attention_dropout")),
-        "hidden_dropout": float(get("resid_pdrop")),
-        "embedding_dropout": 0.0,  # embd_pdrop is unused by transformers 5's Phi-3
-        "activation_dropout": 0.0,
-        "sliding_window": get("sliding_window"), "layer_period": 1, "embedding_dim": h,
+        "hidden_dropout": float(get("resid_pdrop")),  # embd_pdrop is unused by transformers 5's Phi-3
     }
 
 
