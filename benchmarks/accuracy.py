@@ -6,7 +6,7 @@ that exact mode's layer extrapolation, which traces 2 and 3 layers, is used).
 For each row the benchmark
 
 1. runs the real training step on real CPU tensors under the PyTorch profiler
-   (`hf_memfit.measure.measure_cpu_peak`: model creation, then two optimizer
+   (`hf_memfit.estimator.measure.measure_cpu_peak`: model creation, then two optimizer
    steps, peak of the allocator's running byte count): the ground truth;
 2. asks `estimate(..., device="cpu")` in exact mode and in fast mode;
 3. computes three public baselines from the same model's parameter count:
@@ -290,7 +290,7 @@ ROWS = [
 
 def build(row: Row):
     from hf_memfit.settings import TrainSettings
-    from hf_memfit.spec import ModelSpec, resolve_model
+    from hf_memfit.models.spec import ModelSpec, resolve_model
 
     config = copy.deepcopy(resolve_model(row.base).config) if row.base else {}
     config.update(row.overrides)
@@ -324,7 +324,7 @@ def baselines(config: dict, settings) -> dict:
     from accelerate.commands.estimate import estimate_training_usage
     from accelerate.utils import calculate_maximum_sizes
 
-    from hf_memfit.step import auto_model_class
+    from hf_memfit.models.generic import auto_model_class
 
     import transformers
 
@@ -355,7 +355,7 @@ def run_row_stages(row: Row, emit, *, with_baselines: bool = True, measured: int
     (see the notes in docs/benchmarks.md), and the ground truth must not run
     after anything that could have damaged the process.
     """
-    from hf_memfit.measure import measure_cpu_peak
+    from hf_memfit.estimator.measure import measure_cpu_peak
 
     config, spec, settings = build(row)
     emit({"name": row.name, "base": row.base, "overrides": row.overrides, "settings": settings.to_dict(),
@@ -366,7 +366,7 @@ def run_row_stages(row: Row, emit, *, with_baselines: bool = True, measured: int
         emit({"measured": measured, "measure_s": time.perf_counter() - t0})
     else:
         emit({"measured": measured, "measure_s": 0.0, "measured_reused": True})
-    from hf_memfit.estimator import estimate_settings
+    from hf_memfit.estimator.assemble import estimate_settings
 
     for mode in ("fast", "baselines", "exact"):
         if mode == "baselines":
@@ -609,14 +609,14 @@ def _preload() -> None:
     """Import what every row needs once, in the parent, so forked children start warm (no tensor op runs here)."""
     import importlib
 
-    for name in ("transformers", "peft", "accelerate", "bitsandbytes", "torch.profiler", "hf_memfit.measure",
-                 "hf_memfit.trace", "hf_memfit.formulas", "deepspeed.runtime.zero.stage3",
+    for name in ("transformers", "peft", "accelerate", "bitsandbytes", "torch.profiler", "hf_memfit.estimator.measure",
+                 "hf_memfit.estimator.trace", "hf_memfit.estimator.fast", "deepspeed.runtime.zero.stage3",
                  "deepspeed.runtime.zero.stage_1_and_2", "accelerate.commands.estimate"):
         try:
             importlib.import_module(name)
         except Exception:  # noqa: BLE001 - a missing optional module is reported by its stage
             pass
-    importlib.import_module("hf_memfit.estimator")
+    importlib.import_module("hf_memfit.estimator.assemble")
 
 
 def main(argv=None) -> int:

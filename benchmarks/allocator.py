@@ -66,7 +66,7 @@ ROWS = [
 
 
 def replay(events, capacity):
-    from hf_memfit.cuda_overhead import CachingAllocatorSimulator, SimulatedOutOfMemoryError
+    from hf_memfit.estimator.cuda_overhead import CachingAllocatorSimulator, SimulatedOutOfMemoryError
 
     sim = CachingAllocatorSimulator(capacity=capacity)
     try:
@@ -81,9 +81,9 @@ def replay(events, capacity):
 
 
 def measure(name: str, settings: dict) -> dict:
-    from hf_memfit import trace
+    from hf_memfit.estimator import trace
     from hf_memfit.settings import TrainSettings
-    from hf_memfit.spec import resolve_model
+    from hf_memfit.models.spec import resolve_model
 
     spec = resolve_model(name)
     s = TrainSettings(device="cuda", mode="exact", **settings).validate(spec)
@@ -112,7 +112,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--measured-from", help="re-score the rows of an earlier --json run (no tracing)")
     args = parser.parse_args(argv)
-    from hf_memfit.cuda_overhead import ALLOCATOR_FRAGMENTATION_RATIO
+    from hf_memfit.estimator.cuda_overhead import ALLOCATOR_FRAGMENTATION_RATIO
 
     earlier = json.load(open(args.measured_from))["rows"] if args.measured_from else None
     rows = []

@@ -3,9 +3,9 @@
 PyTorch FSDP2 (`fully_shard`) and FSDP1 (`FullyShardedDataParallel`) shard over gloo
 on the CPU with the same code they run on GPUs, so the shards, the gathered units,
 the unsharded and sharded gradients and the optimizer state over DTensor shards that
-`hf_memfit.sharding._fsdp` models are real allocations here. Each row launches 2
+`hf_memfit.estimator.sharding._fsdp` models are real allocations here. Each row launches 2
 processes (torchrun-style environment), builds a small model with hf-memfit's own
-step code (`hf_memfit.step`: the code the exact estimator traces), wraps it the way
+step code (`hf_memfit.estimator.step`: the code the exact estimator traces), wraps it the way
 accelerate 1.15's `fsdp2_prepare_model` / FSDP1 plugin does (each decoder layer, then
 the root; `MixedPrecisionPolicy(param_dtype=reduce_dtype=output_dtype=bf16)` for
 bf16-mixed; `CPUOffloadPolicy` / `CPUOffload(offload_params=True)` for offload), runs
@@ -105,7 +105,7 @@ def wrap(model, settings):
     """Shard `model` the way accelerate 1.15 does for the settings' FSDP version."""
     import torch
 
-    from hf_memfit.step import torch_dtype
+    from hf_memfit.estimator.step import torch_dtype
 
     layer_classes = tuple({type(m) for m in model.modules() if type(m).__name__ in
                            set(getattr(_base(model), "_no_split_modules", None) or [])})
@@ -144,7 +144,7 @@ def measure(config: dict, settings) -> int:
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
 
-    from hf_memfit import step as training
+    from hf_memfit.estimator import step as training
 
     checkpoint = None
     if settings.load_in_4bit:  # saved before the process group exists (transformers saves on the main rank only)
@@ -178,8 +178,8 @@ def measure(config: dict, settings) -> int:
 
 
 def predict(row: tuple, mode: str) -> int:
-    from hf_memfit.estimator import estimate_settings
-    from hf_memfit.spec import ModelSpec
+    from hf_memfit.estimator.assemble import estimate_settings
+    from hf_memfit.models.spec import ModelSpec
 
     spec = ModelSpec.from_config(f"{row[1]}-small", dict(CONFIGS[row[1]]))
     est = estimate_settings(spec, settings_for(row, mode))

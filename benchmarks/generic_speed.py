@@ -34,7 +34,7 @@ SETTINGS = dict(batch_size=1, seq_len=1024, precision="bf16-mixed", mode="exact"
 
 
 def _same_shapes(base: str, model_type: str, drop=()) -> dict:
-    from hf_memfit.spec import resolve_model
+    from hf_memfit.models.spec import resolve_model
 
     config = copy.deepcopy(resolve_model(base).config)
     for key in drop:
@@ -45,7 +45,7 @@ def _same_shapes(base: str, model_type: str, drop=()) -> dict:
 
 
 def _time_exact(spec) -> float:
-    from hf_memfit.estimator import estimate
+    from hf_memfit.estimator.assemble import estimate
 
     started = time.perf_counter()
     estimate(spec, **SETTINGS)
@@ -62,7 +62,7 @@ def main(argv=None) -> int:
     import logging
 
     logging.disable(logging.WARNING)
-    from hf_memfit.spec import ModelSpec, resolve_model
+    from hf_memfit.models.spec import ModelSpec, resolve_model
 
     qwen3_like = _same_shapes("Qwen/Qwen2.5-7B", "qwen3", drop=("use_sliding_window", "sliding_window"))
     qwen3_like["head_dim"] = 128

@@ -51,10 +51,10 @@ def run_row(optim: str, emit) -> None:
     from torch.profiler import ProfilerActivity, profile
     from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArguments
 
-    from hf_memfit.estimator import estimate_settings
+    from hf_memfit.estimator.assemble import estimate_settings
     from hf_memfit.settings import TrainSettings
-    from hf_memfit.spec import ModelSpec
-    from hf_memfit.step import cuda_synchronize_without_cuda
+    from hf_memfit.models.spec import ModelSpec
+    from hf_memfit.estimator.step import cuda_synchronize_without_cuda
 
     with tempfile.TemporaryDirectory() as out, cuda_synchronize_without_cuda():
         args = TrainingArguments(output_dir=out, optim=optim, optim_target_modules=TARGETS,

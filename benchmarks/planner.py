@@ -9,7 +9,7 @@ For a few small models (catalogue configs made smaller, as in
    keeps the global batch, x gradient checkpointing off/on x optimizer
    adamw_torch_fused / adamw_bnb_8bit / paged_adamw_8bit), each in a forked
    child process:
-   - the peak: `hf_memfit.measure.measure_cpu_peak` (the accuracy harness's
+   - the peak: `hf_memfit.estimator.measure.measure_cpu_peak` (the accuracy harness's
      ground truth: the allocator's running byte count under the PyTorch
      profiler, from model creation through 3 optimizer steps);
    - the step time: 3 more optimizer steps, with the full gradient
@@ -134,15 +134,15 @@ def key(settings) -> str:
     return f"mb{settings.batch_size}xacc{settings.gradient_accumulation_steps} {gc} {settings.optim}"
 
 
-PLANNER = None  # the planner module under test: hf_memfit.planner, or the file given with --planner
+PLANNER = None  # the planner module under test: hf_memfit.planner.search, or the file given with --planner
 
 
 def planner_module():
     global PLANNER
     if PLANNER is None:
-        import hf_memfit.planner
+        import hf_memfit.planner.search
 
-        PLANNER = hf_memfit.planner
+        PLANNER = hf_memfit.planner.search
     return PLANNER
 
 
@@ -159,7 +159,7 @@ def load_planner(path: str):
 
 def predictions(spec, configs) -> dict:
     """Fast-mode footprint and the planner's predicted step time of every grid configuration."""
-    from hf_memfit.estimator import estimate_settings
+    from hf_memfit.estimator.assemble import estimate_settings
 
     step_seconds = planner_module().step_seconds
     out = {}
@@ -200,7 +200,7 @@ def timed_steps(config: dict, settings, steps: int = STEPS) -> list[dict]:
     """`steps` real optimizer steps (full gradient accumulation), no profiler; wall and process CPU time of each."""
     import torch
 
-    from hf_memfit import step as training
+    from hf_memfit.estimator import step as training
 
     torch.manual_seed(0)
     model = training.build_model(config, settings)
@@ -226,7 +226,7 @@ def run_config(config: dict, settings, *, threads: int, peak: bool, timeout_s: f
     def work(emit):
         import torch
 
-        from hf_memfit.measure import measure_cpu_peak
+        from hf_memfit.estimator.measure import measure_cpu_peak
 
         torch.set_num_threads(threads)
         load = os.getloadavg()[0]
@@ -475,7 +475,7 @@ def print_summary(s: dict, out=sys.stdout) -> None:
 
 
 def calibrate(threads: int) -> dict:
-    """Microbenchmarks behind the device="cpu" constants of `hf_memfit.planner.step_seconds`.
+    """Microbenchmarks behind the device="cpu" constants of `hf_memfit.planner.search.step_seconds`.
 
     Independent of the benchmark grid: plain tensors, no model. Each figure is
     the best of several repeats (other jobs only add time).
@@ -489,7 +489,7 @@ def calibrate(threads: int) -> dict:
     import torch
 
     from hf_memfit.settings import TrainSettings
-    from hf_memfit.step import trainer_optimizer_class
+    from hf_memfit.estimator.step import trainer_optimizer_class
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
@@ -595,7 +595,7 @@ def main(argv=None) -> int:
                         help="which clock scores a step: process CPU time (default with 1 thread) or wall time "
                              "(default with more threads)")
     parser.add_argument("--planner", metavar="FILE",
-                        help="score plan() from this copy of planner.py instead of hf_memfit.planner "
+                        help="score plan() from this copy of planner.py instead of hf_memfit.planner.search "
                              "(e.g. `git show e8a6e43:hf_memfit/planner.py > /tmp/old_planner.py`)")
     parser.add_argument("--headroom", type=float, default=HEADROOM,
                         help="the planner's headroom (default 0.05, its own default)")

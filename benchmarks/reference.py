@@ -155,9 +155,9 @@ def lever_deltas(fast_only: bool = False) -> list[dict]:
     checkpointing on an A100-80GB: any fixed shape gives the same state differences as long as the peak stays in
     the region where the states are live (it does: the optimizer step or the backward).
     """
-    from hf_memfit.estimator import estimate_settings
+    from hf_memfit.estimator.assemble import estimate_settings
     from hf_memfit.settings import TrainSettings
-    from hf_memfit.spec import resolve_model
+    from hf_memfit.models.spec import resolve_model
 
     spec = resolve_model("meta-llama/Llama-2-7b-hf")
     print("\n| Llama-2-7B full bf16 (torchao README, A100) | published GB | published saving | "
@@ -200,11 +200,11 @@ def main(argv=None) -> int:
     parser.add_argument("--fast-only", action="store_true")
     parser.add_argument("--only", metavar="TEXT", help="run only the rows whose label contains TEXT")
     args = parser.parse_args(argv)
-    from hf_memfit.spec import ModelSpec, resolve_model
+    from hf_memfit.models.spec import ModelSpec, resolve_model
     from hf_memfit.settings import TrainSettings
 
     estimator = None
-    for name in ("hf_memfit.estimator", "hf_memfit.estimate"):
+    for name in ("hf_memfit.estimator.assemble", "hf_memfit.estimate"):
         try:
             estimator = __import__(name, fromlist=["estimate_settings"])
             break
@@ -259,7 +259,7 @@ def main(argv=None) -> int:
                 print(f"    {mode} failed: {row[mode + '_error']}")
 
     lever_rows = lever_deltas(args.fast_only)
-    from hf_memfit import cuda_overhead
+    from hf_memfit.estimator import cuda_overhead
     from hf_memfit.hardware import find_gpu
 
     ctx = cuda_overhead.cuda_context_bytes(find_gpu("a100"))

@@ -6,7 +6,7 @@
 2. Wall time of the fast CLI, `hf-memfit estimate gpt2-xl --batch-size 1
    --seq-len 1024`, in a fresh interpreter (start-up included), best of 3.
 3. Exact mode vs PyTorch's own `torch.distributed._tools.mem_tracker.MemTracker`
-   on the same step (the same `hf_memfit.step` functions: model creation, two
+   on the same step (the same `hf_memfit.estimator.step` functions: model creation, two
    optimizer steps) under `FakeTensorMode`, at full depth, device cpu.
    Target: within 2%. MemTracker's wall time is reported too.
 4. Layer extrapolation: exact mode (traces 2 and 3 layers per stack and
@@ -104,7 +104,7 @@ def time_estimate(results: dict, repeats: int) -> None:
 def time_cli(results: dict) -> None:
     exe = shutil.which("hf-memfit")
     cmd = [exe, "estimate", "gpt2-xl", "--batch-size", "1", "--seq-len", "1024"] if exe else \
-        [sys.executable, "-m", "hf_memfit.cli", "estimate", "gpt2-xl", "--batch-size", "1", "--seq-len", "1024"]
+        [sys.executable, "-m", "hf_memfit.cli.main", "estimate", "gpt2-xl", "--batch-size", "1", "--seq-len", "1024"]
     print("## CLI wall time (fresh interpreter, fast mode)")
     print("$ " + " ".join(["hf-memfit"] + cmd[1:] if exe else cmd))
     times, last = [], None
@@ -114,7 +114,7 @@ def time_cli(results: dict) -> None:
         times.append(time.perf_counter() - t0)
     # Does the fast path import torch? (It should not.)
     probe = subprocess.run([sys.executable, "-X", "importtime", "-c",
-                            "import sys; from hf_memfit.cli import main; "
+                            "import sys; from hf_memfit.cli.main import main; "
                             "rc = main(['estimate', 'gpt2-xl', '--batch-size', '1', '--seq-len', '1024']); "
                             "print('TORCH_LOADED' if 'torch' in sys.modules else 'TORCH_NOT_LOADED')"],
                            capture_output=True, text=True)
@@ -141,7 +141,7 @@ def memtracker_peak(config: dict, settings, *, steps: int = 2) -> tuple[int, dic
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from hf_memfit import step as training
+    from hf_memfit.estimator import step as training
 
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     tracker = MemTracker()
@@ -165,9 +165,9 @@ def memtracker_peak(config: dict, settings, *, steps: int = 2) -> tuple[int, dic
 
 
 def check_memtracker(results: dict) -> None:
-    from hf_memfit.estimator import estimate_settings
+    from hf_memfit.estimator.assemble import estimate_settings
     from hf_memfit.settings import TrainSettings
-    from hf_memfit.spec import resolve_model
+    from hf_memfit.models.spec import resolve_model
 
     print("## exact mode vs torch MemTracker (FakeTensorMode, full depth, device cpu)")
     cases = [("gpt2-xl", XL_SETTINGS), ("gpt2", dict(batch_size=4, seq_len=512, precision="bf16-mixed",
@@ -209,10 +209,10 @@ def check_memtracker(results: dict) -> None:
 
 
 def check_extrapolation(results: dict) -> None:
-    from hf_memfit.estimator import assemble
+    from hf_memfit.estimator.assemble import assemble
     from hf_memfit.settings import TrainSettings
-    from hf_memfit.spec import resolve_model
-    from hf_memfit.trace import exact_candidates
+    from hf_memfit.models.spec import resolve_model
+    from hf_memfit.estimator.trace import exact_candidates
 
     print("## layer extrapolation: traced at 2 and 3 layers vs traced at full depth")
     cases = [

@@ -114,8 +114,8 @@ def make_trainer(trainer: str, fields: dict, extras: dict, budget: str, out: str
 def run_row(name: str, emit) -> None:
     from torch.profiler import ProfilerActivity, profile
 
-    from hf_memfit.estimator import estimate_settings
-    from hf_memfit.spec import ModelSpec
+    from hf_memfit.estimator.assemble import estimate_settings
+    from hf_memfit.models.spec import ModelSpec
 
     trainer_kind, fields, extras = ROWS[name]
     out = f"/tmp/hf_memfit_trl_bench/{name}"

@@ -52,7 +52,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--exact", action="store_true", help="also run exact mode (minutes per row)")
     args = parser.parse_args(argv)
-    from hf_memfit.estimator import estimate
+    from hf_memfit.estimator.assemble import estimate
 
     modes = ("fast", "exact") if args.exact else ("fast",)
     head = "| row | published |" + "".join(f" {m} alloc | {m} nvidia-smi | {m} vs published |" for m in modes)

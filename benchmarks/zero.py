@@ -1,10 +1,10 @@
 """ZeRO layouts against real DeepSpeed: predicted vs measured peak of a training step, on the CPU.
 
 DeepSpeed 0.19 trains in one process on the CPU with the same ZeRO code it runs on
-GPUs (its CPU accelerator), so the buffers `hf_memfit.sharding` models (the model in
+GPUs (its CPU accelerator), so the buffers `hf_memfit.estimator.sharding` models (the model in
 the compute dtype, the fp32 master partition, optimizer states, gradient partitions,
 reduce buckets, offload copies) are real allocations here. Each row builds a small
-model, wraps it with `deepspeed.initialize` using the config `hf_memfit.deepspeed`
+model, wraps it with `deepspeed.initialize` using the config `hf_memfit.planner.deepspeed`
 writes for that layout (its "auto" values filled as the HF Trainer would), runs three
 training steps under the PyTorch profiler, and takes the allocator's peak over the
 steps (model creation and DeepSpeed's initialisation excluded: a marker allocation
@@ -54,7 +54,7 @@ def measure(row: tuple) -> int:
     from torch.profiler import ProfilerActivity, profile
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from hf_memfit.deepspeed import deepspeed_config
+    from hf_memfit.planner.deepspeed import deepspeed_config
 
     name, family, precision, stage, offload_optimizer, offload_param = row
     config = dict(CONFIGS[family])
@@ -94,8 +94,8 @@ def measure(row: tuple) -> int:
 
 
 def predict(row: tuple, mode: str) -> int:
-    from hf_memfit.estimator import estimate
-    from hf_memfit.spec import ModelSpec
+    from hf_memfit.estimator.assemble import estimate
+    from hf_memfit.models.spec import ModelSpec
 
     name, family, precision, stage, offload_optimizer, offload_param = row
     spec = ModelSpec.from_config(f"{family}-small", CONFIGS[family])

@@ -4,28 +4,38 @@
     hf_memfit.estimate("gpt2-xl", batch_size=1, seq_len=1024)
     hf_memfit.plan("gpt2-xl", gpu_memory="12GiB", seq_len=1024, global_batch_size=64)
 
+The layers, bottom up (docs/architecture.md draws them): the shared vocabulary
+(`settings`, `hardware`, `optimizers`, `units`, `errors`, `cache`), `models`
+(config -> model spec), `estimator` (step memory, fast or exact, sharded),
+`planner` (the fastest settings that fit, and their configs), `report`, and
+the two faces: `integrations` (the trainers) and `cli`.
+
 The estimator and planner import no torch (fast mode stays fast); the
 trainer classes, which need transformers and torch, load on first use.
 """
 
+from hf_memfit import _moved
 from hf_memfit.errors import MemFitError
 from hf_memfit.estimator import MemoryEstimate, estimate
+from hf_memfit.models.spec import ModelSpec, resolve_model
 from hf_memfit.planner import Plan, PlanResult, plan
 from hf_memfit.settings import TrainSettings
-from hf_memfit.spec import ModelSpec, resolve_model
 
 __version__ = "0.1.0"
 
 # The trainer classes need transformers and torch, the TRL ones TRL (`pip install hf-memfit[trl]`):
 # they load on first use, so `import hf_memfit` works without them.
-_LAZY = {"MemFitArguments": "hf_memfit.args", "MemFitTrainer": "hf_memfit.trainer",
-         "MemFitMixin": "hf_memfit.mixin", "MemFitSeq2SeqTrainer": "hf_memfit.trainer",
-         "MemFitSeq2SeqTrainingArguments": "hf_memfit.trainer", "MemFitSFTConfig": "hf_memfit.trl",
-         "MemFitSFTTrainer": "hf_memfit.trl", "MemFitDPOConfig": "hf_memfit.trl", "MemFitDPOTrainer": "hf_memfit.trl"}
+_LAZY = {"MemFitArguments": "hf_memfit.integrations.args", "MemFitTrainer": "hf_memfit.integrations.trainer",
+         "MemFitMixin": "hf_memfit.integrations.mixin", "MemFitSeq2SeqTrainer": "hf_memfit.integrations.trainer",
+         "MemFitSeq2SeqTrainingArguments": "hf_memfit.integrations.trainer",
+         "MemFitSFTConfig": "hf_memfit.integrations.trl", "MemFitSFTTrainer": "hf_memfit.integrations.trl",
+         "MemFitDPOConfig": "hf_memfit.integrations.trl", "MemFitDPOTrainer": "hf_memfit.integrations.trl"}
 
 __all__ = ["MemFitArguments", "MemFitDPOConfig", "MemFitDPOTrainer", "MemFitError", "MemFitMixin", "MemFitSFTConfig",
            "MemFitSFTTrainer", "MemFitSeq2SeqTrainer", "MemFitSeq2SeqTrainingArguments", "MemFitTrainer",
            "MemoryEstimate", "ModelSpec", "Plan", "PlanResult", "TrainSettings", "estimate", "plan", "resolve_model"]
+
+_moved.install()
 
 
 def __getattr__(name):

@@ -10,7 +10,7 @@ longest sentence, so on SST-2 (sentences under 70 tokens) the trainer plans
 for the longest line it finds, and the plan is a larger micro-batch.
 """
 
-from hf_memfit.recipe import Recipe, run
+from hf_memfit.integrations.recipe import Recipe, run
 
 RECIPE = Recipe(
     model="google-bert/bert-large-uncased",

@@ -19,7 +19,7 @@ all on the GPU. Every choice is printed with its numbers when training starts.
 Any TrainingArguments flag works too (`--learning_rate 2e-5`).
 """
 
-from hf_memfit.recipe import Recipe, run
+from hf_memfit.integrations.recipe import Recipe, run
 
 RECIPE = Recipe(
     model="openai-community/gpt2-xl",

@@ -13,7 +13,7 @@ The accelerate config's `zero3_init_flag` makes `from_pretrained` load each
 rank's shard only, instead of 8 full copies in host RAM.
 """
 
-from hf_memfit.recipe import Recipe, run
+from hf_memfit.integrations.recipe import Recipe, run
 
 RECIPE = Recipe(
     model="meta-llama/Llama-2-70b-hf",

@@ -15,7 +15,7 @@ The smoke run trains the tiny 4-bit model in one CPU process (bitsandbytes'
 CPU backend, the same bf16 quant storage); FSDP itself runs only under a launch.
 """
 
-from hf_memfit.recipe import Recipe, run
+from hf_memfit.integrations.recipe import Recipe, run
 
 RECIPE = Recipe(
     model="meta-llama/Llama-2-70b-hf",

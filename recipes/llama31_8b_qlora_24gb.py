@@ -10,7 +10,7 @@ planner picks the micro-batch, checkpointing and optimizer. The smoke run
 loads its tiny base in 4-bit too: bitsandbytes' Linear4bit runs on the CPU.
 """
 
-from hf_memfit.recipe import Recipe, run
+from hf_memfit.integrations.recipe import Recipe, run
 
 RECIPE = Recipe(
     model="meta-llama/Llama-3.1-8B",

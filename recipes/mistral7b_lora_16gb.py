@@ -11,7 +11,7 @@ parameter offload); `--dry-run` shows what it picks and why. QLoRA
 (`recipes/llama31_8b_qlora_24gb.py`) is the way to keep it all on the GPU.
 """
 
-from hf_memfit.recipe import Recipe, run
+from hf_memfit.integrations.recipe import Recipe, run
 
 RECIPE = Recipe(
     model="mistralai/Mistral-7B-v0.1",

@@ -10,7 +10,7 @@ when nothing on the GPU alone fits, and writes the DeepSpeed config itself.
 `--allow_offload none` forbids that (and then nothing fits on 24 GB).
 """
 
-from hf_memfit.recipe import Recipe, run
+from hf_memfit.integrations.recipe import Recipe, run
 
 RECIPE = Recipe(
     model="google-t5/t5-3b",

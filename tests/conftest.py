@@ -35,7 +35,7 @@ TINY_BERT = dict(model_type="bert", num_hidden_layers=4, hidden_size=64, interme
 
 @pytest.fixture
 def tiny_specs():
-    from hf_memfit.spec import ModelSpec
+    from hf_memfit.models.spec import ModelSpec
 
     return {name: ModelSpec.from_config(f"tiny-{name}", cfg) for name, cfg in
             {"gpt2": TINY_GPT2, "llama": TINY_LLAMA, "t5": TINY_T5, "bert": TINY_BERT}.items()}

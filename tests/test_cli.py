@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from hf_memfit.cli import main
+from hf_memfit.cli.main import main
 
 
 def run_cli(capsys, *argv) -> tuple[int, str, str]:
@@ -86,7 +86,7 @@ def test_bad_input_is_one_line_with_exit_code_2(capsys, argv, named):
 
 
 def test_real_process_exit_code_and_no_traceback():
-    proc = subprocess.run([sys.executable, "-m", "hf_memfit.cli", "estimate", "llama-3-8b", "--batch-size", "1",
+    proc = subprocess.run([sys.executable, "-m", "hf_memfit.cli.main", "estimate", "llama-3-8b", "--batch-size", "1",
                            "--seq-len", "8"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
@@ -94,7 +94,7 @@ def test_real_process_exit_code_and_no_traceback():
 
 
 def test_fast_cli_path_does_not_import_torch():
-    code = ("import sys; from hf_memfit.cli import main; main(['estimate','gpt2','--batch-size','1','--seq-len','64',"
+    code = ("import sys; from hf_memfit.cli.main import main; main(['estimate','gpt2','--batch-size','1','--seq-len','64',"
             "'--json']); assert 'torch' not in sys.modules, 'torch imported'")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
@@ -106,7 +106,7 @@ def test_closed_pipe_ends_quietly():
 
     read_end, write_end = os.pipe()
     os.close(read_end)  # nobody will ever read: the first write fails with EPIPE
-    proc = subprocess.run([sys.executable, "-m", "hf_memfit.cli", "plan", "gpt2", "--gpu-memory", "12GiB",
+    proc = subprocess.run([sys.executable, "-m", "hf_memfit.cli.main", "plan", "gpt2", "--gpu-memory", "12GiB",
                            "--seq-len", "128", "--global-batch-size", "8"], stdout=write_end, stderr=subprocess.PIPE,
                           text=True)
     os.close(write_end)
@@ -127,7 +127,7 @@ def test_progress_shows_on_a_terminal_at_once_and_elsewhere_after_a_second():
     import io
     import logging
 
-    from hf_memfit.cli import _ProgressOnStderr
+    from hf_memfit.cli.main import _ProgressOnStderr
 
     class Terminal(io.StringIO):
         def isatty(self):
@@ -148,7 +148,7 @@ def test_progress_shows_on_a_terminal_at_once_and_elsewhere_after_a_second():
 
 
 def test_exact_mode_progress_goes_to_stderr_never_into_json(capsys, monkeypatch, tmp_path):
-    from hf_memfit.cli import _ProgressOnStderr
+    from hf_memfit.cli.main import _ProgressOnStderr
 
     monkeypatch.setattr(_ProgressOnStderr, "QUIET_SECONDS", 0.0)  # a tiny model traces in well under a second
     config = tmp_path / "config.json"

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from hf_memfit.cuda_overhead import (
+from hf_memfit.estimator.cuda_overhead import (
     ALLOCATOR_FRAGMENTATION_RATIO,
     CachingAllocatorSimulator,
     SimulatedOutOfMemoryError,
@@ -28,7 +28,7 @@ def test_cuda_context_is_the_documented_figure_and_reaches_the_device_total():
     # CUDA_MEMORY_FACTS.md: a bare lazily-loaded context of 0.25-0.45 GiB (the upper half, 0.4 GiB, for
     # current CUDA) plus about 0.5 GiB once a training step has loaded its kernels.
     expected = int(0.4 * GiB) + int(0.5 * GiB)
-    from hf_memfit.estimator import estimate
+    from hf_memfit.estimator.assemble import estimate
 
     for gpu in (None, "t4", "h100"):
         assert cuda_context_bytes(find_gpu(gpu) if gpu else None) == expected

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from hf_memfit.deepspeed import TEMPLATES, deepspeed_config, main, write_deepspeed_config
+from hf_memfit.planner.deepspeed import TEMPLATES, deepspeed_config, main, write_deepspeed_config
 from hf_memfit.errors import MemFitError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -61,7 +61,7 @@ def test_shipped_templates_are_exactly_the_template_names():
 def test_template_file_equals_writer(name):
     shipped = json.loads((DS_CONFIGS / f"{name}.json").read_text())
     assert shipped == deepspeed_config(**TEMPLATES[name]), (
-        f"ds_configs/{name}.json is stale: run `python -m hf_memfit.deepspeed --write-templates ds_configs`")
+        f"ds_configs/{name}.json is stale: run `python -m hf_memfit.planner.deepspeed --write-templates ds_configs`")
 
 
 @pytest.mark.parametrize("name", sorted(TEMPLATES))
@@ -155,7 +155,7 @@ def test_nvme_param_buffer_holds_the_largest_parameter():
 
 
 def test_settings_give_the_same_config():
-    from hf_memfit.deepspeed import deepspeed_config_for
+    from hf_memfit.planner.deepspeed import deepspeed_config_for
     from hf_memfit.settings import TrainSettings
 
     settings = TrainSettings(zero_stage=3, offload_optimizer="cpu", offload_param="cpu", precision="bf16-mixed")
@@ -170,7 +170,7 @@ def test_every_problem_reported_at_once():
 
 
 def test_module_imports_no_torch():
-    code = "import sys, hf_memfit.deepspeed; sys.exit('torch' in sys.modules or 'deepspeed' in sys.modules)"
+    code = "import sys, hf_memfit.planner.deepspeed; sys.exit('torch' in sys.modules or 'deepspeed' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO).returncode == 0
 
 

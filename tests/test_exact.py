@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from hf_memfit.measure import measure_cpu_peak
+from hf_memfit.estimator.measure import measure_cpu_peak
 from hf_memfit.settings import TrainSettings
-from hf_memfit.trace import exact_candidates, trace_step
+from hf_memfit.estimator.trace import exact_candidates, trace_step
 
 CASES = [
     ("gpt2", {}),
@@ -76,7 +76,7 @@ def test_deepcopy_of_a_fake_module_allocates_and_keeps_its_fake_mode():
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from hf_memfit.trace import StorageTracker, _deepcopy_fake_tensors_as_real_ones
+    from hf_memfit.estimator.trace import StorageTracker, _deepcopy_fake_tensors_as_real_ones
 
     fake_mode, tracker = FakeTensorMode(allow_non_fake_inputs=True), StorageTracker()
     with fake_mode, tracker, _deepcopy_fake_tensors_as_real_ones():
@@ -96,8 +96,8 @@ def test_deepcopy_of_a_fake_module_allocates_and_keeps_its_fake_mode():
 _REPEATED_LORA_SEQ_CLS = """
 import json, sys
 from hf_memfit.settings import TrainSettings
-from hf_memfit.spec import ModelSpec
-from hf_memfit.trace import exact_candidates
+from hf_memfit.models.spec import ModelSpec
+from hf_memfit.estimator.trace import exact_candidates
 specs = {name: ModelSpec.from_config(f"tiny-{name}", cfg) for name, cfg in json.loads(sys.argv[1]).items()}
 peaks = {name: [] for name in specs}
 for _ in range(3):
@@ -135,8 +135,8 @@ def test_bitsandbytes_cpu_step_temporaries(optim, precision):
     """bitsandbytes' CPU kernels keep fp32 temporaries of the tensor being updated (20-24 B/element for
     8-bit, 12-16 for 32-bit); with a wide vocabulary the embedding's update is the peak of the step."""
     from conftest import TINY_BERT
-    from hf_memfit.formulas import fast_step_memory
-    from hf_memfit.spec import ModelSpec
+    from hf_memfit.estimator.fast import fast_step_memory
+    from hf_memfit.models.spec import ModelSpec
 
     spec = ModelSpec.from_config("tiny-bert-wide-vocab", dict(TINY_BERT, vocab_size=4000))
     settings = TrainSettings(batch_size=2, seq_len=32, device="cpu", task="seq-cls", optim=optim,
@@ -156,7 +156,7 @@ def test_cuda_fp16_eager_checkpointing_recomputes_under_cuda_autocast(tiny_specs
     CUDA autocast's fp32 softmax must hold in the recompute inside backward too, or checkpoint refuses
     the recomputed fp16 probabilities (saved fp32). Exact mode must run and agree with the closed-form model.
     """
-    from hf_memfit.estimator import estimate_settings
+    from hf_memfit.estimator.assemble import estimate_settings
 
     spec = tiny_specs["bert"]
     peaks = {}

@@ -2,11 +2,11 @@
 
 import pytest
 
-from hf_memfit.cli import main
-from hf_memfit.estimator import assemble
+from hf_memfit.cli.main import main
+from hf_memfit.estimator.assemble import assemble
 from hf_memfit.settings import TrainSettings
-from hf_memfit.timeline import trace_timeline
-from hf_memfit.trace import exact_candidates
+from hf_memfit.estimator.timeline import trace_timeline
+from hf_memfit.estimator.trace import exact_candidates
 
 
 def test_timeline_peak_equals_exact_mode(tiny_specs):
@@ -78,9 +78,9 @@ PLANS = [
 
 @pytest.mark.parametrize("argv", PLANS, ids=lambda argv: argv[0])
 def test_plan_table_gives_the_explain_command_of_its_plan(argv):
-    from hf_memfit.cli import build_parser, settings_from_args
-    from hf_memfit.planner import plan
-    from hf_memfit.report import explain_command, format_plan
+    from hf_memfit.cli.main import build_parser, settings_from_args
+    from hf_memfit.planner.search import plan
+    from hf_memfit.report.text import explain_command, format_plan
 
     args = build_parser().parse_args(["plan", *argv])
     result = plan(args.model, seq_len=args.seq_len, global_batch_size=args.global_batch_size,
@@ -105,7 +105,7 @@ def test_plan_explain_traces_the_chosen_plan(tmp_path, capsys):
     data = __import__("json").loads(capsys.readouterr().out)
     assert code == 0 and path.stat().st_size > 20_000
     # the traced step is the plan's: its peak is exact mode's estimate of the same settings (CPU: allocated == total)
-    from hf_memfit.estimator import estimate
+    from hf_memfit.estimator.assemble import estimate
 
     plan = data["plan"]
     exact = estimate("gpt2", batch_size=plan["per_device_train_batch_size"],
@@ -119,7 +119,7 @@ def test_plan_explain_traces_the_chosen_plan(tmp_path, capsys):
                          ids=["zero2", "zero3", "zero3-offload", "ddp"])
 def test_timeline_draws_one_rank_as_the_estimate_computes_it(tiny_specs, layout):
     """Issue 12 item 9: explain drew the unsharded step for a ZeRO plan (12.56 GiB drawn for a 10.54 GiB plan)."""
-    from hf_memfit.estimator import estimate_settings, traced_settings
+    from hf_memfit.estimator.assemble import estimate_settings, traced_settings
 
     spec = tiny_specs["llama"]
     settings = TrainSettings(batch_size=2, seq_len=32, device="cuda", gpu="a100", precision="bf16-mixed",

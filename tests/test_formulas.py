@@ -1,4 +1,4 @@
-"""Fast mode (`hf_memfit.formulas`): model-state arithmetic, LoRA counts, and agreement with exact mode.
+"""Fast mode (`hf_memfit.estimator.fast`): model-state arithmetic, LoRA counts, and agreement with exact mode.
 
 The closed-form estimate is checked against exact mode (the real training step
 traced on fake tensors) on small versions of catalogue models, so each exact
@@ -14,11 +14,11 @@ import warnings
 
 import pytest
 
-from hf_memfit.breakdown import CATEGORIES, is_optimizer_region
+from hf_memfit.estimator.breakdown import CATEGORIES, is_optimizer_region
 from hf_memfit.errors import MemFitError
-from hf_memfit.formulas import fast_step_memory
+from hf_memfit.estimator.fast import fast_step_memory
 from hf_memfit.settings import TrainSettings
-from hf_memfit.spec import TASK_AUTO_CLASS, ModelSpec, resolve_model
+from hf_memfit.models.spec import TASK_AUTO_CLASS, ModelSpec, resolve_model
 
 
 @pytest.fixture(autouse=True)
@@ -61,9 +61,9 @@ def peak(step) -> int:
 def test_fast_mode_never_imports_torch():
     code = (
         "import sys\n"
-        "from hf_memfit.formulas import fast_step_memory\n"
+        "from hf_memfit.estimator.fast import fast_step_memory\n"
         "from hf_memfit.settings import TrainSettings\n"
-        "from hf_memfit.spec import resolve_model\n"
+        "from hf_memfit.models.spec import resolve_model\n"
         "for name, kw in [('gpt2', {}), ('meta-llama/Llama-3.2-1B', {'precision': 'bf16-mixed', 'lora_r': 8,"
         " 'gradient_checkpointing': True, 'gradient_accumulation_steps': 2}),"
         " ('google-t5/t5-small', {'device': 'cpu', 'attn_implementation': 'eager', 'gpu': None})]:\n"
@@ -256,7 +256,7 @@ EXACT_CASES = [
 def test_fast_mode_agrees_with_exact_mode(family, kwargs):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from hf_memfit.trace import exact_candidates
+    from hf_memfit.estimator.trace import exact_candidates
 
     spec = SMALL[family]()
     settings = TrainSettings(**kwargs).validate(spec)

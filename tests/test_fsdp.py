@@ -8,9 +8,9 @@ import pytest
 
 from conftest import TINY_LLAMA
 from hf_memfit.errors import MemFitError
-from hf_memfit.estimator import estimate, estimate_settings
+from hf_memfit.estimator.assemble import estimate, estimate_settings
 from hf_memfit.settings import TrainSettings
-from hf_memfit.spec import ModelSpec
+from hf_memfit.models.spec import ModelSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 STEP = dict(batch_size=1, seq_len=256, gradient_checkpointing=True, num_gpus=4, gpu="a100")
@@ -18,9 +18,9 @@ STEP = dict(batch_size=1, seq_len=256, gradient_checkpointing=True, num_gpus=4, 
 
 def layout(model="meta-llama/Llama-3.2-1B", **changes):
     """The estimate, and each region's bytes on one rank after sharding."""
-    from hf_memfit.estimator import assemble, step_memory
-    from hf_memfit.sharding import shard, wrap_units
-    from hf_memfit.spec import resolve_model
+    from hf_memfit.estimator.assemble import assemble, step_memory
+    from hf_memfit.estimator.sharding import shard, wrap_units
+    from hf_memfit.models.spec import resolve_model
 
     spec = resolve_model(model)
     settings = TrainSettings(**{**STEP, **changes}).validate(spec)
@@ -95,7 +95,7 @@ def test_stream_pools_are_reserved_not_allocated():
 def test_fsdp1_stages_shards_on_its_pre_unshard_stream():
     # FSDP1 copies each unit's shard to the device (CPU offload) or casts it to param_dtype (bf16-mixed over
     # fp32) on its pre-unshard stream before the all-gather; those blocks stay in that stream's pool.
-    from hf_memfit.sharding import FSDP_GATHERED_UNITS
+    from hf_memfit.estimator.sharding import FSDP_GATHERED_UNITS
 
     bf16 = dict(precision="bf16", fsdp="full_shard", fsdp_version=1)
     plain, offloaded = fsdp(**bf16), fsdp(**bf16, fsdp_offload=True)
@@ -144,7 +144,7 @@ def test_bad_fsdp_settings_name_the_flag(changes, message):
 
 
 def test_cli_bad_fsdp_input_is_one_line_exit_2():
-    proc = subprocess.run([sys.executable, "-m", "hf_memfit.cli", "estimate", "gpt2", "--batch-size", "1",
+    proc = subprocess.run([sys.executable, "-m", "hf_memfit.cli.main", "estimate", "gpt2", "--batch-size", "1",
                            "--seq-len", "64", "--fsdp", "no_shard", "--num-gpus", "2"],
                           capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 2 and "--fsdp-version 1" in proc.stderr and "Traceback" not in proc.stderr
@@ -167,7 +167,7 @@ def test_accelerate_loads_the_written_config(tmp_path, monkeypatch):
     from accelerate.utils import FullyShardedDataParallelPlugin
     from accelerate.utils.launch import prepare_multi_gpu_env
 
-    from hf_memfit.fsdp import accelerate_fsdp_config, write_accelerate_config
+    from hf_memfit.planner.accelerate import accelerate_fsdp_config, write_accelerate_config
 
     for version, strategy, offload in ((2, "full_shard", True), (2, "shard_grad_op", False), (1, "hybrid_shard", False)):
         settings = TrainSettings(precision="bf16-mixed", num_gpus=2, num_nodes=1, fsdp=strategy, fsdp_version=version,
@@ -196,7 +196,7 @@ def test_accelerate_loads_the_written_config(tmp_path, monkeypatch):
         else:
             assert plugin.sharding_strategy.name == strategy.upper()
         # and MemFitTrainer reads the same environment back as the same layout
-        from hf_memfit.introspect import fsdp_layout as _fsdp_layout
+        from hf_memfit.integrations.introspect import fsdp_layout as _fsdp_layout
 
         class NoFsdpArgs:
             fsdp = None
@@ -208,7 +208,7 @@ def test_accelerate_loads_the_written_config(tmp_path, monkeypatch):
 def test_trainer_reads_fsdp_from_training_arguments(tmp_path, monkeypatch):
     from transformers import TrainingArguments
 
-    from hf_memfit.introspect import fixed_layout as _fixed_layout, fsdp_layout as _fsdp_layout
+    from hf_memfit.integrations.introspect import fixed_layout as _fixed_layout, fsdp_layout as _fsdp_layout
 
     monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
     cases = [("full_shard offload", None, ("full_shard", 2, True)), ("shard_grad_op", None, ("shard_grad_op", 2, False)),
@@ -221,7 +221,7 @@ def test_trainer_reads_fsdp_from_training_arguments(tmp_path, monkeypatch):
 
 
 def test_planner_puts_70b_qlora_on_two_24gb_gpus_with_fsdp():
-    from hf_memfit.planner import plan
+    from hf_memfit.planner.search import plan
 
     kwargs = dict(seq_len=2048, global_batch_size=4, gpu="rtx4090", num_gpus=2, load_in_4bit=True, lora_r=8,
                   lora_alpha=16)
@@ -230,13 +230,13 @@ def test_planner_puts_70b_qlora_on_two_24gb_gpus_with_fsdp():
     assert s.fsdp == "full_shard" and s.fsdp_offload
     assert result.plan.fsdp["fsdp_config"]["cpu_offload"] is True
     # the planner reports what the estimator computes
-    from hf_memfit.spec import resolve_model
+    from hf_memfit.models.spec import resolve_model
 
     again = estimate_settings(resolve_model("meta-llama/Llama-2-70b-hf"), s)
     assert again.device_total_bytes == result.estimate.device_total_bytes
     # host memory is checked per node: two ranks' shards each. Below that, the offloaded layout is out
     # (a per-GPU check would still take it: one rank needs only half), and whatever is chosen fits the host.
-    from hf_memfit.planner import host_bytes_per_node
+    from hf_memfit.planner.search import host_bytes_per_node
 
     host = result.estimate.cpu_bytes * 2
     assert host_bytes_per_node(result.estimate) == host

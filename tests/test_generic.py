@@ -9,9 +9,9 @@ import pytest
 from conftest import TINY_GEMMA3, TINY_GENERIC, TINY_MODERNBERT, TINY_QWEN3, TINY_QWEN3_MOE
 
 from hf_memfit.errors import MemFitError
-from hf_memfit.estimator import estimate
+from hf_memfit.estimator.assemble import estimate
 from hf_memfit.settings import TrainSettings
-from hf_memfit.spec import ModelSpec
+from hf_memfit.models.spec import ModelSpec
 
 
 def _spec(name):
@@ -23,7 +23,7 @@ def test_generic_counts_match_the_real_model(name):
     """Parameter counts and linear modules come from a meta build; check them against a real CPU build."""
     import torch
 
-    from hf_memfit.step import instantiate
+    from hf_memfit.models.generic import instantiate
 
     spec = _spec(name)
     assert not spec.hand_written
@@ -63,7 +63,7 @@ def test_generic_fields():
     ("modernbert", {"task": "token-cls", "num_labels": 5}),
 ])
 def test_generic_exact_matches_the_cpu_allocator(name, changes):
-    from hf_memfit.measure import measure_cpu_peak
+    from hf_memfit.estimator.measure import measure_cpu_peak
 
     spec = _spec(name)
     settings = TrainSettings(batch_size=2, seq_len=64, device="cpu", mode="exact", **changes).validate(spec)
@@ -74,7 +74,7 @@ def test_generic_exact_matches_the_cpu_allocator(name, changes):
 
 def test_image_text_to_text_trains_on_text():
     """Gemma-3 with its vision tower: the text stack is the one extrapolated; the batch is text only."""
-    from hf_memfit.measure import measure_cpu_peak
+    from hf_memfit.estimator.measure import measure_cpu_peak
 
     config = dict(model_type="gemma3", mm_tokens_per_image=4,
                   text_config=dict(TINY_GEMMA3, model_type="gemma3_text", num_hidden_layers=10),
@@ -92,7 +92,7 @@ def test_image_text_to_text_trains_on_text():
 
 def test_depth_extrapolation_finds_the_hybrid_pattern():
     """Gemma-3's sliding/global pattern (period 3 here) extrapolates to the same peak as a full-depth trace."""
-    from hf_memfit.trace import exact_candidates
+    from hf_memfit.estimator.trace import exact_candidates
 
     config = dict(TINY_GEMMA3, num_hidden_layers=11)  # not a whole number of periods beyond 2p
     spec = ModelSpec.from_config("gemma-11", config)
@@ -148,7 +148,7 @@ def test_cli_unknown_model_type_is_one_line_exit_2(tmp_path):
 
     config = tmp_path / "config.json"
     config.write_text(json.dumps({"model_type": "my_remote_arch", "auto_map": {"AutoConfig": "x.Y"}}))
-    proc = subprocess.run([sys.executable, "-m", "hf_memfit.cli", "estimate", str(config), "--batch-size", "1", "--seq-len", "8"],
+    proc = subprocess.run([sys.executable, "-m", "hf_memfit.cli.main", "estimate", str(config), "--batch-size", "1", "--seq-len", "8"],
                           capture_output=True, text=True)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
@@ -161,7 +161,7 @@ def test_a_config_transformers_cannot_build_is_one_line(tmp_path):
 
     config = tmp_path / "config.json"
     config.write_text(json.dumps(dict(TINY_QWEN3, hidden_act="no_such_activation")))
-    proc = subprocess.run([sys.executable, "-m", "hf_memfit.cli", "estimate", str(config), "--batch-size", "1",
+    proc = subprocess.run([sys.executable, "-m", "hf_memfit.cli.main", "estimate", str(config), "--batch-size", "1",
                            "--seq-len", "8"], capture_output=True, text=True)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
@@ -171,7 +171,7 @@ def test_a_config_transformers_cannot_build_is_one_line(tmp_path):
 def test_cli_estimates_a_generic_family(tmp_path):
     config = tmp_path / "config.json"
     config.write_text(json.dumps(TINY_MODERNBERT))
-    proc = subprocess.run([sys.executable, "-m", "hf_memfit.cli", "estimate", str(config), "--batch-size", "2",
+    proc = subprocess.run([sys.executable, "-m", "hf_memfit.cli.main", "estimate", str(config), "--batch-size", "2",
                            "--seq-len", "64", "--mode", "exact", "--json"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["total_params"] == ModelSpec.from_config("m", TINY_MODERNBERT).parameter_count()[
@@ -180,7 +180,7 @@ def test_cli_estimates_a_generic_family(tmp_path):
 
 def test_cached_fast_call_traces_nothing(monkeypatch):
     """Once calibrated, other batch sizes are read from the cache: no exact trace runs."""
-    import hf_memfit.calibrated as calibrated
+    import hf_memfit.estimator.calibrated as calibrated
 
     spec = ModelSpec.from_config("qwen3", TINY_QWEN3)
     estimate(spec, batch_size=2, seq_len=32, device="cpu")
@@ -198,8 +198,8 @@ def test_memfit_trainer_plans_for_a_generic_family(tmp_path):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from hf_memfit.args import MemFitArguments
-    from hf_memfit.trainer import MemFitTrainer
+    from hf_memfit.integrations.args import MemFitArguments
+    from hf_memfit.integrations.trainer import MemFitTrainer
 
     torch.manual_seed(0)
     config = AutoConfig.for_model(**dict(TINY_QWEN3, num_hidden_layers=2, vocab_size=128))

@@ -108,7 +108,7 @@ def test_detect_unknown_gpu_builds_a_row(monkeypatch):
 
 
 def test_import_stays_torch_free():
-    code = "import sys, hf_memfit.hardware, hf_memfit.cuda_overhead; print('torch' in sys.modules)"
+    code = "import sys, hf_memfit.hardware, hf_memfit.estimator.cuda_overhead; print('torch' in sys.modules)"
     repo = Path(__file__).resolve().parents[1]
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=repo)
     assert out.stdout.strip() == "False"

@@ -2,8 +2,8 @@
 
 import torch
 
-from hf_memfit.introspect import longest_batch
-from hf_memfit.spec import ModelSpec
+from hf_memfit.integrations.introspect import longest_batch
+from hf_memfit.models.spec import ModelSpec
 
 SPEC = ModelSpec.from_config("tiny-llama", dict(model_type="llama", hidden_size=32, intermediate_size=64,
                                                 num_hidden_layers=2, num_attention_heads=2, vocab_size=100,

@@ -3,12 +3,12 @@
 import pytest
 
 from hf_memfit.errors import MemFitError
-from hf_memfit.formulas import fast_step_memory
-from hf_memfit.measure import measure_cpu_peak
-from hf_memfit.planner import plan
+from hf_memfit.estimator.fast import fast_step_memory
+from hf_memfit.estimator.measure import measure_cpu_peak
+from hf_memfit.planner.search import plan
 from hf_memfit.settings import TrainSettings
-from hf_memfit.spec import ModelSpec
-from hf_memfit.trace import exact_candidates
+from hf_memfit.models.spec import ModelSpec
+from hf_memfit.estimator.trace import exact_candidates
 
 from conftest import TINY_LLAMA
 
@@ -149,8 +149,8 @@ def test_planner_keeps_trl_activation_offloading_and_says_what_it_does():
     import re
     import shlex
 
-    from hf_memfit.cli import main
-    from hf_memfit.report import format_plan
+    from hf_memfit.cli.main import main
+    from hf_memfit.report.text import format_plan
 
     command = re.search(r"hf-memfit estimate .*", format_plan(offloaded)).group(0)
     assert "--activation-offloading" in command

@@ -5,11 +5,11 @@ import torch
 
 from hf_memfit import optimizers
 from hf_memfit.errors import MemFitError
-from hf_memfit.formulas import fast_step_memory
+from hf_memfit.estimator.fast import fast_step_memory
 from hf_memfit.optimizers import TensorGroup, state_bytes
-from hf_memfit.planner import plan
+from hf_memfit.planner.search import plan
 from hf_memfit.settings import TrainSettings
-from hf_memfit.trace import exact_candidates
+from hf_memfit.estimator.trace import exact_candidates
 from hf_memfit.units import GiB
 
 # Quantized (>= 4096 elements and a multiple of the 256-element block) and not: 1000 elements is too small,
@@ -19,7 +19,7 @@ SHAPES = [(1024, 1024), (512, 1024), (1000,), (100, 100)]
 
 def _real_torchao_state_bytes(optim: str, dtype: torch.dtype) -> int:
     """Bytes of the states torchao's own `_new_buffer` makes, in the optimizer the HF Trainer builds."""
-    from hf_memfit.step import trainer_optimizer_class
+    from hf_memfit.estimator.step import trainer_optimizer_class
 
     cls, kwargs = trainer_optimizer_class(TrainSettings(optim=optim, device="cpu"))
     params = [torch.nn.Parameter(torch.zeros(shape, dtype=dtype)) for shape in SHAPES]
@@ -122,7 +122,7 @@ def test_low_rank_and_adafactor_need_allowing(tiny_specs):
 
 
 def test_gpt2xl_recipe_plans_the_16_gb_ram_machine_with_the_flag():
-    from hf_memfit.recipe import REPO, execute, load_recipe_module
+    from hf_memfit.integrations.recipe import REPO, execute, load_recipe_module
 
     recipe = load_recipe_module(REPO / "recipes" / "gpt2xl_12gb.py").RECIPE
     with pytest.raises(MemFitError, match="allow-pure-bf16"):
@@ -139,7 +139,7 @@ def test_low_rank_exact_mode_on_the_cpu_allocator(tiny_specs, optim, precision):
     """The real GaLoreAdamW8bit / APOLLOAdamW step, measured; exact mode traces the same objects."""
     from bitsandbytes.optim import GlobalOptimManager
 
-    from hf_memfit.measure import measure_cpu_peak
+    from hf_memfit.estimator.measure import measure_cpu_peak
 
     # bitsandbytes keeps per-(group, index) overrides in a process-wide singleton: a Trainer run earlier in this
     # process (which registers fp32 states for its embeddings) would change which of these tensors get 8-bit states

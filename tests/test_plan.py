@@ -5,9 +5,9 @@ import re
 
 import pytest
 
-from hf_memfit.cli import main
+from hf_memfit.cli.main import main
 from hf_memfit.errors import MemFitError
-from hf_memfit.planner import plan
+from hf_memfit.planner.search import plan
 from hf_memfit.units import GiB
 
 
@@ -25,8 +25,8 @@ def _assert_reason_figures_are_the_estimators(result, budget: int):
     """Every size a reason quotes is what the estimator gives that configuration, recomputed here."""
     import re
 
-    from hf_memfit.estimator import estimate_settings
-    from hf_memfit.spec import resolve_model
+    from hf_memfit.estimator.assemble import estimate_settings
+    from hf_memfit.models.spec import resolve_model
     from hf_memfit.units import format_bytes
 
     p = result.plan

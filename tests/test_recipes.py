@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from hf_memfit.errors import MemFitError
-from hf_memfit.recipe import execute, load_recipe_module, readme_table, readme_with_table, run
-from hf_memfit.spec import resolve_model
+from hf_memfit.integrations.recipe import execute, load_recipe_module, readme_table, readme_with_table, run
+from hf_memfit.models.spec import resolve_model
 from hf_memfit.units import GiB, parse_bytes
 
 REPO = Path(__file__).resolve().parents[1]
@@ -233,7 +233,7 @@ def test_readme_recipes_table_is_current():
     # header, rule, one row each, + the 70B on 2 nodes and GPT-2-XL on a 16 GB-RAM machine
     assert len(table.splitlines()) == 2 + len(RECIPES) + 2
     assert readme_with_table(readme, table) == readme, \
-        "README.md's recipes table is stale: run `python -m hf_memfit.recipe --update-readme` and commit README.md"
+        "README.md's recipes table is stale: run `python -m hf_memfit.integrations.recipe --update-readme` and commit README.md"
     with pytest.raises(MemFitError, match="markers"):
         readme_with_table("# no table here\n", table)
 
@@ -288,13 +288,13 @@ def test_training_without_datasets_names_the_extra(tmp_path, monkeypatch, capsys
 def test_the_package_imports_without_datasets():
     """Only training a recipe needs `datasets`: every hf_memfit module imports without it.
 
-    Except `hf_memfit.trl`, whose `trl` package (the `trl` extra) itself requires `datasets`.
+    Except `hf_memfit.integrations.trl`, whose `trl` package (the `trl` extra) itself requires `datasets`.
     """
     script = ("import importlib, pkgutil, sys\n"
               "sys.modules['datasets'] = None\n"
               "import hf_memfit\n"
               "for module in pkgutil.walk_packages(hf_memfit.__path__, 'hf_memfit.'):\n"
-              "    if module.name != 'hf_memfit.trl':\n"
+              "    if module.name != 'hf_memfit.integrations.trl':\n"
               "        importlib.import_module(module.name)\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
@@ -314,7 +314,7 @@ def test_smoke_language_model_loss_must_decrease():
     """For language models the loss on the fixed batch must go down; a higher or equal one fails the run."""
     from types import SimpleNamespace
 
-    from hf_memfit.recipe import SmokeFailure, _smoke_summary
+    from hf_memfit.integrations.recipe import SmokeFailure, _smoke_summary
 
     trainer = SimpleNamespace(memfit_plan=None, state=SimpleNamespace(global_step=3, log_history=[{"loss": 5.0}]),
                               args=SimpleNamespace(max_steps=3))
@@ -336,7 +336,7 @@ def test_70b_qlora_recipe_shards_4bit_weights_with_fsdp(capsys):
     """Llama-2-70B QLoRA on 2 x 24 GB: FSDP full_shard + CPU offload, the shipped accelerate config is the plan's."""
     import yaml
 
-    from hf_memfit.fsdp import accelerate_fsdp_config
+    from hf_memfit.planner.accelerate import accelerate_fsdp_config
 
     result = execute(recipe("llama2_70b_qlora_2x24gb"), ["--dry-run"])
     s = result.plan.settings

@@ -2,9 +2,9 @@
 
 import pytest
 
-from hf_memfit.estimator import estimate, traced_settings
+from hf_memfit.estimator.assemble import estimate, traced_settings
 from hf_memfit.settings import TrainSettings
-from hf_memfit.sharding import SUB_GROUP_SIZE
+from hf_memfit.estimator.sharding import SUB_GROUP_SIZE
 
 MODEL = "gpt2-xl"
 STEP = dict(batch_size=1, seq_len=256, precision="bf16-mixed", gradient_checkpointing=True)
@@ -96,9 +96,9 @@ def step(est) -> dict:
 
 
 def _candidates(est):
-    from hf_memfit.estimator import step_memory
-    from hf_memfit.sharding import shard
-    from hf_memfit.spec import resolve_model
+    from hf_memfit.estimator.assemble import step_memory
+    from hf_memfit.estimator.sharding import shard
+    from hf_memfit.models.spec import resolve_model
 
     spec = resolve_model(est.model)
     return shard(step_memory(spec, est.settings), est.settings, spec.hidden_size).candidates

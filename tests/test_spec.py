@@ -1,4 +1,4 @@
-"""Tests for hf_memfit.spec: the catalogue, name resolution and closed-form counts.
+"""Tests for hf_memfit.models.spec: the catalogue, name resolution and closed-form counts.
 
 The closed-form numbers are checked against transformers' own models, built on
 the meta device (no memory, no weights, no network).
@@ -19,7 +19,7 @@ import warnings
 import pytest
 
 from hf_memfit.errors import MemFitError
-from hf_memfit.spec import (
+from hf_memfit.models.spec import (
     CATALOGUE_DIR,
     SUPPORTED_MODEL_TYPES,
     TASK_AUTO_CLASS,
@@ -469,7 +469,7 @@ def test_no_close_match_still_one_line():
 
 def test_spec_module_imports_neither_torch_nor_transformers():
     code = (
-        "import sys, hf_memfit.spec as s; s.resolve_model('gpt2-xl').parameter_count(); "
+        "import sys, hf_memfit.models.spec as s; s.resolve_model('gpt2-xl').parameter_count(); "
         "s.resolve_model('t5-small').linear_modules(); "
         "bad = [m for m in ('torch', 'transformers', 'peft', 'huggingface_hub') if m in sys.modules]; "
         "assert not bad, bad"
@@ -485,7 +485,8 @@ def test_family_knowledge_lives_in_the_family_modules():
     from hf_memfit import models
 
     root = Path(models.__file__).parent.parent
-    for shared in ("spec.py", "formulas.py", "trace.py", "generic.py", "calibrated.py"):
+    for shared in ("models/spec.py", "models/forward.py", "models/generic.py", "estimator/fast.py",
+                   "estimator/fast_params.py", "estimator/fast_heads.py", "estimator/trace.py", "estimator/calibrated.py"):
         text = (root / shared).read_text()
         assert not re.search(r"model_type\s*(==|!=|in\s*[(\[{])", text), shared
     owners = {}

@@ -7,9 +7,9 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, HfArgumentParser, TrainerCallback, TrainingArguments
 
-from hf_memfit.args import MemFitArguments
+from hf_memfit.integrations.args import MemFitArguments
 from hf_memfit.errors import MemFitError
-from hf_memfit.trainer import MemFitTrainer
+from hf_memfit.integrations.trainer import MemFitTrainer
 
 SEQ = 32
 
@@ -345,7 +345,7 @@ def test_classification_loss_is_a_mean_through_oom_chunks(tmp_path):
     ({}, None, None),
 ])
 def test_the_launchers_sharding_fixes_the_layout(tmp_path, monkeypatch, env, layout, fsdp_layout):
-    from hf_memfit.introspect import fixed_layout as _fixed_layout, fsdp_layout as _fsdp_layout
+    from hf_memfit.integrations.introspect import fixed_layout as _fixed_layout, fsdp_layout as _fsdp_layout
 
     for name in ("ACCELERATE_USE_FSDP", "FSDP_OFFLOAD_PARAMS", "ACCELERATE_USE_DEEPSPEED", "FSDP_VERSION",
                  "FSDP_RESHARD_AFTER_FORWARD", "FSDP_SHARDING_STRATEGY"):
@@ -358,7 +358,7 @@ def test_the_launchers_sharding_fixes_the_layout(tmp_path, monkeypatch, env, lay
 
 
 def test_a_bf16_lora_plan_loads_in_bf16():
-    from hf_memfit.planner import plan
+    from hf_memfit.planner.search import plan
 
     result = plan("gpt2", gpu_memory="8GiB", seq_len=256, global_batch_size=8, lora_r=8, precision="bf16")
     assert result.plan.torch_dtype == "bfloat16"
@@ -367,7 +367,7 @@ def test_a_bf16_lora_plan_loads_in_bf16():
 
 def test_fsdp_on_the_cpu_is_planned_as_the_ddp_accelerate_runs(tmp_path, monkeypatch):
     # accelerate promotes only GPU runs to FSDP: on the CPU, a launched run with `fsdp` set trains under DDP.
-    from hf_memfit.introspect import fsdp_layout_run
+    from hf_memfit.integrations.introspect import fsdp_layout_run
 
     monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
     args = TrainingArguments(output_dir=str(tmp_path), fsdp="full_shard", use_cpu=True, report_to=[])

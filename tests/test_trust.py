@@ -7,13 +7,13 @@ import re
 import pytest
 
 from hf_memfit import estimate
-from hf_memfit.cli import main
-from hf_memfit.cuda_overhead import ALLOCATOR_FRAGMENTATION_RATIO, allocator_slack_bytes
+from hf_memfit.cli.main import main
+from hf_memfit.estimator.cuda_overhead import ALLOCATOR_FRAGMENTATION_RATIO, allocator_slack_bytes
 from hf_memfit.errors import MemFitError
-from hf_memfit.estimator import estimate_settings
-from hf_memfit.planner import Candidate, HostLimit, _confirm_exact, host_bytes_per_node, plan
-from hf_memfit.report import format_plan
-from hf_memfit.spec import resolve_model
+from hf_memfit.estimator.assemble import estimate_settings
+from hf_memfit.planner.search import Candidate, HostLimit, _confirm_exact, host_bytes_per_node, plan
+from hf_memfit.report.text import format_plan
+from hf_memfit.models.spec import resolve_model
 from hf_memfit.units import GiB, MiB, format_bytes
 
 TINY_LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 512,

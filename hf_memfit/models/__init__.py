@@ -5,13 +5,15 @@ about its model types: `MODEL_TYPES`, the transformers config `DEFAULTS` (a
 published config.json leaves out every key equal to its default), `ALIASES`,
 peft's `PEFT_LORA_TARGETS`, `fields(get)` (the `ModelSpec` fields), `linears`
 and `counts` (the linear modules and parameter counts in closed form), and
-`Forward`, the symbolic forward fast mode runs (`formulas.py`). Optional:
+`Forward`, the symbolic forward fast mode runs (written in `forward.py`, run by `estimator/fast.py`). Optional:
 `embedding_tables(spec)`, `EAGER_ATTENTION_ONLY`, `USES_KV_CACHE`, `CONV1D_BODY`.
 
 Adding a family is adding one module here: every module in this package whose
-name does not start with "_" is a family module. A model type no module claims
-takes the generic path (`generic.py`): exact mode traces it, and fast mode is
-calibrated from exact traces (`calibrated.py`).
+name does not start with "_" is a family module, except the three that serve
+them all: `spec.py` (config -> `ModelSpec`), `forward.py` (the symbolic ops a
+family's `Forward` is written in) and `generic.py`. A model type no module
+claims takes the generic path (`generic.py`): exact mode traces it, and fast
+mode is calibrated from exact traces (`estimator/calibrated.py`).
 
 Nothing here imports torch or transformers.
 """
@@ -24,10 +26,15 @@ from functools import lru_cache
 from types import ModuleType
 
 
+# The modules here that are not families (see above).
+_SHARED_MODULES = ("forward", "generic", "spec")
+
+
 @lru_cache(maxsize=1)
 def family_modules() -> tuple[ModuleType, ...]:
     """Every family module in this package, by name."""
-    names = sorted(info.name for info in pkgutil.iter_modules(__path__) if not info.name.startswith("_"))
+    names = sorted(info.name for info in pkgutil.iter_modules(__path__) if not info.name.startswith("_")
+                   and info.name not in _SHARED_MODULES)
     return tuple(importlib.import_module(f"{__name__}.{name}") for name in names)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hf_memfit.formulas import FamilyForward
+from hf_memfit.models.forward import FamilyForward
 from hf_memfit.models._shared import Getter, Lin, common, decoder_counts, head_linears
 
 MODEL_TYPES = ('gpt2',)
@@ -87,7 +87,7 @@ def embedding_tables(spec) -> list[tuple[int, int, bool]]:
     return [(spec.vocab_size, spec.hidden_size, True), (spec.max_position_embeddings, spec.hidden_size, True)]
 
 
-# The symbolic forward fast mode runs (formulas.py): the ops transformers 5.23 runs, in order.
+# The symbolic forward fast mode runs (models/forward.py): the ops transformers 5.23 runs, in order.
 class Forward(FamilyForward):
     def embed(self):
         f, T, h = self.f, self.T, self.h

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hf_memfit.formulas import FamilyForward, rope
+from hf_memfit.models.forward import FamilyForward, rope
 from hf_memfit.models._shared import Getter, Lin, common, decoder_counts, head_linears, kv_heads
 
 MODEL_TYPES = ('llama', 'mistral', 'qwen2')
@@ -115,7 +115,7 @@ def counts(s, get: Getter, task: str, num_labels: int) -> dict[str, int]:
                            norms_per_layer=s.norms_per_layer * h, final=h)
 
 
-# The symbolic forward fast mode runs (formulas.py): the ops transformers 5.23 runs, in order.
+# The symbolic forward fast mode runs (models/forward.py): the ops transformers 5.23 runs, in order.
 class Forward(FamilyForward):
     """Rotary position embeddings, pre-norm; the hooks below are what Gemma-2, Phi-3 and NeoX change."""
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hf_memfit.formulas import FamilyForward
+from hf_memfit.models.forward import FamilyForward
 from hf_memfit.models._shared import Getter, Lin, common, decoder_counts, head_linears
 
 MODEL_TYPES = ('opt',)
@@ -94,7 +94,7 @@ def embedding_tables(spec) -> list[tuple[int, int, bool]]:
     return [(spec.vocab_size, spec.embedding_dim, True), (spec.max_position_embeddings + 2, spec.hidden_size, True)]
 
 
-# The symbolic forward fast mode runs (formulas.py): the ops transformers 5.23 runs, in order.
+# The symbolic forward fast mode runs (models/forward.py): the ops transformers 5.23 runs, in order.
 class Forward(FamilyForward):
     @property
     def pre_ln(self) -> bool:

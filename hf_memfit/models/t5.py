@@ -13,7 +13,7 @@ from dataclasses import replace
 
 from typing import Any
 
-from hf_memfit.formulas import FamilyForward
+from hf_memfit.models.forward import FamilyForward
 from hf_memfit.models._shared import Getter, Lin, common, head_linears, head_params, pos_int
 
 MODEL_TYPES = ('t5',)
@@ -124,7 +124,7 @@ def embedding_tables(spec) -> list[tuple[int, int, bool]]:
     return [(spec.vocab_size, spec.hidden_size, True), (buckets, heads, False), (buckets, heads, False)]
 
 
-# The symbolic forward fast mode runs (formulas.py): the ops transformers 5.23 runs, in order.
+# The symbolic forward fast mode runs (models/forward.py): the ops transformers 5.23 runs, in order.
 class Forward(FamilyForward):
     """T5: relative-position bias from layer 0 of each stack, RMS norms, dropout everywhere."""
 

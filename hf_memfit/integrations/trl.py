@@ -22,8 +22,8 @@ try:
 except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError("hf-memfit's TRL trainers need TRL: pip install 'hf-memfit[trl]'") from error
 
-from hf_memfit.args import MemFitFields
-from hf_memfit.mixin import MemFitMixin
+from hf_memfit.integrations.args import MemFitFields
+from hf_memfit.integrations.mixin import MemFitMixin
 
 
 @dataclass

@@ -381,7 +381,7 @@ def call_arguments(trainer) -> dict:
 
 def plan_inputs(trainer, model, args, fields, train_dataset, collator, tokenizer) -> dict:
     """The `planner.plan` keyword arguments for what `trainer` will run, plus "notes" on what was assumed."""
-    from hf_memfit.spec import ModelSpec
+    from hf_memfit.models.spec import ModelSpec
 
     base = base_model(model)
     config = base.config.to_dict()

@@ -9,7 +9,7 @@ code the exact estimator traces (`step.py`), run on real tensors.
 
 import torch
 
-from hf_memfit import step as training
+from hf_memfit.estimator import step as training
 from hf_memfit.settings import TrainSettings
 
 

@@ -6,26 +6,17 @@ say which tasks the model builds for, and the model built on the meta device
 (no memory, no weights) gives the parameter counts, the linear modules peft
 can target and the repeating pattern of the layer stacks.
 
-What this learns is stored on disk per config (`cache_dir()`), so that after
-the first call fast mode reads it back without importing torch or
-transformers. The cache key covers the config, the transformers version and
-`CACHE_VERSION`; delete the folder (or point `HF_MEMFIT_CACHE` elsewhere) to
-start afresh.
+What this learns is stored on disk per config (`hf_memfit.cache`), so that
+after the first call fast mode reads it back without importing torch or
+transformers.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-from functools import lru_cache
-from pathlib import Path
 from typing import Any
 
+from hf_memfit.cache import config_key, library_version, read_cache, write_cache
 from hf_memfit.errors import MemFitError
-
-#: Bumped whenever what is cached changes meaning.
-CACHE_VERSION = 2
 
 # Our task names -> the transformers Auto class and its model-type -> class-name mapping.
 TASK_AUTO = {
@@ -35,63 +26,6 @@ TASK_AUTO = {
     "seq2seq": ("AutoModelForSeq2SeqLM", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES"),
     "image-text-to-text": ("AutoModelForImageTextToText", "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES"),
 }
-
-
-def cache_dir() -> Path:
-    """Where calibrations and generic model facts are kept: `$HF_MEMFIT_CACHE`, else ~/.cache/hf_memfit."""
-    root = os.environ.get("HF_MEMFIT_CACHE")
-    if root:
-        return Path(root).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "hf_memfit"
-
-
-@lru_cache(maxsize=1)
-def _transformers_version() -> str:
-    """The installed transformers version, read from its __init__.py without importing it.
-
-    Importing transformers (or importlib.metadata) would cost the cached fast path
-    most of its time budget.
-    """
-    import importlib.util
-    import re
-
-    found = importlib.util.find_spec("transformers")
-    if found is None or not found.origin:
-        return "not installed"
-    try:
-        head = Path(found.origin).read_text(encoding="utf-8")[:20000]
-    except OSError:
-        return "unknown"
-    match = re.search(r"""^__version__\s*=\s*["']([^"']+)["']""", head, re.MULTILINE)
-    return match.group(1) if match else "unknown"
-
-
-def config_key(config: dict, *extra: Any) -> str:
-    """A stable hash of a config (and anything else the cached value depends on)."""
-    text = json.dumps([config, _transformers_version(), CACHE_VERSION, *extra], sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:24]
-
-
-def read_cache(kind: str, key: str) -> dict | None:
-    """A cached JSON object, or None (missing or unreadable: the caller recomputes it)."""
-    path = cache_dir() / kind / f"{key}.json"
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-
-
-def write_cache(kind: str, key: str, value: dict) -> None:
-    """Store a JSON object atomically; a cache that cannot be written is skipped, never fatal."""
-    folder = cache_dir() / kind
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        tmp = folder / f".{key}.{os.getpid()}.tmp"
-        tmp.write_text(json.dumps(value, sort_keys=True), encoding="utf-8")
-        os.replace(tmp, folder / f"{key}.json")
-    except OSError:
-        pass
 
 
 # --------------------------------------------------------------------------
@@ -105,7 +39,7 @@ def hf_config(config: dict, name: str = ""):
 
     transformers.logging.set_verbosity_error()
     model_type = config.get("model_type")
-    version = _transformers_version()
+    version = library_version("transformers")
     try:
         return transformers.AutoConfig.for_model(**config)
     except (ValueError, KeyError) as exc:
@@ -135,11 +69,38 @@ def default_task(tasks: tuple[str, ...], is_encoder_decoder: bool) -> str:
     return tasks[0]
 
 
+def auto_model_class(task: str):
+    import transformers
+
+    return getattr(transformers, TASK_AUTO[task][0])
+
+
+def instantiate(config: dict, task: str, num_labels: int, *, dtype, attn_implementation: str | None):
+    """The task's transformers model from a config dict, as `AutoModelFor<task>.from_config` builds it.
+
+    With no attention implementation asked for, SDPA where the model supports
+    it and eager otherwise, which is what transformers itself picks.
+    """
+    built = hf_config(config)
+    if task in ("seq-cls", "token-cls"):
+        built.num_labels = num_labels
+        if task == "seq-cls" and getattr(built, "pad_token_id", None) is None:
+            # Sequence classification on decoder models needs a pad id to find the last token.
+            text = built.get_text_config() if hasattr(built, "get_text_config") else built
+            pad = getattr(built, "eos_token_id", None) or getattr(text, "eos_token_id", None) or 0
+            built.pad_token_id = pad[0] if isinstance(pad, list) else pad
+    cls = auto_model_class(task)
+    try:
+        return cls.from_config(built, dtype=dtype, attn_implementation=attn_implementation or "sdpa")
+    except ValueError as exc:
+        if attn_implementation is not None or "scaled_dot_product_attention" not in str(exc):
+            raise
+    return cls.from_config(built, dtype=dtype, attn_implementation="eager")  # no SDPA for this model
+
+
 def meta_model(config: dict, task: str, num_labels: int = 2):
     """The task's transformers model built on the meta device: every parameter, no memory."""
     import torch
-
-    from hf_memfit.step import instantiate
 
     with torch.device("meta"):
         return instantiate(config, task, num_labels, dtype=torch.float32, attn_implementation=None)
@@ -298,7 +259,7 @@ def describe(name: str, config: dict) -> dict:
     tasks = supported_tasks(model_type)
     if not tasks:
         raise MemFitError(f"`model` `{name}` has model_type `{model_type}`, which transformers "
-                          f"{_transformers_version()} builds for none of hf-memfit's tasks "
+                          f"{library_version('transformers')} builds for none of hf-memfit's tasks "
                           f"({', '.join(TASK_AUTO)}); pass a causal LM, classifier or seq2seq config")
     encdec = bool(getattr(hf, "is_encoder_decoder", False))
     depth_keys, depths = _depth_paths(config, hf, text)
@@ -352,7 +313,7 @@ def _task_facts(config: dict, task: str, num_labels: int, fields: dict) -> dict:
         raise
     except Exception as exc:  # noqa: BLE001 - any failure to build is the config's, reported in one line
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
-        raise MemFitError(f"`model`: transformers {_transformers_version()} could not build model_type "
+        raise MemFitError(f"`model`: transformers {library_version('transformers')} could not build model_type "
                           f"`{config.get('model_type')}` for task {task} from this config "
                           f"({type(exc).__name__}: {reason}); pass an unmodified config.json") from None
     stacks = layer_stacks(model)

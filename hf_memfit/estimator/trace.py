@@ -29,17 +29,16 @@ import contextlib
 import copy
 import functools
 import logging
-import math
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from hf_memfit import step as training
-from hf_memfit.breakdown import CATEGORIES, StepMemory
+from hf_memfit.estimator import step as training
+from hf_memfit.estimator.breakdown import CATEGORIES, StepMemory
 from hf_memfit.settings import TrainSettings
 
 # Progress of the traces ("tracing 2 of 3 ..."), at INFO: the CLI shows it on stderr; a library
@@ -698,7 +697,7 @@ def _flash_supported(settings: TrainSettings) -> bool:
 
 def _layer_stacks(model) -> list[torch.nn.ModuleList]:
     """The outermost ModuleLists of repeated blocks, found by structure (decoder layers; T5's encoder and decoder)."""
-    from hf_memfit.generic import layer_stacks
+    from hf_memfit.models.generic import layer_stacks
 
     return [stack for _, stack in layer_stacks(model)]
 
@@ -1021,7 +1020,7 @@ def _exact_result(candidates, traces, real, base, trace, settings, spec=None) ->
                       trace.quantizable_linear_params, trace.largest_linear_numel, host_bytes=trace.host_bytes)
     moe = getattr(spec, "moe", None)
     if moe:
-        from hf_memfit.generic import moe_note
+        from hf_memfit.models.generic import moe_note
 
         step.notes.append(moe_note(moe, settings))
     return step
@@ -1044,7 +1043,7 @@ def _real_depths(spec) -> tuple[int, ...]:
 
 
 def _config_with_depths(spec, depths: tuple[int, ...]) -> dict:
-    from hf_memfit.spec import _set_path
+    from hf_memfit.models.spec import _set_path
 
     config = spec.with_layers(depths[0])
     keys = spec.layer_count_keys

@@ -13,7 +13,7 @@ that and the Trainer takes it from `--bf16` / `--fp16`. Parameters are wrapped p
 decoder layer (TRANSFORMER_BASED_WRAP reads the model's `_no_split_modules`),
 which is the unit `sharding.wrap_units` models.
 
-    python -m hf_memfit.fsdp --fsdp full_shard --num-processes 2 --offload -o fsdp.yaml
+    python -m hf_memfit.planner.accelerate --fsdp full_shard --num-processes 2 --offload -o fsdp.yaml
 """
 
 import argparse
@@ -112,11 +112,11 @@ def write_accelerate_config(config: dict, path: str | os.PathLike) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m hf_memfit.fsdp",
+        prog="python -m hf_memfit.planner.accelerate",
         description="Write an accelerate FSDP config file (for `accelerate launch --config_file`).",
         epilog="examples:\n"
-               "  python -m hf_memfit.fsdp --fsdp full_shard --num-processes 2 --offload -o fsdp.yaml\n"
-               "  python -m hf_memfit.fsdp --fsdp hybrid_shard --fsdp-version 1 --num-processes 8 --num-machines 2",
+               "  python -m hf_memfit.planner.accelerate --fsdp full_shard --num-processes 2 --offload -o fsdp.yaml\n"
+               "  python -m hf_memfit.planner.accelerate --fsdp hybrid_shard --fsdp-version 1 --num-processes 8 --num-machines 2",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--fsdp", choices=FSDP_STRATEGIES, default="full_shard")

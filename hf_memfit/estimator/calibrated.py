@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import time
 
-from hf_memfit.breakdown import StepMemory
-from hf_memfit.generic import cache_dir, config_key, moe_note, read_cache, write_cache
+from hf_memfit.estimator.breakdown import StepMemory
+from hf_memfit.cache import cache_dir, config_key, read_cache, write_cache
+from hf_memfit.models.generic import moe_note
 
 #: The micro-batch sizes exact mode is traced at.
 CALIBRATION_BATCHES = (1, 4)
@@ -76,7 +77,7 @@ def calibrated_step_memory(spec, settings) -> StepMemory:
 
 def calibrate(spec, settings) -> dict:
     """Trace exact mode at the calibration batch sizes; keep every region's bytes by category."""
-    from hf_memfit.trace import exact_candidates
+    from hf_memfit.estimator.trace import exact_candidates
 
     lo, hi = CALIBRATION_BATCHES
     steps = [exact_candidates(spec, settings.replace(batch_size=b, mode="exact")) for b in (lo, hi)]

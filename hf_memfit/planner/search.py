@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 
 from hf_memfit import optimizers
 from hf_memfit.errors import MemFitError, check_all
-from hf_memfit.estimator import MemoryEstimate, assemble, estimate_settings
+from hf_memfit.estimator.assemble import MemoryEstimate, estimate_settings
 from hf_memfit.settings import TrainSettings
-from hf_memfit.spec import ModelSpec, resolve_model
+from hf_memfit.models.spec import ModelSpec, resolve_model
 from hf_memfit.units import GiB, format_bytes, parse_bytes
 
 # What runs the step when ZeRO offloads the optimizer: deepspeed.py writes an
@@ -935,11 +935,11 @@ def _make_plan(best: Candidate, candidates, usable: int, budget: int, ideal_seco
         reasons.append("DDP: model states fit on every GPU, so no sharding traffic")
     deepspeed = fsdp = None
     if s.fsdp is not None:
-        from hf_memfit.fsdp import trainer_fsdp_arguments
+        from hf_memfit.planner.accelerate import trainer_fsdp_arguments
 
         fsdp = trainer_fsdp_arguments(s)
     if s.zero_stage:
-        from hf_memfit.deepspeed import deepspeed_config
+        from hf_memfit.planner.deepspeed import deepspeed_config
 
         deepspeed = deepspeed_config(s.zero_stage, s.offload_optimizer, s.offload_param, nvme_path=nvme_path,
                                      precision=s.precision, largest_param_numel=largest_param_numel)
@@ -1025,7 +1025,7 @@ EXPANDABLE_SEGMENTS_HINT_SHARE = 0.05
 
 def _expandable_segments_reason(est: MemoryEstimate) -> str:
     """A reason recommending PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True where fragmentation is predicted."""
-    from hf_memfit.cuda_overhead import EXPANDABLE_SEGMENTS_SLACK_BYTES
+    from hf_memfit.estimator.cuda_overhead import EXPANDABLE_SEGMENTS_SLACK_BYTES
 
     s = est.settings
     slack = est.peak_reserved_bytes - est.peak_allocated_bytes

@@ -12,7 +12,7 @@ for FSDP, torch 2.13 `distributed/fsdp/_fully_shard/` (FSDP2) and
 
 from dataclasses import dataclass, field
 
-from hf_memfit.breakdown import StepMemory, is_optimizer_region
+from hf_memfit.estimator.breakdown import StepMemory, is_optimizer_region
 from hf_memfit.settings import TrainSettings
 
 # bitsandbytes NF4 with double quantisation (the QLoRA recipe): 4-bit codes,

@@ -27,6 +27,7 @@ import weakref
 
 import torch
 
+from hf_memfit.models.generic import instantiate
 from hf_memfit.settings import TrainSettings
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -34,14 +35,6 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 def torch_dtype(name: str) -> torch.dtype:
     return _DTYPES[name]
-
-
-def auto_model_class(task: str):
-    import transformers
-
-    from hf_memfit.generic import TASK_AUTO
-
-    return getattr(transformers, TASK_AUTO[task][0])
 
 
 @contextlib.contextmanager
@@ -134,31 +127,6 @@ def _build_model(config: dict, settings: TrainSettings):
     return model
 
 
-def instantiate(config: dict, task: str, num_labels: int, *, dtype, attn_implementation: str | None):
-    """The task's transformers model from a config dict, as `AutoModelFor<task>.from_config` builds it.
-
-    With no attention implementation asked for, SDPA where the model supports
-    it and eager otherwise, which is what transformers itself picks.
-    """
-    from hf_memfit.generic import hf_config as make_hf_config
-
-    hf_config = make_hf_config(config)
-    if task in ("seq-cls", "token-cls"):
-        hf_config.num_labels = num_labels
-        if task == "seq-cls" and getattr(hf_config, "pad_token_id", None) is None:
-            # Sequence classification on decoder models needs a pad id to find the last token.
-            text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
-            pad = getattr(hf_config, "eos_token_id", None) or getattr(text, "eos_token_id", None) or 0
-            hf_config.pad_token_id = pad[0] if isinstance(pad, list) else pad
-    cls = auto_model_class(task)
-    try:
-        return cls.from_config(hf_config, dtype=dtype, attn_implementation=attn_implementation or "sdpa")
-    except ValueError as exc:
-        if attn_implementation is not None or "scaled_dot_product_attention" not in str(exc):
-            raise
-    return cls.from_config(hf_config, dtype=dtype, attn_implementation="eager")  # no SDPA for this model
-
-
 # The per-token outputs each TRL trainer asks its fused LM head for (TRL 1.16: sft_trainer.py and
 # dpo_trainer.py `add_fused_lm_head(..., outputs=...)`; DPO's reference model keeps the default).
 TRL_HEAD_OUTPUTS = {"sft": ("log_probs", "entropy", "is_top1"),
@@ -218,7 +186,7 @@ def _offload_checkpoint_inputs(model) -> None:
     """
     from torch.autograd.graph import saved_tensors_hooks
 
-    from hf_memfit.formulas import pinned_host_bytes
+    from hf_memfit.estimator.fast import pinned_host_bytes
 
     stash = HostStash()
     model.memfit_host_stash = stash
@@ -356,7 +324,7 @@ class TrlOffloadedActivations(torch.autograd.graph.saved_tensors_hooks):
         for old in [i for i in self.fwd_stash if i <= tensor_id - self.FORWARD_STASH]:
             del self.fwd_stash[old]
             self._release(old)
-        from hf_memfit.formulas import pinned_host_bytes
+        from hf_memfit.estimator.fast import pinned_host_bytes
 
         host_numel = storage.nbytes() // activation.element_size() if broadcast else activation.numel()
         host = pinned_host_bytes(host_numel * activation.element_size())

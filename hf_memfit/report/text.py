@@ -1,6 +1,6 @@
 """Readable text for estimates and plans. Pure formatting: no estimation happens here."""
 
-from hf_memfit.breakdown import CATEGORIES
+from hf_memfit.estimator.breakdown import CATEGORIES
 from hf_memfit.units import format_bytes
 
 _CATEGORY_NOTES = {
@@ -60,7 +60,7 @@ def settings_line(settings) -> str:
 
 def format_estimate(est) -> str:
     """The `hf-memfit estimate` table."""
-    from hf_memfit.estimator import describe_region
+    from hf_memfit.estimator.assemble import describe_region
 
     s = est.settings
     lines = [
@@ -90,7 +90,7 @@ def format_estimate(est) -> str:
 
 def format_plan(result) -> str:
     """The `hf-memfit plan` table: the plan, its memory breakdown, the runners-up and the reasons."""
-    from hf_memfit.planner import OFFLOADED_OPTIMIZER, _layout_text, host_bytes_per_node  # the reasons' wording
+    from hf_memfit.planner.search import OFFLOADED_OPTIMIZER, _layout_text, host_bytes_per_node  # the reasons' wording
 
     p, est, s = result.plan, result.estimate, result.plan.settings
     lines = [f"Plan for {est.model}: {s.seq_len} tokens x global batch "

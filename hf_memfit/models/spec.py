@@ -29,7 +29,7 @@ from hf_memfit import models
 from hf_memfit.errors import MemFitError
 from hf_memfit.models._shared import Getter
 
-CATALOGUE_DIR = Path(__file__).parent / "catalogue"
+CATALOGUE_DIR = Path(__file__).parent.parent / "catalogue"  # hf_memfit/catalogue: data, shipped as package data
 
 #: Tasks hf-memfit estimates, and the transformers Auto class that builds each.
 TASK_AUTO_CLASS = {
@@ -317,7 +317,7 @@ class ModelSpec:
         dtype = dtype if isinstance(dtype, str) else None
         family = models.family(model_type)
         if family is None:
-            from hf_memfit.generic import describe  # imports transformers unless cached
+            from hf_memfit.models.generic import describe  # imports transformers unless cached
 
             facts = describe(name, config)
             fields = dict(facts["fields"])
@@ -396,7 +396,7 @@ class ModelSpec:
         if isinstance(num_labels, bool) or not isinstance(num_labels, int) or num_labels < 1:
             raise MemFitError(f"`num_labels` must be a positive integer, got {num_labels!r}")
         if self.generic is not None:
-            from hf_memfit.generic import task_facts
+            from hf_memfit.models.generic import task_facts
 
             return dict(task_facts(self.name, self.config, self.generic, task, num_labels)["counts"])
         counts = models.family(self.model_type).counts(self, self._getter(), task, num_labels)
@@ -415,7 +415,7 @@ class ModelSpec:
         """
         task = self.check_task(task)
         if self.generic is not None:
-            from hf_memfit.generic import task_facts
+            from hf_memfit.models.generic import task_facts
 
             raw = task_facts(self.name, self.config, self.generic, task, num_labels)["linears"]
         else:

@@ -8,7 +8,7 @@ settings on one device. Plain data; `plot.py` draws it and `report.py` prints it
 from dataclasses import dataclass
 import re
 
-from hf_memfit.breakdown import CATEGORIES
+from hf_memfit.estimator.breakdown import CATEGORIES
 from hf_memfit.settings import TrainSettings
 
 
@@ -51,8 +51,8 @@ def trace_timeline(spec, settings: TrainSettings, label: str = "", samples: int 
     the cuBLAS workspaces. So the drawn peak is the estimate's peak allocated for
     the same trace, and `device_total_bytes` its nvidia-smi total.
     """
-    from hf_memfit.estimator import assemble, traced_settings
-    from hf_memfit.trace import _config_with_depths, _real_depths, full_depth_step_memory, trace_step
+    from hf_memfit.estimator.assemble import assemble, traced_settings
+    from hf_memfit.estimator.trace import _config_with_depths, _real_depths, full_depth_step_memory, trace_step
 
     depths = _real_depths(spec)
     trace = trace_step(_config_with_depths(spec, depths), traced_settings(settings), depths)
@@ -74,8 +74,8 @@ class _RankLayout:
         self.spec, self.settings, self.step = spec, settings, step
         self.workspace = 0
         if settings.device == "cuda":
-            from hf_memfit import cuda_overhead
-            from hf_memfit.estimator import _gpu
+            from hf_memfit.estimator import cuda_overhead
+            from hf_memfit.estimator.assemble import _gpu
 
             self.workspace = cuda_overhead.cublas_workspace_bytes(_gpu(settings))
 
@@ -83,7 +83,7 @@ class _RankLayout:
         """Shard (region, breakdown) samples with the estimator's own candidates beside them (for its maxima)."""
         from dataclasses import replace
 
-        from hf_memfit.sharding import shard
+        from hf_memfit.estimator.sharding import shard
 
         candidates = {f"estimate#{region}": dict(b) for region, b in self.step.candidates.items()}
         candidates.update({f"{i}#{region}": dict(b) for i, (region, b) in enumerate(samples)})

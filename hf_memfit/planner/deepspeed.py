@@ -15,8 +15,8 @@ DeepSpeed then runs its CPU Adam on the host copy, which it requires unless
 `zero_force_ds_cpu_optimizer` is false. Without offload the Trainer's `--optim`
 (fused AdamW, 8-bit, ...) is kept, as the planner chose it.
 
-    python -m hf_memfit.deepspeed --write-templates ds_configs
-    python -m hf_memfit.deepspeed --zero-stage 3 --offload-optimizer cpu -o ds.json
+    python -m hf_memfit.planner.deepspeed --write-templates ds_configs
+    python -m hf_memfit.planner.deepspeed --zero-stage 3 --offload-optimizer cpu -o ds.json
 """
 
 import argparse
@@ -200,12 +200,12 @@ def write_templates(directory: str | os.PathLike) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m hf_memfit.deepspeed",
+        prog="python -m hf_memfit.planner.deepspeed",
         description="Write DeepSpeed configs for the HF Trainer (\"auto\" where TrainingArguments knows the value).",
         epilog="examples:\n"
-               "  python -m hf_memfit.deepspeed --write-templates ds_configs\n"
-               "  python -m hf_memfit.deepspeed --zero-stage 3 --offload-optimizer cpu --offload-param cpu -o ds.json\n"
-               "  python -m hf_memfit.deepspeed --zero-stage 3 --offload-optimizer nvme --nvme-path /local_nvme -o ds.json",
+               "  python -m hf_memfit.planner.deepspeed --write-templates ds_configs\n"
+               "  python -m hf_memfit.planner.deepspeed --zero-stage 3 --offload-optimizer cpu --offload-param cpu -o ds.json\n"
+               "  python -m hf_memfit.planner.deepspeed --zero-stage 3 --offload-optimizer nvme --nvme-path /local_nvme -o ds.json",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--write-templates", metavar="DIR", help="write the shipped templates (ds_configs/) into DIR")

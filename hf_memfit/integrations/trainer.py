@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments
 
-from hf_memfit.args import MemFitArguments, MemFitFields
-from hf_memfit.introspect import fixed_layout as _fixed_layout  # noqa: F401 - kept importable from here
-from hf_memfit.introspect import uses_fsdp as _uses_fsdp  # noqa: F401
-from hf_memfit.mixin import (STATE_FILE, MemFitMixin, MemoryCheckCallback, PeerOutOfMemoryError,  # noqa: F401
+from hf_memfit.integrations.args import MemFitArguments, MemFitFields
+from hf_memfit.integrations.introspect import fixed_layout as _fixed_layout  # noqa: F401 - kept importable from here
+from hf_memfit.integrations.introspect import uses_fsdp as _uses_fsdp  # noqa: F401
+from hf_memfit.integrations.mixin import (STATE_FILE, MemFitMixin, MemoryCheckCallback, PeerOutOfMemoryError,  # noqa: F401
                              PlanCheckpointCallback, is_out_of_memory)
 
 

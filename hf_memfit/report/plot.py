@@ -1,6 +1,6 @@
 """Stacked-area memory charts of traced steps (matplotlib, the `plot` extra)."""
 
-from hf_memfit.breakdown import CATEGORIES
+from hf_memfit.estimator.breakdown import CATEGORIES
 from hf_memfit.errors import MemFitError
 
 _COLORS = {"weights": "#4C72B0", "gradients": "#DD8452", "optimizer": "#55A868", "activations": "#C44E52",

@@ -32,10 +32,10 @@ import torch
 from transformers import Trainer, TrainerCallback
 from transformers.training_args import OptimizerNames
 
-from hf_memfit.args import memfit_fields
+from hf_memfit.integrations.args import memfit_fields
 from hf_memfit.errors import MemFitError
-from hf_memfit.introspect import on_cuda as _on_cuda
-from hf_memfit.introspect import uses_fsdp
+from hf_memfit.integrations.introspect import on_cuda as _on_cuda
+from hf_memfit.integrations.introspect import uses_fsdp
 from hf_memfit.units import format_bytes
 
 logger = logging.getLogger(__name__)
@@ -112,8 +112,8 @@ class MemFitMixin(Trainer):
         fields = memfit_fields(train_args)
         if bound.get("model") is None:
             raise MemFitError("`model` is required: a MemFit trainer plans for the model it trains (not `model_init`)")
-        from hf_memfit.introspect import plan_inputs
-        from hf_memfit.planner import plan
+        from hf_memfit.integrations.introspect import plan_inputs
+        from hf_memfit.planner.search import plan
 
         self.memfit_inputs = plan_inputs(self, bound["model"], train_args, fields, bound.get("train_dataset"),
                                          bound.get("data_collator"), bound.get("processing_class"))
@@ -146,7 +146,7 @@ class MemFitMixin(Trainer):
 
     def memfit_summary(self) -> str:
         """The plan as shown on the console: the plan report and every user setting it changed."""
-        from hf_memfit.report import format_plan
+        from hf_memfit.report.text import format_plan
 
         lines = [f"hf-memfit plan for {type(self).__name__}:", format_plan(self.memfit_result)]
         for note in self.memfit_inputs.get("notes", []):
@@ -535,7 +535,7 @@ class MemoryCheckCallback(TrainerCallback):
             torch.cuda.reset_peak_memory_stats()
             self.tracker = "cuda"
             return
-        from hf_memfit.trace import StorageTracker
+        from hf_memfit.estimator.trace import StorageTracker
 
         self.tracker = StorageTracker()
         # The model and optimizer states already exist: register their storages, so that

@@ -1,7 +1,7 @@
 """`estimate()`: the peak memory of one training step, from a model name and settings.
 
 The layers, bottom up:
-- `formulas.fast_step_memory` (fast mode, closed form, no torch) or
+- `fast.fast_step_memory` (fast mode, closed form, no torch) or
   `trace.exact_candidates` (exact mode, the real step on fake tensors) give
   single-device peak candidates, one per region of the step;
 - `sharding.shard` applies 4-bit packing, paging and ZeRO/DDP to each;
@@ -13,9 +13,9 @@ The result is plain data (`MemoryEstimate`); printing lives in `report.py`.
 
 from dataclasses import dataclass, field
 
-from hf_memfit.breakdown import CATEGORIES, StepMemory
+from hf_memfit.estimator.breakdown import CATEGORIES, StepMemory
 from hf_memfit.settings import TrainSettings
-from hf_memfit.spec import ModelSpec, resolve_model
+from hf_memfit.models.spec import ModelSpec, resolve_model
 
 
 @dataclass
@@ -87,14 +87,14 @@ def step_memory(spec: ModelSpec, settings: TrainSettings) -> StepMemory:
     """Single-device peak candidates from the mode the settings ask for."""
     traced = traced_settings(settings)
     if settings.mode == "exact":
-        from hf_memfit.trace import exact_candidates  # imports torch; fast mode never does
+        from hf_memfit.estimator.trace import exact_candidates  # imports torch; fast mode never does
 
         return exact_candidates(spec, traced)
     if not spec.hand_written:
-        from hf_memfit.calibrated import calibrated_step_memory  # imports torch only to calibrate
+        from hf_memfit.estimator.calibrated import calibrated_step_memory  # imports torch only to calibrate
 
         return calibrated_step_memory(spec, traced)
-    from hf_memfit.formulas import fast_step_memory
+    from hf_memfit.estimator.fast import fast_step_memory
 
     return fast_step_memory(spec, traced)
 
@@ -116,8 +116,8 @@ def traced_settings(settings: TrainSettings) -> TrainSettings:
 
 def assemble(spec: ModelSpec, settings: TrainSettings, step: StepMemory) -> MemoryEstimate:
     """Shard the candidates, add the GPU's own overheads, and pick the peak."""
-    from hf_memfit import cuda_overhead
-    from hf_memfit.sharding import shard, wrap_units
+    from hf_memfit.estimator import cuda_overhead
+    from hf_memfit.estimator.sharding import shard, wrap_units
 
     units = wrap_units(spec, settings, step) if settings.fsdp is not None else None
     rank = shard(step, settings, spec.hidden_size, units)

@@ -153,9 +153,9 @@ def settings_from_args(args: argparse.Namespace):
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
-    from hf_memfit.estimator import estimate_settings
-    from hf_memfit.report import format_estimate
-    from hf_memfit.spec import resolve_model
+    from hf_memfit.estimator.assemble import estimate_settings
+    from hf_memfit.report.text import format_estimate
+    from hf_memfit.models.spec import resolve_model
 
     spec = resolve_model(args.model)
     if args.gpu:
@@ -216,8 +216,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from hf_memfit.planner import plan
-    from hf_memfit.report import format_plan
+    from hf_memfit.planner.search import plan
+    from hf_memfit.report.text import format_plan
 
     if args.deepspeed_config_out:
         _check_writable(args.deepspeed_config_out, "--deepspeed-config-out")  # before planning, not after
@@ -239,14 +239,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if result.plan.settings.fsdp is None:
             print("hf-memfit: note: the plan uses no FSDP; no accelerate config written", file=sys.stderr)
         else:
-            from hf_memfit.fsdp import accelerate_fsdp_config, write_accelerate_config
+            from hf_memfit.planner.accelerate import accelerate_fsdp_config, write_accelerate_config
 
             write_accelerate_config(accelerate_fsdp_config(result.plan.settings), args.accelerate_config_out)
     if args.deepspeed_config_out:
         if result.plan.deepspeed is None:
             print("hf-memfit: note: the plan needs no DeepSpeed; no config written", file=sys.stderr)
         else:
-            from hf_memfit.deepspeed import write_deepspeed_config
+            from hf_memfit.planner.deepspeed import write_deepspeed_config
 
             write_deepspeed_config(result.plan.deepspeed, args.deepspeed_config_out)
     output = result.to_dict() if args.json else format_plan(result)
@@ -257,13 +257,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
         else:
             output += "\n\n" + format_trl_config(args.trainer, fields)
     if args.explain is not None:
-        from hf_memfit.spec import resolve_model
+        from hf_memfit.models.spec import resolve_model
 
         timelines = _trace(resolve_model(args.model), [("the plan", result.plan.settings)], args.explain, "--explain")
         if args.json:
             output["explain"] = _timeline_dict(timelines[0])
         else:
-            from hf_memfit.report import format_timeline
+            from hf_memfit.report.text import format_timeline
 
             output += "\n\n" + format_timeline(timelines[0])
     print(json.dumps(output, indent=2) if args.json else output)
@@ -309,8 +309,8 @@ _EXPLAIN_EPILOG = """examples:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    from hf_memfit.report import format_timeline
-    from hf_memfit.spec import resolve_model
+    from hf_memfit.report.text import format_timeline
+    from hf_memfit.models.spec import resolve_model
 
     spec = resolve_model(args.model)
     base = settings_from_args(args).replace(mode="exact")
@@ -325,7 +325,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 def _trace(spec, configs, plot: str | None, flag: str = "--plot") -> list:
     """Trace each (label, settings) at full depth in exact mode, with progress on stderr; draw them to `plot` if given."""
-    from hf_memfit.timeline import trace_timeline
+    from hf_memfit.estimator.timeline import trace_timeline
 
     if plot:
         _check_writable(plot, flag)  # before the (long) traces, not after
@@ -335,7 +335,7 @@ def _trace(spec, configs, plot: str | None, flag: str = "--plot") -> list:
         print(f"hf-memfit: tracing {spec.name} ({label}, {spec.num_layers} layers) ...", file=sys.stderr, flush=True)
         timelines.append(trace_timeline(spec, settings, label=f"{spec.name}: {label}"))
     if plot:
-        from hf_memfit.plot import plot_timelines
+        from hf_memfit.report.plot import plot_timelines
 
         plot_timelines(timelines, plot, title=f"{spec.name}: memory over one training step")
         print(f"hf-memfit: wrote {plot}", file=sys.stderr)

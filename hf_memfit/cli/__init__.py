@@ -1,0 +1,5 @@
+"""`hf-memfit estimate | plan | explain | cache`: the command line (`main`)."""
+
+from hf_memfit.cli.main import main
+
+__all__ = ["main"]
