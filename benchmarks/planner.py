@@ -114,7 +114,7 @@ def build_model_spec(model: Model):
 
 
 def grid(spec, model: Model) -> list:
-    """The planner's grid for device cpu, one GPU, no offload (planner._grid with those inputs)."""
+    """The planner's grid for device cpu, one GPU, no offload (planner.grid.settings_grid with those inputs)."""
     from hf_memfit.settings import TrainSettings
 
     base = TrainSettings(batch_size=1, seq_len=model.seq_len, precision="fp32", attn_implementation="sdpa",

@@ -76,10 +76,11 @@ def test_deepcopy_of_a_fake_module_allocates_and_keeps_its_fake_mode():
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from hf_memfit.estimator.trace import StorageTracker, _deepcopy_fake_tensors_as_real_ones
+    from hf_memfit.estimator.fake_patches import deepcopy_fake_tensors_as_real_ones
+    from hf_memfit.estimator.trace import StorageTracker
 
     fake_mode, tracker = FakeTensorMode(allow_non_fake_inputs=True), StorageTracker()
-    with fake_mode, tracker, _deepcopy_fake_tensors_as_real_ones():
+    with fake_mode, tracker, deepcopy_fake_tensors_as_real_ones():
         torch.tensor(3.0)  # a constant: the converter keeps a StorageWeakRef to its real storage
         module = torch.nn.Linear(8, 4)
         module.register_buffer("table", torch.zeros(10, 3)[2:5])  # a view: the whole storage is copied

@@ -11,7 +11,8 @@ from hf_memfit.cli.main import main
 from hf_memfit.estimator.cuda_overhead import ALLOCATOR_FRAGMENTATION_RATIO, allocator_slack_bytes
 from hf_memfit.errors import MemFitError
 from hf_memfit.estimator.assemble import estimate_settings
-from hf_memfit.planner.search import Candidate, HostLimit, _confirm_exact, host_bytes_per_node, plan
+from hf_memfit.planner import plan
+from hf_memfit.planner.candidates import Candidate, HostLimit, confirm_in_exact_mode, host_bytes_per_node
 from hf_memfit.report.text import format_plan
 from hf_memfit.models.spec import resolve_model
 from hf_memfit.units import GiB, MiB, format_bytes
@@ -81,7 +82,7 @@ def test_exact_rejection_is_never_reported_as_a_fit():
     optimistic = estimate_settings(spec, best)
     optimistic.device_total_bytes = int(real * 0.97)  # a fast estimate that says it does
     candidate = Candidate(best, optimistic, 1.0, True)
-    assert _confirm_exact(spec, [candidate], usable, HostLimit(None, "not checked"), everything=False) == []
+    assert confirm_in_exact_mode(spec, [candidate], usable, HostLimit(None, "not checked"), everything=False) == []
     assert candidate.fits is False
     assert candidate.why_not.startswith("exact mode: needs ")
     assert candidate.estimate.settings.mode == "exact"

@@ -328,7 +328,7 @@ def fast_step_memory(spec, settings) -> StepMemory:
     # Offloaded checkpoints (activation_checkpointing_kwargs={"offload": True}): each layer's saved
     # input is copied to pinned host memory in the forward and back for the layer's recompute.
     kept_inputs = 0 if settings.offload_activations or settings.activation_offloading else 1
-    # TRL's activation_offloading (step.TrlOffloadedActivations): every saved tensor of 1 KiB or more goes to
+    # TRL's activation_offloading (step_levers.TrlOffloadedActivations): every saved tensor of 1 KiB or more goes to
     # pinned host memory as it is saved and comes back when its backward node runs. Modelled here: nothing
     # saved outside the layer being run backward stays on the GPU (the checkpoints' inputs, the embeddings',
     # the other layers'); the head's saved tensors and the running layer's are counted whole (they come back

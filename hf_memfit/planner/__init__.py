@@ -4,6 +4,7 @@
 `deepspeed` and `accelerate` write the DeepSpeed JSON and the accelerate / FSDP settings a plan needs.
 """
 
-from hf_memfit.planner.search import Plan, PlanResult, plan
+from hf_memfit.planner.result import Plan, PlanResult
+from hf_memfit.planner.search import plan
 
 __all__ = ["Plan", "PlanResult", "plan"]

@@ -90,7 +90,9 @@ def format_estimate(est) -> str:
 
 def format_plan(result) -> str:
     """The `hf-memfit plan` table: the plan, its memory breakdown, the runners-up and the reasons."""
-    from hf_memfit.planner.search import OFFLOADED_OPTIMIZER, _layout_text, host_bytes_per_node  # the reasons' wording
+    from hf_memfit.planner.candidates import host_bytes_per_node
+    from hf_memfit.planner.explain import layout_text  # the reasons' wording
+    from hf_memfit.planner.result import OFFLOADED_OPTIMIZER
 
     p, est, s = result.plan, result.estimate, result.plan.settings
     lines = [f"Plan for {est.model}: {s.seq_len} tokens x global batch "
@@ -107,7 +109,7 @@ def format_plan(result) -> str:
         ("attn_implementation", p.attn_implementation),
         *([("use_liger_kernel", "True")] if p.use_liger_kernel else []),
         *([("activation checkpoints", "offloaded to the host")] if p.offload_activations else []),
-        ("sharding", _layout_text(s)),
+        ("sharding", layout_text(s)),
         (f"predicted peak per GPU ({'nvidia-smi' if s.device == 'cuda' else 'allocator'}, {est.settings.mode} mode)",
          format_bytes(est.device_total_bytes)),
         ("predicted throughput", f"{100 * p.predicted_tokens_per_second_relative:.0f}% of the unconstrained step"),
@@ -125,7 +127,7 @@ def format_plan(result) -> str:
         for c in result.alternatives:
             c_s = c.settings
             label = (f"micro {c_s.batch_size} x acc {c_s.gradient_accumulation_steps}, "
-                     f"ckpt {'on' if c_s.gradient_checkpointing else 'off'}, {c_s.optim}, {_layout_text(c_s)}")
+                     f"ckpt {'on' if c_s.gradient_checkpointing else 'off'}, {c_s.optim}, {layout_text(c_s)}")
             verdict = c.why_not if c.fits else f"does not fit: {c.why_not}"
             lines.append(f"  - {label}: {verdict}")
     lines += ["", "The same figure from the estimator:", f"  {step_command('estimate', est.model, est.settings)}",

@@ -1,0 +1,293 @@
+"""What the exact trace patches so that a model trains on fake CPU tensors as it would on a GPU.
+
+CUDA semantics that a CPU-only torch cannot run (the SDPA backend a GPU picks and what its kernels keep,
+CUDA autocast's fp32 op list, Triton kernels that fold in place), and what fake tensors cannot do as
+transformers and peft use them (in-place truncated-normal init, grouped matmuls of any dtype, deep copies).
+Each item is sourced in `shared/CUDA_MEMORY_FACTS.md` or in the comment beside it.
+"""
+
+import contextlib
+import copy
+import functools
+
+import torch
+
+
+# --- CUDA semantics on fake CPU tensors ------------------------------------
+
+def _round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+class GpuAttentionMemory(torch.autograd.Function):
+    """What SDPA's flash / memory-efficient CUDA kernels allocate, on fake tensors.
+
+    Values do not matter under FakeTensorMode; the allocations do. Sources
+    (aten/src/ATen/native/transformers/cuda, summarised in CUDA_MEMORY_FACTS.md):
+    - forward: output [b,s,h,d] in the input dtype, logsumexp fp32 [b,h,s]
+      (memory-efficient pads s to a multiple of 32); q, k, v are saved as they are.
+    - backward: dq, dk, dv; flash adds `dq_accum` fp32 [b, round128(s), h, round32(d)]
+      and `softmax_d` fp32 [b, h, round128(s)]; memory-efficient adds `delta` fp32
+      [b,h,s] and a grad-q accumulation workspace of q's size in fp32.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, backend):
+        b, h, s, d = q.shape
+        out = torch.empty((b, s, h, v.shape[-1]), dtype=q.dtype, device=q.device).transpose(1, 2)
+        lse_len = s if backend == "flash" else _round_up(s, 32)
+        lse = torch.empty((b, h, lse_len), dtype=torch.float32, device=q.device)
+        ctx.backend = backend
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        b, h, s, d = q.shape
+        if ctx.backend == "flash":
+            scratch = [torch.empty((b, _round_up(s, 128), h, _round_up(d, 32)), dtype=torch.float32, device=q.device),
+                       torch.empty((b, h, _round_up(s, 128)), dtype=torch.float32, device=q.device)]
+        else:
+            scratch = [torch.empty((b, h, s), dtype=torch.float32, device=q.device),
+                       torch.empty(q.shape, dtype=torch.float32, device=q.device)]
+        grads = tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+        del scratch
+        return (*grads, None)
+
+
+def gpu_sdpa(flash_supported: bool):
+    """A stand-in for F.scaled_dot_product_attention that follows CUDA's backend choice."""
+    original = torch.nn.functional.scaled_dot_product_attention
+
+    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, **kw):
+        half = query.dtype in (torch.float16, torch.bfloat16)
+        head_dim = query.shape[-1]
+        if key.shape[1] != query.shape[1]:  # GQA: the kernels see k/v expanded to all heads
+            repeat = query.shape[1] // key.shape[1]
+            key = key.repeat_interleave(repeat, dim=1)
+            value = value.repeat_interleave(repeat, dim=1)
+        # sdp_utils.cpp: flash needs no mask, fp16/bf16, sm80+, head_dim <= 256.
+        if flash_supported and attn_mask is None and half and head_dim <= 256:
+            return GpuAttentionMemory.apply(query, key, value, "flash")
+        # memory-efficient takes masks and fp32; its own limits are far above our head dims.
+        if head_dim % 8 == 0:
+            out = GpuAttentionMemory.apply(query, key, value, "efficient")
+            if attn_mask is not None and attn_mask.requires_grad:
+                out = out + 0 * attn_mask.sum()
+            return out
+        return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                        scale=scale, **kw)
+
+    return sdpa
+
+
+# What CUDA autocast runs in fp32 and CPU autocast does not (autocast_mode.cpp
+# fp32 lists), as (namespace, attribute) pairs the model code calls through.
+_CUDA_FP32_OPS = (
+    (torch.nn.functional, "layer_norm"), (torch, "layer_norm"), (torch.nn.functional, "group_norm"),
+    (torch.nn.functional, "softmax"), (torch, "softmax"), (torch.Tensor, "softmax"),
+    (torch.nn.functional, "log_softmax"), (torch, "log_softmax"), (torch.Tensor, "log_softmax"),
+)
+
+
+@contextlib.contextmanager
+def cuda_autocast_policy():
+    """While autocast is on, run CUDA autocast's fp32 ops in fp32 (CPU autocast leaves them in fp16/bf16).
+
+    Casting the inputs to fp32 above autograd reproduces what CUDA autocast
+    saves for backward (the fp32 copy of the input) and what it outputs. The
+    functions themselves are wrapped, and each call asks torch's autocast state,
+    so the policy holds wherever the model code runs: in the forward, and in the
+    recompute of a checkpointed layer inside backward, where checkpoint restores
+    the forward's autocast state. (A TorchFunctionMode does not reach that
+    recompute: torch pops a mode while its handler runs, and `Tensor.backward`
+    is itself dispatched through the handler, so a mode-based policy upcast in
+    the forward but not in the recompute, and checkpoint refused the mismatch:
+    "recomputed ... dtype float16 vs float32".)
+    """
+
+    def fp32_when_autocast(original):
+        @functools.wraps(original)
+        def upcast(*args, **kwargs):
+            if not torch.is_autocast_enabled("cpu"):
+                return original(*args, **kwargs)
+            args = tuple(a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
+            with torch.autocast("cpu", enabled=False):
+                return original(*args, **kwargs)
+
+        return upcast
+
+    originals = [(owner, name, getattr(owner, name)) for owner, name in _CUDA_FP32_OPS]
+    try:
+        for owner, name, original in originals:
+            setattr(owner, name, fp32_when_autocast(original))
+        yield
+    finally:
+        for owner, name, original in originals:
+            setattr(owner, name, original)
+
+
+@contextlib.contextmanager
+def truncated_normal_init_in_place():
+    """Let weight init by `trunc_normal_` run on fake tensors.
+
+    torch 2.13's `trunc_normal_` resamples until no value is out of bounds,
+    reading `.item()` of the data, which fake tensors do not have. The values
+    do not matter here and the init is in place (no allocation), so a plain
+    in-place `normal_` stands in for it while the model is built.
+    """
+    import transformers.initialization as hf_init
+
+    def trunc_normal_(tensor, mean=0.0, std=1.0, a=-2.0, b=2.0, generator=None):
+        with torch.no_grad():
+            return tensor.normal_(mean, std)
+
+    original_torch, original_hf = torch.nn.init.trunc_normal_, hf_init.TORCH_INIT_FUNCTIONS.get("trunc_normal_")
+    torch.nn.init.trunc_normal_ = trunc_normal_
+    if original_hf is not None:
+        hf_init.TORCH_INIT_FUNCTIONS["trunc_normal_"] = trunc_normal_
+    try:
+        yield
+    finally:
+        torch.nn.init.trunc_normal_ = original_torch
+        if original_hf is not None:
+            hf_init.TORCH_INIT_FUNCTIONS["trunc_normal_"] = original_hf
+
+
+# --- mixture-of-experts layers on fake tensors ----------------------------------
+
+def is_experts(module) -> bool:
+    """A transformers experts module (fused 3-D expert weights behind `use_experts_implementation`)."""
+    return hasattr(module, "has_gate") and hasattr(module, "is_transposed") and hasattr(module, "num_experts")
+
+
+class _GroupedMatmul(torch.autograd.Function):
+    """What `torch.nn.functional.grouped_mm` allocates, for dtypes its meta kernel refuses.
+
+    transformers 5.23 runs experts through `grouped_mm` by default
+    (`get_correct_experts_implementation`), and on the CPU the real kernel
+    takes fp32 too; torch's meta registration accepts only bf16. The output
+    is (rows, out) in the input's dtype whatever the routing (the offsets only
+    say which expert each row uses); backward makes the input's gradient and
+    the weights' gradient when each needs one, as the derivative formula does.
+    """
+
+    @staticmethod
+    def forward(ctx, input, weight, offs):
+        ctx.save_for_backward(input, weight)
+        return torch.empty((input.shape[0], weight.shape[-1]), dtype=input.dtype, device=input.device)
+
+    @staticmethod
+    def backward(ctx, grad):
+        input, weight = ctx.saved_tensors
+        grad_input = torch.empty_like(input) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device) \
+            if ctx.needs_input_grad[1] else None
+        return grad_input, grad_weight, None
+
+
+@contextlib.contextmanager
+def grouped_mm_any_dtype():
+    """Route transformers' grouped expert matmuls through `_GroupedMatmul` when the meta kernel would refuse."""
+    from transformers.integrations import moe
+
+    original = moe._grouped_mm
+
+    def grouped_mm(input, weight, offs):
+        if weight.dtype == torch.bfloat16:
+            return original(input, weight, offs=offs)
+        return _GroupedMatmul.apply(input.to(weight.dtype), weight, offs)
+
+    moe._grouped_mm = grouped_mm
+    try:
+        yield
+    finally:
+        moe._grouped_mm = original
+
+
+def triton_folds_in_place(patches: contextlib.ExitStack) -> None:
+    """TRL's fused LM head as its Triton kernels run on a GPU: each tile folded in place, no temporaries.
+
+    On a device without Triton (the CPU, where the trace runs) TRL folds the tiles
+    with torch ops (`_forward_tile`, `_backward_tile`) that make fp32 temporaries
+    of the tile's size; on CUDA `_forward_kernel` / `_backward_kernel` keep them in
+    registers and write the tile in place, and `_addmm_fp32` accumulates into the
+    fp32 gradients with `addmm(out_dtype=float32)`, without upcast copies
+    (trl/kernels/chunked_logprob.py, TRL 1.16). Values do not matter on fake tensors.
+    """
+    import trl.kernels.chunked_logprob as kernel
+
+    for name in ("_forward_tile", "_backward_tile", "_addmm_fp32"):
+        original = getattr(kernel, name)
+        setattr(kernel, name, lambda *args, **kwargs: None)
+        patches.callback(setattr, kernel, name, original)
+
+
+# --- deep copies of fake tensors ------------------------------------------------
+
+@contextlib.contextmanager
+def deepcopy_fake_tensors_as_real_ones():
+    """Make `copy.deepcopy` of a FakeTensor allocate what it allocates for a real tensor, and nothing else.
+
+    peft deep-copies modules while it wraps a model: `ModulesToSaveWrapper`
+    copies the classifier head for `SEQ_CLS` (and any `modules_to_save`), and
+    DoRA (of a 4-bit base layer), LN tuning and layer replication copy layers
+    too. torch's
+    `Tensor.__deepcopy__`, which FakeTensor inherits, ends with
+    `new.__dict__ = deepcopy(self.__dict__, memo)`, and a FakeTensor's
+    `__dict__` holds its `fake_mode`. That deep-copies the whole
+    FakeTensorMode, including `fake_tensor_converter.constant_storage_mapping`,
+    whose keys are `StorageWeakRef`s: raw pointers to real storages, each
+    holding one weak reference that its `__del__` releases. The copy duplicates
+    the pointer without taking a reference, so the reference is released
+    twice, and the process heap is corrupted (SIGSEGV in a later trace, or
+    glibc's "corrupted double-linked list" at exit).
+
+    The replacement does for fake tensors what torch does for real ones:
+    a parameter is `Parameter(data.clone(preserve_format), requires_grad)`
+    (`Parameter.__deepcopy__`); another tensor gets a copy of its whole storage,
+    shared by every tensor on that storage within one deepcopy, then the same
+    view of it, its grad and its Python attributes (`Tensor.__deepcopy__`).
+    The copy stays in the tensor's own fake mode, and every allocation goes
+    through the dispatcher, so the tracker counts it.
+    """
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    had_own = "__deepcopy__" in FakeTensor.__dict__
+    original = FakeTensor.__dict__.get("__deepcopy__")
+    fake_keys = object()  # memo key of this deepcopy's storage copies, per source storage
+
+    def deepcopy(self, memo):
+        if id(self) in memo:
+            return memo[id(self)]
+        with torch.no_grad():
+            if isinstance(self, torch.nn.Parameter):
+                new = torch.nn.Parameter(self.detach().clone(memory_format=torch.preserve_format), self.requires_grad)
+            else:
+                storages = memo.setdefault(id(fake_keys), {})
+                source = self.untyped_storage()
+                if source._cdata not in storages:
+                    storages[source._cdata] = torch.empty(
+                        source.nbytes(), dtype=torch.uint8, device=self.device).untyped_storage()
+                new = self.new_empty((0,))
+                new.set_(storages[source._cdata], self.storage_offset(), self.size(), self.stride())
+                if self.requires_grad:
+                    new.requires_grad_()
+                if self.grad is not None:
+                    new.grad = copy.deepcopy(self.grad, memo)
+                for key, value in self.__dict__.items():  # attributes set by users, not the fake mode's own
+                    if key not in new.__dict__:
+                        setattr(new, key, copy.deepcopy(value, memo))
+        memo[id(self)] = new
+        return new
+
+    FakeTensor.__deepcopy__ = deepcopy
+    try:
+        yield
+    finally:
+        if had_own:
+            FakeTensor.__deepcopy__ = original
+        else:
+            del FakeTensor.__deepcopy__
+
