@@ -565,6 +565,10 @@ def machine() -> dict:
     return info
 
 
+# The code a measurement executes: the training step (with its levers and the model build) and the profiler.
+GROUND_TRUTH_CODE = ("estimator/step.py", "estimator/step_levers.py", "estimator/measure.py", "models/generic.py")
+
+
 def _ground_truth_hashes() -> dict:
     """Hashes of the code the measurement runs; saved with --json so --measured-from can check them."""
     import hashlib
@@ -573,7 +577,7 @@ def _ground_truth_hashes() -> dict:
 
     root = os.path.dirname(hf_memfit.__file__)
     return {name: hashlib.sha256(open(os.path.join(root, name), "rb").read()).hexdigest()
-            for name in ("step.py", "measure.py")}
+            for name in GROUND_TRUTH_CODE}
 
 
 def _estimator_hashes() -> dict:
@@ -584,14 +588,14 @@ def _estimator_hashes() -> dict:
 
     root = os.path.dirname(hf_memfit.__file__)
     return {name: hashlib.sha256(open(os.path.join(root, name), "rb").read()).hexdigest()[:12]
-            for name in ("formulas.py", "trace.py") if os.path.exists(os.path.join(root, name))}
+            for name in ("estimator/fast.py", "estimator/trace.py") if os.path.exists(os.path.join(root, name))}
 
 
 def _load_measurements(path: str) -> dict:
     with open(path, encoding="utf-8") as f:
         saved = json.load(f)
     if saved.get("ground_truth_code") != _ground_truth_hashes():
-        raise SystemExit(f"{path}: hf_memfit/step.py or measure.py changed since it was measured; re-measure")
+        raise SystemExit(f"{path}: the measured code (accuracy.GROUND_TRUTH_CODE) changed since it was measured; re-measure")
     return {r["name"]: r for r in saved["rows"] if r.get("measured")}
 
 
@@ -629,7 +633,7 @@ def main(argv=None) -> int:
     parser.add_argument("--no-baselines", action="store_true", help="skip the accelerate / DeepSpeed baselines")
     parser.add_argument("--measured-from", metavar="JSON",
                         help="re-score both modes against the measurements saved by an earlier --json run "
-                             "(refused if hf_memfit/step.py or measure.py changed since, or a row's settings differ)")
+                             "(refused if the measured code, GROUND_TRUTH_CODE, changed since, or a row's settings differ)")
     parser.add_argument("--no-isolate", action="store_true",
                         help="run every row in this process instead of a forked child per row")
     args = parser.parse_args(argv)

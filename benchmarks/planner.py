@@ -573,7 +573,7 @@ def _load_saved(path: str) -> dict:
     with open(path, encoding="utf-8") as f:
         saved = json.load(f)
     if saved.get("ground_truth_code") != accuracy._ground_truth_hashes():
-        raise SystemExit(f"{path}: hf_memfit/step.py or measure.py changed since it was measured; re-measure")
+        raise SystemExit(f"{path}: the measured code (accuracy.GROUND_TRUTH_CODE) changed since it was measured; re-measure")
     return saved
 
 
@@ -589,7 +589,7 @@ def main(argv=None) -> int:
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per configuration run")
     parser.add_argument("--measured-from", metavar="JSON",
                         help="reuse the grid measurements of an earlier --json run and only re-plan "
-                             "(refused if hf_memfit/step.py or measure.py changed since)")
+                             "(refused if the measured code, accuracy.GROUND_TRUTH_CODE, changed since)")
     parser.add_argument("--calibrate", action="store_true", help="run the CPU speed-model microbenchmarks and exit")
     parser.add_argument("--metric", choices=METRICS,
                         help="which clock scores a step: process CPU time (default with 1 thread) or wall time "
@@ -693,7 +693,7 @@ def _planner_hash(path: str | None = None) -> str:
 
     import hf_memfit
 
-    path = path or os.path.join(os.path.dirname(hf_memfit.__file__), "planner.py")
+    path = path or os.path.join(os.path.dirname(hf_memfit.__file__), "planner", "search.py")
     return hashlib.sha256(open(path, "rb").read()).hexdigest()[:12]
 
 

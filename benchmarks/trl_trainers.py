@@ -5,7 +5,7 @@ optimizer steps on a tiny Llama, a local WordLevel tokenizer and local text,
 in a forked child, under the PyTorch profiler with `profile_memory=True`:
 the maximum of the running sum of the allocator's `[memory]` events, from
 model creation to the end of training, is the measured peak (the ground
-truth of `hf_memfit/measure.py`). The prediction is the trainer's own logged
+truth of `hf_memfit/estimator/measure.py`). The prediction is the trainer's own logged
 `memfit/predicted_peak_bytes` (its plan, made in fast mode from the prepared
 data); the exact-mode estimate of the same plan is reported beside it.
 

@@ -66,6 +66,10 @@ def library_version(name: str) -> str:
         match = re.search(r"""^__version__\s*(?::\s*str\s*)?=\s*["']([^"']+)["']""", head, re.MULTILINE)
         if match:
             return match.group(1)
+    for metadata in folder.parent.glob(f"{name}-*.dist-info/METADATA"):  # set by the build, not in the source
+        match = re.search(r"^Version: (\S+)", metadata.read_text(encoding="utf-8")[:2000], re.MULTILINE)
+        if match:
+            return match.group(1)
     return "unknown"
 
 

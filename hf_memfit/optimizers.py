@@ -22,9 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from hf_memfit.errors import MemFitError
+from hf_memfit.units import cuda_block_bytes
 
-# CUDACachingAllocator rounds every block to 512 bytes (kMinBlockSize).
-_CUDA_BLOCK = 512
 
 # bitsandbytes 8-bit optimizers keep 8-bit states only for tensors with at least
 # this many elements, with one fp32 absmax per block (Optimizer8bit, bnb >= 0.46).
@@ -199,7 +198,7 @@ def allocated_bytes(numel: int, dtype_bytes: float, cuda: bool) -> int:
     """Bytes one tensor takes: rounded to the caching allocator's 512-byte blocks on CUDA."""
     n = int(round(numel * dtype_bytes))
     if cuda:
-        n = max(_CUDA_BLOCK, -(-n // _CUDA_BLOCK) * _CUDA_BLOCK)
+        n = cuda_block_bytes(n)
     return n
 
 

@@ -8,9 +8,9 @@ imports torch. `validate()` collects every problem and reports them at once.
 from dataclasses import asdict, dataclass, field, replace
 
 from hf_memfit.errors import check_all
+from hf_memfit.tasks import TASKS
 from hf_memfit.optimizers import OPTIMIZERS  # the one optimizer model: every optim name we plan
 
-TASKS = ("causal-lm", "seq-cls", "seq2seq", "token-cls", "image-text-to-text")
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16", "fp16")
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2")
 OFFLOAD_TARGETS = ("none", "cpu", "nvme")

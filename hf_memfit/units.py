@@ -42,3 +42,13 @@ def format_bytes(n: int | float) -> str:
         if n >= scale:
             return f"{sign}{n / scale:.2f} {unit}"
     return f"{sign}{int(n)} B"
+
+
+# CUDACachingAllocator rounds every request up to a multiple of kMinBlockSize, at least one block
+# ("all sizes are rounded to at least 512 bytes", c10/cuda/CUDACachingAllocator.cpp).
+CUDA_BLOCK_BYTES = 512
+
+
+def cuda_block_bytes(nbytes: int) -> int:
+    """The bytes the CUDA caching allocator hands out for a request of `nbytes`."""
+    return max(CUDA_BLOCK_BYTES, -(-nbytes // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES)

@@ -18,7 +18,8 @@ from hf_memfit.estimator.breakdown import CATEGORIES, is_optimizer_region
 from hf_memfit.errors import MemFitError
 from hf_memfit.estimator.fast import fast_step_memory
 from hf_memfit.settings import TrainSettings
-from hf_memfit.models.spec import TASK_AUTO_CLASS, ModelSpec, resolve_model
+from hf_memfit.models.spec import ModelSpec, resolve_model
+from hf_memfit.tasks import TASK_TABLE
 
 
 @pytest.fixture(autouse=True)
@@ -225,7 +226,7 @@ def test_lora_counts_match_peft(name, task, r, targets):
         kwargs["target_modules"] = list(targets)
     with warnings.catch_warnings(), torch.device("meta"):
         warnings.simplefilter("ignore")
-        model = getattr(transformers, TASK_AUTO_CLASS[task]).from_config(config)
+        model = getattr(transformers, TASK_TABLE[task].auto_class).from_config(config)
         model = peft.get_peft_model(model, peft.LoraConfig(**kwargs))
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())

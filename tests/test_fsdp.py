@@ -236,7 +236,7 @@ def test_planner_puts_70b_qlora_on_two_24gb_gpus_with_fsdp():
     assert again.device_total_bytes == result.estimate.device_total_bytes
     # host memory is checked per node: two ranks' shards each. Below that, the offloaded layout is out
     # (a per-GPU check would still take it: one rank needs only half), and whatever is chosen fits the host.
-    from hf_memfit.planner.search import host_bytes_per_node
+    from hf_memfit.planner.candidates import host_bytes_per_node
 
     host = result.estimate.cpu_bytes * 2
     assert host_bytes_per_node(result.estimate) == host

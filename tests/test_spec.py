@@ -19,10 +19,10 @@ import warnings
 import pytest
 
 from hf_memfit.errors import MemFitError
+from hf_memfit.tasks import TASK_TABLE
 from hf_memfit.models.spec import (
     CATALOGUE_DIR,
     SUPPORTED_MODEL_TYPES,
-    TASK_AUTO_CLASS,
     ModelSpec,
     _DEFAULTS,
     _PEFT_LORA_TARGETS,
@@ -48,7 +48,7 @@ def _offline(monkeypatch):
 def build_meta(config: dict, task: str, num_labels: int = 2):
     """Build the transformers model for `task` on the meta device."""
     hf_config = transformers.AutoConfig.for_model(**copy.deepcopy(config), num_labels=num_labels)
-    auto = getattr(transformers, TASK_AUTO_CLASS[task])
+    auto = getattr(transformers, TASK_TABLE[task].auto_class)
     with warnings.catch_warnings(), torch.device("meta"):
         warnings.simplefilter("ignore")
         return auto.from_config(hf_config)

@@ -16,7 +16,7 @@ from bisect import bisect_left, insort
 from dataclasses import dataclass
 
 from hf_memfit.hardware import GPU
-from hf_memfit.units import GiB, MiB
+from hf_memfit.units import CUDA_BLOCK_BYTES, GiB, MiB, cuda_block_bytes
 
 # --- CUDA context -------------------------------------------------------------
 # Outside memory_allocated and memory_reserved, but counted by nvidia-smi and
@@ -52,7 +52,7 @@ CUBLAS_WORKSPACE_BYTES_DEFAULT = 4096 * 1024 * 2 + 16 * 1024 * 8  # 8,519,680 B
 CUBLAS_HANDLES_PER_TRAINING_PROCESS = 2  # main thread (forward) + autograd thread (backward)
 
 # --- Caching allocator (c10/cuda/CUDACachingAllocator.cpp, default settings) --
-K_MIN_BLOCK_SIZE = 512  # kMinBlockSize: "all sizes are rounded to at least 512 bytes"
+K_MIN_BLOCK_SIZE = CUDA_BLOCK_BYTES  # kMinBlockSize: "all sizes are rounded to at least 512 bytes"
 K_SMALL_SIZE = 1 * MiB  # kSmallSize: "largest 'small' allocation is 1 MiB"
 K_SMALL_BUFFER = 2 * MiB  # kSmallBuffer: "'small' allocations are packed in 2 MiB blocks"
 K_LARGE_BUFFER = 20 * MiB  # kLargeBuffer: "'large' allocations may be packed in 20 MiB blocks"
@@ -118,9 +118,7 @@ def round_allocation(nbytes: int) -> int:
     """
     if nbytes < 0:
         raise ValueError(f"allocation size must be non-negative, got {nbytes}")
-    if nbytes < K_MIN_BLOCK_SIZE:
-        return K_MIN_BLOCK_SIZE
-    return K_MIN_BLOCK_SIZE * ((nbytes + K_MIN_BLOCK_SIZE - 1) // K_MIN_BLOCK_SIZE)
+    return cuda_block_bytes(nbytes)
 
 
 def segment_bytes(nbytes: int) -> int:

@@ -30,6 +30,7 @@ from hf_memfit.models.generic import instantiate
 from hf_memfit.estimator.step_levers import (TrlOffloadedActivations, liger_causal_lm_forward,
                                              liger_in_place_accumulation, offload_checkpoint_inputs)
 from hf_memfit.settings import TrainSettings
+from hf_memfit.tasks import TASK_TABLE
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -149,9 +150,7 @@ def reference_model(model):
 def _add_lora(model, settings: TrainSettings):
     from peft import LoraConfig, get_peft_model
 
-    task_type = {"causal-lm": "CAUSAL_LM", "seq-cls": "SEQ_CLS", "seq2seq": "SEQ_2_SEQ_LM", "token-cls": "TOKEN_CLS",
-                 "image-text-to-text": "CAUSAL_LM"}[settings.task]
-    kwargs = {"r": settings.lora_r or 8, "task_type": task_type}  # peft's default r is 8
+    kwargs = {"r": settings.lora_r or 8, "task_type": TASK_TABLE[settings.task].peft_task_type}  # peft's default r is 8
     if settings.lora_alpha is not None:
         kwargs["lora_alpha"] = settings.lora_alpha
     if settings.lora_target_modules is not None:

@@ -42,6 +42,7 @@ from hf_memfit.estimator.fake_patches import (cuda_autocast_policy, deepcopy_fak
                                               grouped_mm_any_dtype, is_experts, triton_folds_in_place,
                                               truncated_normal_init_in_place)
 from hf_memfit.settings import TrainSettings
+from hf_memfit.units import CUDA_BLOCK_BYTES
 
 # Progress of the traces ("tracing 2 of 3 ..."), at INFO: the CLI shows it on stderr; a library
 # user sees it only by enabling the "hf_memfit" logger.
@@ -266,7 +267,7 @@ def trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], *
     `depths` is informational here; the config already carries them.
     """
     cuda = settings.device == "cuda"
-    tracker = StorageTracker(round_to=512 if cuda else 1)  # CUDACachingAllocator rounds to 512 B
+    tracker = StorageTracker(round_to=CUDA_BLOCK_BYTES if cuda else 1)  # the caching allocator's blocks
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     patches = contextlib.ExitStack()
     with fake_mode, tracker, patches:

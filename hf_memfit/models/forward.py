@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hf_memfit.units import cuda_block_bytes
+
 # Element sizes by our dtype tags.
 DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "u8": 1, "bool": 1, "i64": 8}
 DTYPE_TAG = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 
-# CUDACachingAllocator rounds every block to 512 bytes (kMinBlockSize).
-_CUDA_BLOCK = 512
 
 # Exact mode emulates CUDA on fake CPU tensors. Two CPU behaviours survive in
 # it, and fast mode follows them so that both modes agree (they are real
@@ -160,7 +160,7 @@ class ForwardTape:
     def bytes_of(self, t: SymTensor) -> int:
         n = t.numel * DTYPE_BYTES[t.dtype]
         if self.ctx.cuda:
-            n = max(_CUDA_BLOCK, -(-n // _CUDA_BLOCK) * _CUDA_BLOCK)
+            n = cuda_block_bytes(n)
         return n
 
     def scope_bytes(self, scope: str, *, held: bool, weight_copies: bool = False) -> int:

@@ -17,16 +17,7 @@ from typing import Any
 
 from hf_memfit.cache import config_key, library_version, read_cache, write_cache
 from hf_memfit.errors import MemFitError
-
-# Our task names -> the transformers Auto class and its model-type -> class-name mapping.
-TASK_AUTO = {
-    "causal-lm": ("AutoModelForCausalLM", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"),
-    "seq-cls": ("AutoModelForSequenceClassification", "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES"),
-    "token-cls": ("AutoModelForTokenClassification", "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES"),
-    "seq2seq": ("AutoModelForSeq2SeqLM", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES"),
-    "image-text-to-text": ("AutoModelForImageTextToText", "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES"),
-}
-
+from hf_memfit.tasks import TASK_TABLE
 
 # --------------------------------------------------------------------------
 # Building the transformers config and model
@@ -52,11 +43,11 @@ def hf_config(config: dict, name: str = ""):
 
 
 def supported_tasks(model_type: str) -> tuple[str, ...]:
-    """Our tasks whose Auto class has a model for `model_type`, in TASK_AUTO order."""
+    """Our tasks whose Auto class has a model for `model_type`, in `TASKS` order."""
     from transformers.models.auto import modeling_auto
 
-    return tuple(task for task, (_, mapping) in TASK_AUTO.items()
-                 if model_type in getattr(modeling_auto, mapping, {}))
+    return tuple(task for task, info in TASK_TABLE.items()
+                 if model_type in getattr(modeling_auto, info.mapping, {}))
 
 
 def default_task(tasks: tuple[str, ...], is_encoder_decoder: bool) -> str:
@@ -72,7 +63,7 @@ def default_task(tasks: tuple[str, ...], is_encoder_decoder: bool) -> str:
 def auto_model_class(task: str):
     import transformers
 
-    return getattr(transformers, TASK_AUTO[task][0])
+    return getattr(transformers, TASK_TABLE[task].auto_class)
 
 
 def instantiate(config: dict, task: str, num_labels: int, *, dtype, attn_implementation: str | None):
@@ -260,7 +251,7 @@ def describe(name: str, config: dict) -> dict:
     if not tasks:
         raise MemFitError(f"`model` `{name}` has model_type `{model_type}`, which transformers "
                           f"{library_version('transformers')} builds for none of hf-memfit's tasks "
-                          f"({', '.join(TASK_AUTO)}); pass a causal LM, classifier or seq2seq config")
+                          f"({', '.join(TASK_TABLE)}); pass a causal LM, classifier or seq2seq config")
     encdec = bool(getattr(hf, "is_encoder_decoder", False))
     depth_keys, depths = _depth_paths(config, hf, text)
     heads = _int(getattr(text, "num_attention_heads", None), 1)

@@ -27,19 +27,10 @@ from typing import Any
 
 from hf_memfit import models
 from hf_memfit.errors import MemFitError
+from hf_memfit.tasks import TASKS
 from hf_memfit.models._shared import Getter
 
 CATALOGUE_DIR = Path(__file__).parent.parent / "catalogue"  # hf_memfit/catalogue: data, shipped as package data
-
-#: Tasks hf-memfit estimates, and the transformers Auto class that builds each.
-TASK_AUTO_CLASS = {
-    "causal-lm": "AutoModelForCausalLM",
-    "seq-cls": "AutoModelForSequenceClassification",
-    "seq2seq": "AutoModelForSeq2SeqLM",
-    "token-cls": "AutoModelForTokenClassification",
-    "image-text-to-text": "AutoModelForImageTextToText",  # trained on text-only batches
-}
-TASKS = tuple(TASK_AUTO_CLASS)
 
 # Connecting to the Hub must never make an offline machine wait: probe the
 # endpoint with a short TCP connect first (huggingface_hub itself retries a
