@@ -104,7 +104,7 @@ def time_estimate(results: dict, repeats: int) -> None:
 def time_cli(results: dict) -> None:
     exe = shutil.which("hf-memfit")
     cmd = [exe, "estimate", "gpt2-xl", "--batch-size", "1", "--seq-len", "1024"] if exe else \
-        [sys.executable, "-m", "hf_memfit.cli.main", "estimate", "gpt2-xl", "--batch-size", "1", "--seq-len", "1024"]
+        [sys.executable, "-m", "hf_memfit.cli", "estimate", "gpt2-xl", "--batch-size", "1", "--seq-len", "1024"]
     print("## CLI wall time (fresh interpreter, fast mode)")
     print("$ " + " ".join(["hf-memfit"] + cmd[1:] if exe else cmd))
     times, last = [], None

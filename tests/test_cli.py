@@ -86,7 +86,7 @@ def test_bad_input_is_one_line_with_exit_code_2(capsys, argv, named):
 
 
 def test_real_process_exit_code_and_no_traceback():
-    proc = subprocess.run([sys.executable, "-m", "hf_memfit.cli.main", "estimate", "llama-3-8b", "--batch-size", "1",
+    proc = subprocess.run([sys.executable, "-m", "hf_memfit.cli", "estimate", "llama-3-8b", "--batch-size", "1",
                            "--seq-len", "8"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
@@ -106,7 +106,7 @@ def test_closed_pipe_ends_quietly():
 
     read_end, write_end = os.pipe()
     os.close(read_end)  # nobody will ever read: the first write fails with EPIPE
-    proc = subprocess.run([sys.executable, "-m", "hf_memfit.cli.main", "plan", "gpt2", "--gpu-memory", "12GiB",
+    proc = subprocess.run([sys.executable, "-m", "hf_memfit.cli", "plan", "gpt2", "--gpu-memory", "12GiB",
                            "--seq-len", "128", "--global-batch-size", "8"], stdout=write_end, stderr=subprocess.PIPE,
                           text=True)
     os.close(write_end)

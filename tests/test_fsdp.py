@@ -144,7 +144,7 @@ def test_bad_fsdp_settings_name_the_flag(changes, message):
 
 
 def test_cli_bad_fsdp_input_is_one_line_exit_2():
-    proc = subprocess.run([sys.executable, "-m", "hf_memfit.cli.main", "estimate", "gpt2", "--batch-size", "1",
+    proc = subprocess.run([sys.executable, "-m", "hf_memfit.cli", "estimate", "gpt2", "--batch-size", "1",
                            "--seq-len", "64", "--fsdp", "no_shard", "--num-gpus", "2"],
                           capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 2 and "--fsdp-version 1" in proc.stderr and "Traceback" not in proc.stderr

@@ -148,7 +148,7 @@ def test_cli_unknown_model_type_is_one_line_exit_2(tmp_path):
 
     config = tmp_path / "config.json"
     config.write_text(json.dumps({"model_type": "my_remote_arch", "auto_map": {"AutoConfig": "x.Y"}}))
-    proc = subprocess.run([sys.executable, "-m", "hf_memfit.cli.main", "estimate", str(config), "--batch-size", "1", "--seq-len", "8"],
+    proc = subprocess.run([sys.executable, "-m", "hf_memfit.cli", "estimate", str(config), "--batch-size", "1", "--seq-len", "8"],
                           capture_output=True, text=True)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
@@ -161,7 +161,7 @@ def test_a_config_transformers_cannot_build_is_one_line(tmp_path):
 
     config = tmp_path / "config.json"
     config.write_text(json.dumps(dict(TINY_QWEN3, hidden_act="no_such_activation")))
-    proc = subprocess.run([sys.executable, "-m", "hf_memfit.cli.main", "estimate", str(config), "--batch-size", "1",
+    proc = subprocess.run([sys.executable, "-m", "hf_memfit.cli", "estimate", str(config), "--batch-size", "1",
                            "--seq-len", "8"], capture_output=True, text=True)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
@@ -171,7 +171,7 @@ def test_a_config_transformers_cannot_build_is_one_line(tmp_path):
 def test_cli_estimates_a_generic_family(tmp_path):
     config = tmp_path / "config.json"
     config.write_text(json.dumps(TINY_MODERNBERT))
-    proc = subprocess.run([sys.executable, "-m", "hf_memfit.cli.main", "estimate", str(config), "--batch-size", "2",
+    proc = subprocess.run([sys.executable, "-m", "hf_memfit.cli", "estimate", str(config), "--batch-size", "2",
                            "--seq-len", "64", "--mode", "exact", "--json"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["total_params"] == ModelSpec.from_config("m", TINY_MODERNBERT).parameter_count()[
