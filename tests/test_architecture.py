@@ -66,3 +66,31 @@ def test_the_public_api_is_where_it_was():
     from hf_memfit.cli import main  # the console script `hf-memfit = hf_memfit.cli:main`
 
     assert callable(main)
+
+
+def test_no_import_cycles():
+    """No module imports itself through others, function-level imports included (grimp: import-linter's graph)."""
+    import grimp
+
+    graph = grimp.build_graph("hf_memfit", cache_dir=None)
+    modules = sorted(graph.modules)
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    cycles = []
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for imported in sorted(graph.find_modules_directly_imported_by(module)):
+            if state.get(imported) == 1:
+                cycles.append(path[path.index(imported):] + [imported])
+            elif imported not in state:
+                visit(imported, path + [imported])
+        state[module] = 2
+
+    for module in modules:
+        if module not in state:
+            visit(module, [module])
+    # Not cycles of code: a package's __init__ re-exporting its own modules, and a script's
+    # `if __name__ == "__main__"` importing itself under its package name (integrations/recipe.py).
+    real = [c for c in cycles if len(c) > 2
+            and not any(a.startswith(b + ".") or b.startswith(a + ".") for a, b in zip(c, c[1:]))]
+    assert not real, real

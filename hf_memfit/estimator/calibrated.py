@@ -103,25 +103,3 @@ def evaluate(calibration: dict, batch_size: int) -> StepMemory:
     step = StepMemory(candidates, **calibration["facts"])
     return step
 
-
-# What `hf-memfit cache warm` calibrates for each model: the settings users plan most (full fine-tuning,
-# LoRA and QLoRA, each with and without checkpointing, bf16 mixed precision on a bf16 GPU with flash
-# attention); a calibration then serves every batch size (and layout) of its setting.
-WARM_SETTINGS = tuple(
-    {"precision": "bf16-mixed", "gpu": "H100", "gradient_checkpointing": checkpointing, **adapters}
-    for adapters in ({}, {"lora_r": 16}, {"lora_r": 16, "load_in_4bit": True})
-    for checkpointing in (True, False)
-)
-
-
-def warm(spec, seq_len: int = 2048) -> int:
-    """Calibrate `spec` for `WARM_SETTINGS` now; returns how many calibrations were made (0: all cached)."""
-    from hf_memfit.cache import cache_entries
-    from hf_memfit.estimator.assemble import step_memory, traced_settings
-    from hf_memfit.settings import TrainSettings
-
-    before = sum(cache_entries().values())
-    seq_len = min(seq_len, spec.max_position_embeddings or seq_len)
-    for fields in WARM_SETTINGS:
-        step_memory(spec, traced_settings(TrainSettings(batch_size=1, seq_len=seq_len, **fields).validate(spec)))
-    return sum(cache_entries().values()) - before
