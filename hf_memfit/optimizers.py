@@ -19,6 +19,7 @@ No torch here: the fast path must import nothing heavy.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from hf_memfit.errors import MemFitError
@@ -177,10 +178,7 @@ class TensorGroup:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
 
 def eight_bit_states(t: TensorGroup) -> bool:

@@ -6,6 +6,7 @@ tensors, optimizer states in the layout each optimizer allocates (`hf_memfit.opt
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from hf_memfit import models
@@ -37,10 +38,7 @@ class ParamGroup:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
 
 def _embedding_tables(spec) -> list[tuple[int, int, bool]]:
