@@ -25,7 +25,6 @@ from dataclasses import dataclass, replace
 from hf_memfit.errors import MemFitError
 from hf_memfit.units import cuda_block_bytes
 
-
 # bitsandbytes 8-bit optimizers keep 8-bit states only for tensors with at least
 # this many elements, with one fp32 absmax per block (Optimizer8bit, bnb >= 0.46).
 BNB_MIN_8BIT_SIZE = 4096
