@@ -211,7 +211,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--optim-args", help='with a GaLore / APOLLO --optim: TrainingArguments.optim_args, e.g. "rank=64"')
     parser.add_argument("--deepspeed-config-out", help="write the plan's DeepSpeed config (JSON) here")
     parser.add_argument("--accelerate-config-out",
-                        help="write the plan's accelerate FSDP config (YAML, for `accelerate launch --config_file`) here")
+                        help="write the plan's accelerate config (YAML, for `accelerate launch --config_file`) here, "
+                             "whatever the layout: one GPU, DDP, DeepSpeed (naming the DeepSpeed JSON; written "
+                             "beside the YAML unless --deepspeed-config-out is given) or FSDP")
     parser.add_argument("--explain", nargs="?", const="", metavar="FILE.png",
                         help="also trace the chosen plan's step and show where the memory goes; with a path, draw it")
 
@@ -220,8 +222,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from hf_memfit.planner.search import plan
     from hf_memfit.report.text import format_plan
 
-    if args.deepspeed_config_out:
-        _check_writable(args.deepspeed_config_out, "--deepspeed-config-out")  # before planning, not after
+    for flag in ("deepspeed_config_out", "accelerate_config_out"):  # before planning, not after
+        if getattr(args, flag):
+            _check_writable(getattr(args, flag), "--" + flag.replace("_", "-"))
     if args.explain:
         _check_writable(args.explain, "--explain")
     targets = args.lora_target_modules
@@ -236,20 +239,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         use_liger_kernel={"auto": None, "yes": True, "no": False}[args.use_liger_kernel],
         optim_target_modules=args.optim_target_modules, optim_args=args.optim_args,
     )
-    if args.accelerate_config_out:
-        if result.plan.settings.fsdp is None:
-            print("hf-memfit: note: the plan uses no FSDP; no accelerate config written", file=sys.stderr)
-        else:
-            from hf_memfit.planner.accelerate import accelerate_fsdp_config, write_accelerate_config
+    from hf_memfit.planner.accelerate import write_plan_configs
 
-            write_accelerate_config(accelerate_fsdp_config(result.plan.settings), args.accelerate_config_out)
-    if args.deepspeed_config_out:
-        if result.plan.deepspeed is None:
-            print("hf-memfit: note: the plan needs no DeepSpeed; no config written", file=sys.stderr)
-        else:
-            from hf_memfit.planner.deepspeed import write_deepspeed_config
-
-            write_deepspeed_config(result.plan.deepspeed, args.deepspeed_config_out)
+    notes, args.deepspeed_config_out = write_plan_configs(
+        result.plan.settings, result.plan.deepspeed, args.accelerate_config_out, args.deepspeed_config_out)
+    for note in notes:
+        print(f"hf-memfit: note: {note}", file=sys.stderr)
     output = result.to_dict() if args.json else format_plan(result)
     if args.trainer != "trainer":
         fields = trl_config_fields(result.plan, args)
