@@ -1,4 +1,4 @@
-"""`hf-memfit estimate | plan | explain | cache`: one function per subcommand, `main(argv) -> int`.
+"""`hf-memfit estimate | plan | explain | check | cache`: one function per subcommand, `main(argv) -> int`.
 
 User errors (`MemFitError`, bad flags) print one line on stderr and exit 2.
 The fast paths import no torch.
@@ -11,6 +11,7 @@ import logging
 import sys
 
 from hf_memfit.cli.cache import add_cache_parser
+from hf_memfit.cli.check import add_check_parser
 from hf_memfit.errors import MemFitError
 
 _ESTIMATE_EPILOG = """examples:
@@ -417,6 +418,7 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--compare", action="append", metavar="FIELD=VALUE[,...]",
                      help="another configuration to draw beside the first (repeatable)")
     exp.set_defaults(func=cmd_explain)
+    add_check_parser(sub)
     add_cache_parser(sub)
     return parser
 
