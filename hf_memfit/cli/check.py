@@ -203,10 +203,16 @@ def check_row(spec, settings, *, steps: int, terms: bool, exact: bool) -> dict:
 
 
 def _measure(spec, settings, steps: int, terms: bool):
+    import warnings
+
     from hf_memfit.estimator.measure_device import measure_step
 
     try:
-        return measure_step(spec.config, settings, steps=steps, terms=terms)
+        with warnings.catch_warnings():
+            # peft and transformers warn about the randomly initialised model check builds (e.g. LoRA on GPT-2's
+            # Conv1D sets fan_in_fan_out); the user wrote none of that code and the memory is the same.
+            warnings.simplefilter("ignore", UserWarning)
+            return measure_step(spec.config, settings, steps=steps, terms=terms)
     except MemFitError:
         raise
     except Exception as error:  # noqa: BLE001 - one line for the user; the step is the libraries' code, not ours
@@ -296,7 +302,7 @@ def machine_info(device: str) -> dict:
     from hf_memfit import __version__
 
     info = {"hf_memfit": __version__, "python": platform.python_version(), "platform": platform.platform(),
-            "cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
+            "cpu": _cpu_name(), "cpu_count": os.cpu_count(),
             "torch_threads": torch.get_num_threads(), "ram_bytes": int(psutil.virtual_memory().total),
             "device": device}
     for package in ("torch", "transformers", "peft", "accelerate", "bitsandbytes", "trl"):
@@ -312,6 +318,18 @@ def machine_info(device: str) -> dict:
     else:
         info["device_name"] = info["cpu"]
     return info
+
+
+def _cpu_name() -> str:
+    """The CPU's model name (Linux's /proc/cpuinfo), else what `platform` knows (often only the architecture)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 # --- text ------------------------------------------------------------------------------------------------
