@@ -117,10 +117,7 @@ def _measure_cuda(config: dict, settings: TrainSettings, steps: int) -> Measurem
     torch.cuda.synchronize()
     torch.manual_seed(0)
     constants = {"cublas_workspace_bytes": _cublas_workspace_probe(settings)}
-    reserved_before = torch.cuda.memory_reserved()
-    process_before = _process_device_bytes()
-    constants["cuda_context_bytes"] = process_before - reserved_before
-    torch.cuda.reset_peak_memory_stats()
+    torch.cuda.reset_peak_memory_stats()  # the workspaces stay allocated, so the peaks below include them
     with _quantized_build(settings), torch.device("cuda"):
         model = training.build_model(config, settings)
     optimizer = training.make_optimizer(model, settings, cuda_semantics=True)
@@ -132,10 +129,11 @@ def _measure_cuda(config: dict, settings: TrainSettings, steps: int) -> Measurem
         training.optimizer_step(model, optimizer, cuda_semantics=True)
     torch.cuda.synchronize()
     allocated, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
-    # Cached segments stay reserved after the peak (nothing empties the cache), so the process's device memory
-    # now is its peak as nvidia-smi showed it.
-    total = _process_device_bytes()
+    # The context is what the process holds beyond the allocator's segments, read after the steps: kernels load
+    # lazily (CUDA_MODULE_LOADING=LAZY), so only now does it hold a training step's kernel images, as predicted.
+    constants["cuda_context_bytes"] = _process_device_bytes() - torch.cuda.memory_reserved()
     constants["allocator_reserved_minus_allocated_bytes"] = reserved - allocated
+    total = constants["cuda_context_bytes"] + reserved  # nvidia-smi at the peak: the context and every segment
     del model, optimizer
     notes = [] if _nvml() is not None else [
         "no pynvml: the device total is the whole device's used memory, other processes included"]
