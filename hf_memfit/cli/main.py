@@ -171,6 +171,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
 _PLAN_EPILOG = """examples:
   hf-memfit plan gpt2-xl --gpu-memory 12GiB --seq-len 1024 --global-batch-size 64
+  hf-memfit plan gpt2-xl --gpu-memory 12GiB --seq-len 1024 --global-batch-size 64 --accelerate-config-out plan.yaml
+      # then: accelerate launch --config_file plan.yaml train.py (a DeepSpeed plan also writes plan.deepspeed.json)
   hf-memfit plan meta-llama/Llama-3.1-8B --gpu a10g --seq-len 2048 --global-batch-size 32 --load-in-4bit --lora-r 16
   hf-memfit plan meta-llama/Llama-2-70b-hf --gpu h100 --num-gpus 8 --seq-len 4096 --global-batch-size 64 \\
       --deepspeed-config-out ds_config.json --json
