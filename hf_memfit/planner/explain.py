@@ -12,7 +12,7 @@ from hf_memfit.planner.candidates import (
     host_bytes_per_node,
     why_not_fits,
 )
-from hf_memfit.planner.grid import ADAM_LADDER, low_rank_targets, pure_bf16_grid
+from hf_memfit.planner.grid import ADAM_LADDER, CPU_ADAM_LADDER, liger_searched, low_rank_targets, pure_bf16_grid
 from hf_memfit.planner.result import OFFLOADED_OPTIMIZER, Plan
 from hf_memfit.settings import TrainSettings
 from hf_memfit.units import GiB, format_bytes
@@ -313,11 +313,13 @@ def optimizer_reason(s: TrainSettings, candidates, keep_optimizer: bool) -> str:
 
 def nothing_fits(spec, base: TrainSettings, candidates, usable: int, budget: int, allow_offload: str, world: int,
                   per_rank: int, host: HostLimit, optims: tuple[str, ...], *,
-                  pure_bf16_base: TrainSettings | None = None) -> str:
+                  pure_bf16_base: TrainSettings | None = None, liger: bool = True) -> str:
     """The one-line error when no candidate fits: what binds (device or host), and which remedies would fit.
 
-    Remedies are tried from the least to the most change to the training: offload,
-    more GPUs, an optimizer that changes the dynamics but keeps the full fine-tune
+    Remedies are tried from the least to the most change to the training: the levers
+    that keep it identical but were not searched (`--expandable-segments`, Liger's
+    fused loss when it is not installed here, the AdamW ladder under `--keep-optimizer`),
+    offload, more GPUs, an optimizer that changes the dynamics but keeps the full fine-tune
     (each one `--allow-optimizers` admits and the plan did not search, e.g.
     Adafactor), LoRA, QLoRA, more host memory, then a shorter sequence (the longest
     that fits). Each is checked with the same estimator and the same device and
@@ -376,6 +378,12 @@ def nothing_fits(spec, base: TrainSettings, candidates, usable: int, budget: int
                          f"{least.settings.optim} with bf16 stochastic rounding"
                          + (", no host memory" if not least.estimate.cpu_bytes else "") + ")")
     remedies: list[tuple[str, dict]] = []
+    if on_gpu and not base.expandable_segments:
+        remedies.append(("`--expandable-segments`", dict(expandable_segments=True)))
+    if not liger and not base.use_liger_kernel and liger_searched(spec, base, True):
+        remedies.append(("`--use-liger-kernel yes`", dict(use_liger_kernel=True)))  # installed where it will run
+    ladder = ADAM_LADDER if on_gpu else CPU_ADAM_LADDER
+    remedies += [(f"`--optim {name}`", dict(optim=name)) for name in ladder if name not in searched]  # AdamW's numerics
     if on_gpu and allow_offload == "none" and not base.load_in_4bit:
         remedies.append(("`--allow-offload cpu`", offload))
     if on_gpu and base.num_nodes == 1 and not base.load_in_4bit:  # 4-bit weights are not partitioned by ZeRO-3
