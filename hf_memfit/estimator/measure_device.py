@@ -75,7 +75,7 @@ def measure_step(config: dict, settings: TrainSettings, *, steps: int = 2, terms
                 analysed_peak = result.peak_allocated_bytes
             if analysed_peak != result.peak_allocated_bytes:
                 result.notes.append(f"the attributed run peaked at {analysed_peak} B, the measured one at "
-                                    f"{result.peak_allocated_bytes} B (bytes the profiler ties to no tensor)")
+                                    f"{result.peak_allocated_bytes} B (its analysis follows tensors, not every allocator event)")
     result.seconds = time.perf_counter() - started
     return result
 
