@@ -123,7 +123,10 @@ def _measure_cuda(config: dict, settings: TrainSettings, steps: int) -> Measurem
     torch.manual_seed(0)
     constants = {"cublas_workspace_bytes": _cublas_workspace_probe(settings)}
     torch.cuda.reset_peak_memory_stats()  # the workspaces stay allocated, so the peaks below include them
-    with _quantized_build(settings), torch.device("cuda"):
+    # A 4-bit build places itself (`from_pretrained(device_map=...)`, and peft puts each adapter on its base
+    # layer's device); everything else is built straight on the GPU.
+    placement = contextlib.nullcontext() if settings.load_in_4bit else torch.device("cuda")
+    with _quantized_build(settings), placement:
         model = training.build_model(config, settings)
     optimizer = training.make_optimizer(model, settings, cuda_semantics=True)
     for _ in range(steps):
