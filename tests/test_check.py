@@ -100,6 +100,13 @@ def test_what_the_cpu_cannot_run_is_refused_in_one_line(tmp_path, capsys, extra,
     assert err.count("\n") == 1 and err.startswith("hf-memfit: error:") and named in err
 
 
+def test_a_grid_no_row_can_run_is_refused_up_front(tmp_path, capsys):
+    out_file = tmp_path / "check.json"
+    code, _, err = _run(capsys, _config(tmp_path, TINY_LLAMA), "--batch-size", "1", "--seq-len", "32", "--device",
+                        "cpu", "--grid", "--num-gpus", "2", "--out", str(out_file))
+    assert code == 2 and err.count("\n") == 1 and "--num-gpus" in err and not out_file.exists()
+
+
 def test_a_model_too_big_for_this_machine_is_refused_before_it_runs(capsys):
     import psutil
 

@@ -80,6 +80,9 @@ def cmd_check(args: argparse.Namespace) -> int:
         row = check_row(spec, base, steps=args.steps, terms=args.terms, exact=args.mode == "exact")
         print(json.dumps({"machine": machine, **row}, indent=2) if args.json else format_row(spec.name, row, machine))
         return 0
+    # What no row could run (several processes, pinned offload on a CPU ...) is refused once, up front; the
+    # grid itself varies the adapters, so a 4-bit base on a CPU still runs its full and LoRA rows.
+    check_all(unrunnable(base.replace(load_in_4bit=False, bnb_4bit_quant_storage=None)))
     rows = []
     for label, settings in grid_settings(base, cuda=device == "cuda"):
         print(f"hf-memfit: check {label} ...", file=sys.stderr, flush=True)
