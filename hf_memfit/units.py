@@ -12,11 +12,20 @@ _UNITS = {
     "g": 1000**3, "gb": 1000**3, "gib": GiB,
     "t": 1000**4, "tb": 1000**4, "tib": TiB,
 }
+# The largest memory size any budget may name, per GPU or per node. No device comes near it: the largest
+# GPU has 288 GB of HBM (AMD MI355X / NVIDIA B300) and the largest single-system-image hosts hold 64 TiB
+# (HPE Superdome Flex at its maximum configuration, SGI UV 3000). A size beyond it is a typo ("1e30GiB",
+# "80TiB" for "80GiB") and would make every plan fit, so it is refused rather than planned for.
+MAX_MEMORY_BYTES = 64 * TiB
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
 
 
 def parse_bytes(text: str | int | float, what: str = "size") -> int:
-    """Parse "12GiB", "24 GB", "80g" or a plain number of bytes. `what` names the argument in errors."""
+    """Parse "12GiB", "24 GB", "80g" or a plain number of bytes. `what` names the argument in errors.
+
+    Every size parsed here is a memory size (a GPU budget, a node's RAM), so anything over
+    `MAX_MEMORY_BYTES` is refused here, once, for every flag and API field that takes one.
+    """
     if isinstance(text, (int, float)) and not isinstance(text, bool):
         value, unit = float(text), ""
     else:
@@ -24,7 +33,11 @@ def parse_bytes(text: str | int | float, what: str = "size") -> int:
         if not match or match.group(2).lower() not in _UNITS:
             raise MemFitError(f"`{what}` got {text!r}; give a size such as 12GiB, 24GB or 80e9")
         value, unit = float(match.group(1)), match.group(2).lower()
-    size = int(value * _UNITS[unit])
+    scaled = value * _UNITS[unit]
+    if not scaled <= MAX_MEMORY_BYTES:  # also "1e400GiB" (float() reads inf; int(inf) raises) and a NaN
+        raise MemFitError(f"`{what}` got {text!r}, more than any device holds (the limit is "
+                          f"{format_bytes(MAX_MEMORY_BYTES)} per GPU or node); give the real size, e.g. 80GiB")
+    size = int(scaled)
     if size <= 0:
         raise MemFitError(f"`{what}` must be positive, got {text!r}")
     if not unit and size < KiB:  # "12" or "80" meant as GiB: no memory budget is a few hundred bytes

@@ -67,6 +67,12 @@ BAD_INPUTS = [
      "--global-batch-size"),
     (["plan", "gpt2", "--seq-len", "128", "--global-batch-size", "8", "--gpu-memory", "12 parsecs"], "--gpu-memory"),
     (["estimate", "gpt2", "--batch-size", "1"], "--seq-len"),
+    # sizes beyond any device: a typo that would make every plan fit (1e400 is inf to float())
+    (["plan", "gpt2", "--seq-len", "128", "--global-batch-size", "8", "--gpu-memory", "1e30GiB"], "64.00 TiB"),
+    (["plan", "gpt2", "--seq-len", "128", "--global-batch-size", "8", "--gpu-memory", "1e400GiB"], "--gpu-memory"),
+    (["plan", "gpt2", "--seq-len", "128", "--global-batch-size", "8", "--gpu-memory", "65TiB"], "--gpu-memory"),
+    (["plan", "gpt2", "--seq-len", "128", "--global-batch-size", "8", "--gpu-memory", "12GiB", "--cpu-memory",
+      "1e30GiB"], "--cpu-memory"),
     (["estimate", "gpt2", "--batch-size", "1", "--max-length", "64", "--packing"], "--trainer sft"),
     (["estimate", "gpt2", "--batch-size", "1", "--seq-len", "64", "--max-length", "32", "--trainer", "sft"],
      "--max-length"),
@@ -83,6 +89,19 @@ def test_bad_input_is_one_line_with_exit_code_2(capsys, argv, named):
     assert err.count("\n") == 1 and err.startswith("hf-memfit: error:")
     assert named in err
     assert "Traceback" not in err
+
+
+def test_size_limit_is_inclusive_and_covers_every_caller():
+    from hf_memfit.errors import MemFitError
+    from hf_memfit.integrations.args import MemFitArguments
+    from hf_memfit.units import MAX_MEMORY_BYTES, parse_bytes
+
+    assert parse_bytes("64TiB") == MAX_MEMORY_BYTES  # the limit itself is still a size
+    for too_big in (MAX_MEMORY_BYTES + 1, float("inf"), float("nan"), "64.001TiB"):
+        with pytest.raises(MemFitError, match="`--x`"):
+            parse_bytes(too_big, "--x")
+    with pytest.raises(MemFitError, match="memory_budget"):  # the Trainer's field parses through the same place
+        MemFitArguments(output_dir="/tmp/unused", memory_budget="1e30GiB")
 
 
 def test_real_process_exit_code_and_no_traceback():

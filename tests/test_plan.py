@@ -141,6 +141,53 @@ def test_cpu_plans_never_shard_or_suggest_gpu_remedies():
     assert "--num-gpus" not in message and "offload" not in message and "QLoRA" not in message
 
 
+def test_refusal_names_every_optimizer_that_allow_optimizers_would_make_fit():
+    """GPT-2 full fine-tune on a 1.5 GiB CPU budget: AdamW (even 8-bit) does not fit, Adafactor and SGD do.
+
+    Each optimizer `--allow-optimizers` admits is named in the refusal exactly when allowing it
+    makes the plan succeed, with a predicted peak within the budget; on the CPU the plan has no
+    offload to add, so the refusal's check and the plan's search cover the same settings.
+    """
+    from hf_memfit import optimizers
+
+    request = dict(gpu_memory="1.5GiB", seq_len=128, global_batch_size=1, device="cpu")
+    usable = 1.5 * GiB * 0.95
+    with pytest.raises(MemFitError) as error:
+        plan("gpt2", **request)
+    message = str(error.value)
+    named = dict(re.findall(r"`--allow-optimizers (\w+)` \(([\d.]+ [KMG]iB)\)", message))
+    assert "adafactor" in named, message
+    for name, o in optimizers.OPTIMIZERS.items():
+        if not o.changes_dynamics:
+            continue
+        try:
+            result = plan("gpt2", **request, allow_optimizers=name)
+        except MemFitError:
+            assert name not in named, (name, message)
+            continue
+        assert name in named, (name, message)
+        assert result.plan.optim == name
+        assert result.estimate.device_total_bytes <= usable
+        value, unit = named[name].split()
+        assert float(value) * {"KiB": 2**10, "MiB": 2**20, "GiB": GiB}[unit] <= usable
+
+
+def test_refusal_names_the_levers_that_keep_the_training_and_each_one_plans():
+    """GPT-2 at 1024 tokens on 3.9 GiB with `--keep-optimizer` and no offload: nothing fits as asked, but the
+    allocator's expandable segments and the 8-bit / 4-bit AdamW variants the ladder would have tried do.
+    Every such lever the refusal names plans successfully once applied, within the budget."""
+    request = dict(gpu_memory="3900MiB", seq_len=1024, global_batch_size=8, allow_offload="none")
+    with pytest.raises(MemFitError) as error:
+        plan("gpt2", keep_optimizer=True, **request)
+    message = str(error.value)
+    optims = re.findall(r"`--optim (\w+)` \(", message)
+    assert "`--expandable-segments` (" in message and optims, message
+    for changes in [dict(expandable_segments=True)] + [dict(optim=name) for name in optims]:
+        result = plan("gpt2", keep_optimizer=True, **request, **changes)
+        assert result.estimate.device_total_bytes <= 3900 * 2**20 * 0.95, changes
+        assert all(getattr(result.plan.settings, key) == value for key, value in changes.items())
+
+
 def test_global_batch_that_cannot_be_split():
     with pytest.raises(MemFitError, match="multiple of 4"):
         plan("gpt2", gpu_memory="16GiB", seq_len=128, global_batch_size=6, num_gpus=4)

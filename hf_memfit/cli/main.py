@@ -1,4 +1,4 @@
-"""`hf-memfit estimate | plan | explain | cache`: one function per subcommand, `main(argv) -> int`.
+"""`hf-memfit estimate | plan | explain | check | cache`: one function per subcommand, `main(argv) -> int`.
 
 User errors (`MemFitError`, bad flags) print one line on stderr and exit 2.
 The fast paths import no torch.
@@ -11,6 +11,7 @@ import logging
 import sys
 
 from hf_memfit.cli.cache import add_cache_parser
+from hf_memfit.cli.check import add_check_parser
 from hf_memfit.errors import MemFitError
 
 _ESTIMATE_EPILOG = """examples:
@@ -170,6 +171,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
 _PLAN_EPILOG = """examples:
   hf-memfit plan gpt2-xl --gpu-memory 12GiB --seq-len 1024 --global-batch-size 64
+  hf-memfit plan gpt2-xl --gpu-memory 12GiB --seq-len 1024 --global-batch-size 64 --accelerate-config-out plan.yaml
+      # then: accelerate launch --config_file plan.yaml train.py (a DeepSpeed plan also writes plan.deepspeed.json)
   hf-memfit plan meta-llama/Llama-3.1-8B --gpu a10g --seq-len 2048 --global-batch-size 32 --load-in-4bit --lora-r 16
   hf-memfit plan meta-llama/Llama-2-70b-hf --gpu h100 --num-gpus 8 --seq-len 4096 --global-batch-size 64 \\
       --deepspeed-config-out ds_config.json --json
@@ -211,7 +214,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--optim-args", help='with a GaLore / APOLLO --optim: TrainingArguments.optim_args, e.g. "rank=64"')
     parser.add_argument("--deepspeed-config-out", help="write the plan's DeepSpeed config (JSON) here")
     parser.add_argument("--accelerate-config-out",
-                        help="write the plan's accelerate FSDP config (YAML, for `accelerate launch --config_file`) here")
+                        help="write the plan's accelerate config (YAML, for `accelerate launch --config_file`) here, "
+                             "whatever the layout: one GPU, DDP, DeepSpeed (naming the DeepSpeed JSON; written "
+                             "beside the YAML unless --deepspeed-config-out is given) or FSDP")
     parser.add_argument("--explain", nargs="?", const="", metavar="FILE.png",
                         help="also trace the chosen plan's step and show where the memory goes; with a path, draw it")
 
@@ -220,8 +225,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from hf_memfit.planner.search import plan
     from hf_memfit.report.text import format_plan
 
-    if args.deepspeed_config_out:
-        _check_writable(args.deepspeed_config_out, "--deepspeed-config-out")  # before planning, not after
+    for flag in ("deepspeed_config_out", "accelerate_config_out"):  # before planning, not after
+        if getattr(args, flag):
+            _check_writable(getattr(args, flag), "--" + flag.replace("_", "-"))
     if args.explain:
         _check_writable(args.explain, "--explain")
     targets = args.lora_target_modules
@@ -236,20 +242,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         use_liger_kernel={"auto": None, "yes": True, "no": False}[args.use_liger_kernel],
         optim_target_modules=args.optim_target_modules, optim_args=args.optim_args,
     )
-    if args.accelerate_config_out:
-        if result.plan.settings.fsdp is None:
-            print("hf-memfit: note: the plan uses no FSDP; no accelerate config written", file=sys.stderr)
-        else:
-            from hf_memfit.planner.accelerate import accelerate_fsdp_config, write_accelerate_config
+    from hf_memfit.planner.accelerate import write_plan_configs
 
-            write_accelerate_config(accelerate_fsdp_config(result.plan.settings), args.accelerate_config_out)
-    if args.deepspeed_config_out:
-        if result.plan.deepspeed is None:
-            print("hf-memfit: note: the plan needs no DeepSpeed; no config written", file=sys.stderr)
-        else:
-            from hf_memfit.planner.deepspeed import write_deepspeed_config
-
-            write_deepspeed_config(result.plan.deepspeed, args.deepspeed_config_out)
+    notes, args.deepspeed_config_out = write_plan_configs(
+        result.plan.settings, result.plan.deepspeed, args.accelerate_config_out, args.deepspeed_config_out)
+    for note in notes:
+        print(f"hf-memfit: note: {note}", file=sys.stderr)
     output = result.to_dict() if args.json else format_plan(result)
     if args.trainer != "trainer":
         fields = trl_config_fields(result.plan, args)
@@ -422,6 +420,7 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--compare", action="append", metavar="FIELD=VALUE[,...]",
                      help="another configuration to draw beside the first (repeatable)")
     exp.set_defaults(func=cmd_explain)
+    add_check_parser(sub)
     add_cache_parser(sub)
     return parser
 

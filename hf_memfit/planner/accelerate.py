@@ -1,11 +1,20 @@
-"""Plan -> FSDP configs: accelerate's config file and the Trainer's `fsdp` / `fsdp_config` (pure dicts; no torch).
+"""Plan -> accelerate config file for every layout, and the Trainer's `fsdp` / `fsdp_config` (pure dicts; no torch).
 
-Two faces of the same layout, as users already write them:
-- the YAML that `accelerate launch --config_file fsdp.yaml train.py` loads (the
-  keys `accelerate config` writes: `distributed_type: FSDP` and an `fsdp_config`
-  section of `fsdp_*` keys, accelerate 1.15 `commands/config/cluster.py`);
-- `TrainingArguments(fsdp=True, fsdp_config={...})` (transformers 5.23: `version`,
-  `reshard_after_forward`, `cpu_offload`, `auto_wrap_policy`).
+`accelerate_config(settings)` is the YAML that `accelerate launch --config_file
+plan.yaml train.py` loads, with the keys `accelerate config` writes (accelerate 1.15
+`commands/config/cluster.py`), for each layout the planner picks:
+- one GPU: `distributed_type: "NO"`, one process;
+- DDP on several GPUs or nodes: `distributed_type: MULTI_GPU`;
+- DeepSpeed ZeRO: `distributed_type: DEEPSPEED` with `deepspeed_config.deepspeed_config_file`
+  naming the plan's DeepSpeed JSON (`deepspeed.py`, "auto" wherever the Trainer fills
+  the value). No `mixed_precision` key then: with a config file accelerate takes the
+  precision from the JSON's `bf16` / `fp16` sections and stops with "the following
+  accelerate config variables will be ignored" when the YAML also sets it
+  (`DeepSpeedPlugin._deepspeed_config_checks`, accelerate 1.15);
+- FSDP: `distributed_type: FSDP` and an `fsdp_config` section of `fsdp_*` keys.
+
+FSDP also has a second face, `TrainingArguments(fsdp=True, fsdp_config={...})`
+(transformers 5.23: `version`, `reshard_after_forward`, `cpu_offload`, `auto_wrap_policy`).
 
 Mixed precision is not in `fsdp_config`: accelerate derives FSDP's policy
 (param_dtype = reduce_dtype = bf16/fp16) from `mixed_precision`, so the YAML sets
@@ -33,6 +42,56 @@ def _mixed_precision(precision: str) -> str:
     return "bf16" if precision.startswith("bf16") else "fp16" if precision.startswith("fp16") else "no"
 
 
+def _launch_fields(settings: TrainSettings) -> dict:
+    """The keys every layout's file has: where it runs, how many processes, the precision, the defaults."""
+    return {
+        "compute_environment": "LOCAL_MACHINE",
+        "debug": False,
+        "downcast_bf16": "no",
+        "enable_cpu_affinity": False,
+        "machine_rank": 0,  # each node passes its own `--machine_rank` to `accelerate launch`
+        "main_training_function": "main",
+        "mixed_precision": _mixed_precision(settings.precision),
+        "num_machines": settings.num_nodes,
+        "num_processes": settings.world_size,  # accelerate's count is over all machines
+        "rdzv_backend": "static",
+        "same_network": True,
+        "tpu_env": [],
+        "tpu_use_cluster": False,
+        "tpu_use_sudo": False,
+        "use_cpu": settings.device == "cpu",
+    }
+
+
+def accelerate_config(settings: TrainSettings, deepspeed_config_file: str | os.PathLike | None = None) -> dict:
+    """The accelerate config file (as a dict) that launches `settings`' layout: one GPU, DDP, DeepSpeed or FSDP.
+
+    A ZeRO layout needs `deepspeed_config_file`, the path of the plan's DeepSpeed JSON as
+    the launching process will open it (relative paths resolve from where `accelerate
+    launch` runs).
+    """
+    if settings.fsdp is not None:
+        return accelerate_fsdp_config(settings)
+    settings.replace(mode="fast").validate()
+    config = _launch_fields(settings)
+    if settings.zero_stage:
+        if not deepspeed_config_file:
+            raise MemFitError("this plan uses DeepSpeed ZeRO: its accelerate config names the DeepSpeed JSON; "
+                              "give `--deepspeed-config-out FILE` (or let `--accelerate-config-out` write it beside)")
+        del config["mixed_precision"]  # the JSON's bf16 / fp16 sections own it (see the module docstring)
+        ds = {"deepspeed_config_file": str(deepspeed_config_file),
+              # ZeRO-3 builds the model already partitioned (deepspeed.zero.Init), as the plan's peak assumes
+              "zero3_init_flag": settings.zero_stage == 3}
+        if settings.num_nodes > 1:
+            # "standard": each node runs `accelerate launch --machine_rank R`, no pdsh hostfile needed
+            # (accelerate's DEEPSPEED_MULTINODE_LAUNCHERS; its default pdsh needs passwordless ssh)
+            ds["deepspeed_multinode_launcher"] = "standard"
+        return {**config, "distributed_type": "DEEPSPEED", "deepspeed_config": ds}
+    if settings.world_size > 1:
+        return {**config, "distributed_type": "MULTI_CPU" if settings.device == "cpu" else "MULTI_GPU"}
+    return {**config, "distributed_type": "NO"}
+
+
 def accelerate_fsdp_config(settings: TrainSettings) -> dict:
     """The accelerate config file (as a dict) that launches `settings`' FSDP layout on its GPUs and nodes."""
     if settings.fsdp is None:
@@ -58,25 +117,7 @@ def accelerate_fsdp_config(settings: TrainSettings) -> dict:
         fsdp["fsdp_forward_prefetch"] = False
         fsdp["fsdp_use_orig_params"] = True  # required for LoRA's frozen/trainable mix in one unit
         fsdp["fsdp_sync_module_states"] = True  # cpu_ram_efficient_loading needs it with FSDP1
-    return {
-        "compute_environment": "LOCAL_MACHINE",
-        "distributed_type": "FSDP",
-        "debug": False,
-        "downcast_bf16": "no",
-        "enable_cpu_affinity": False,
-        "fsdp_config": fsdp,
-        "machine_rank": 0,
-        "main_training_function": "main",
-        "mixed_precision": _mixed_precision(settings.precision),
-        "num_machines": settings.num_nodes,
-        "num_processes": settings.world_size,
-        "rdzv_backend": "static",
-        "same_network": True,
-        "tpu_env": [],
-        "tpu_use_cluster": False,
-        "tpu_use_sudo": False,
-        "use_cpu": False,
-    }
+    return {**_launch_fields(settings), "distributed_type": "FSDP", "fsdp_config": fsdp}
 
 
 def trainer_fsdp_arguments(settings: TrainSettings) -> dict:
@@ -108,6 +149,47 @@ def write_accelerate_config(config: dict, path: str | os.PathLike) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def write_plan_configs(settings: TrainSettings, deepspeed: dict | None, accelerate_out: str | None,
+                       deepspeed_out: str | None) -> tuple[list[str], str | None]:
+    """Write a plan's accelerate YAML and DeepSpeed JSON where asked.
+
+    Returns one note per thing to tell the user, and where the DeepSpeed JSON went (or None).
+
+    A ZeRO plan's YAML must name a DeepSpeed JSON; without `--deepspeed-config-out` the
+    JSON goes beside the YAML (`plan.yaml` -> `plan.deepspeed.json`), under the same
+    folder as given, so the pair stays together and the YAML's relative path still
+    resolves from where both were written.
+    """
+    notes = []
+    if deepspeed is not None and accelerate_out and not deepspeed_out:
+        stem = os.path.splitext(os.path.basename(accelerate_out))[0]
+        deepspeed_out = os.path.join(os.path.dirname(accelerate_out), f"{stem}.deepspeed.json")
+        notes.append(f"the plan uses DeepSpeed ZeRO-{settings.zero_stage}: wrote its DeepSpeed config to "
+                     f"{deepspeed_out}, which {accelerate_out} names (`--deepspeed-config-out FILE` puts it elsewhere)")
+    if deepspeed_out:
+        if deepspeed is None:
+            notes.append("the plan needs no DeepSpeed; no DeepSpeed config written")
+            deepspeed_out = None
+        else:
+            from hf_memfit.planner.deepspeed import write_deepspeed_config
+
+            write_deepspeed_config(deepspeed, deepspeed_out)
+    if accelerate_out:
+        config = accelerate_config(settings, deepspeed_out if deepspeed is not None else None)
+        write_accelerate_config(config, accelerate_out)
+        notes.append(f"wrote {accelerate_out} ({_describe(config)}): `accelerate launch --config_file "
+                     f"{accelerate_out} train.py`" + (
+                         "; on every node add --machine_rank R --main_process_ip HOST"
+                         if settings.num_nodes > 1 else ""))
+    return notes, deepspeed_out
+
+
+def _describe(config: dict) -> str:
+    kind = {"NO": "one process", "MULTI_GPU": "DDP", "MULTI_CPU": "DDP on the CPU", "DEEPSPEED": "DeepSpeed",
+            "FSDP": f"FSDP{config.get('fsdp_config', {}).get('fsdp_version', '')}"}[config["distributed_type"]]
+    return f"{kind}, {config['num_processes']} process(es) on {config['num_machines']} machine(s)"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,7 +12,7 @@ from hf_memfit.planner.candidates import (
     host_bytes_per_node,
     why_not_fits,
 )
-from hf_memfit.planner.grid import ADAM_LADDER, pure_bf16_grid
+from hf_memfit.planner.grid import ADAM_LADDER, CPU_ADAM_LADDER, liger_searched, low_rank_targets, pure_bf16_grid
 from hf_memfit.planner.result import OFFLOADED_OPTIMIZER, Plan
 from hf_memfit.settings import TrainSettings
 from hf_memfit.units import GiB, format_bytes
@@ -313,11 +313,15 @@ def optimizer_reason(s: TrainSettings, candidates, keep_optimizer: bool) -> str:
 
 def nothing_fits(spec, base: TrainSettings, candidates, usable: int, budget: int, allow_offload: str, world: int,
                   per_rank: int, host: HostLimit, optims: tuple[str, ...], *,
-                  pure_bf16_base: TrainSettings | None = None) -> str:
+                  pure_bf16_base: TrainSettings | None = None, liger: bool = True) -> str:
     """The one-line error when no candidate fits: what binds (device or host), and which remedies would fit.
 
-    Remedies are tried from the least to the most change to the training: offload,
-    more GPUs, LoRA, QLoRA, more host memory, then a shorter sequence (the longest
+    Remedies are tried from the least to the most change to the training: the levers
+    that keep it identical but were not searched (`--expandable-segments`, Liger's
+    fused loss when it is not installed here, the AdamW ladder under `--keep-optimizer`),
+    offload, more GPUs, an optimizer that changes the dynamics but keeps the full fine-tune
+    (each one `--allow-optimizers` admits and the plan did not search, e.g.
+    Adafactor), LoRA, QLoRA, more host memory, then a shorter sequence (the longest
     that fits). Each is checked with the same estimator and the same device and
     host limits as the plan, over the same optimizers, so every suggestion printed
     is one that fits.
@@ -325,6 +329,7 @@ def nothing_fits(spec, base: TrainSettings, candidates, usable: int, budget: int
     smallest = min(candidates, key=lambda c: c.estimate.device_total_bytes)
     on_device = [c for c in candidates if c.estimate.device_total_bytes <= usable]
     on_gpu = base.device == "cuda"
+    searched = optims
     optims = tuple(o for o in optims if not optimizers.OPTIMIZERS[o].low_rank)  # no targets to project here
     if base.optimizer.low_rank:  # the run's own GaLore / APOLLO: the remedies are searched over AdamW instead
         base = base.replace(optim="adamw_torch_fused", optim_target_modules=None)
@@ -345,6 +350,8 @@ def nothing_fits(spec, base: TrainSettings, candidates, usable: int, budget: int
                 for offload_activations in offloads:
                     trial = settings.replace(optim=optim, batch_size=micro, offload_activations=offload_activations,
                                              gradient_accumulation_steps=global_batch // ranks // micro)
+                    if optimizers.OPTIMIZERS[optim].layerwise and trial.gradient_accumulation_steps > 1:
+                        continue  # the Trainer steps layerwise optimizers inside backward: no accumulation
                     est = estimate_settings(spec, trial)
                     if not why_not_fits(est, usable, host):
                         fitting.append(est)
@@ -371,6 +378,12 @@ def nothing_fits(spec, base: TrainSettings, candidates, usable: int, budget: int
                          f"{least.settings.optim} with bf16 stochastic rounding"
                          + (", no host memory" if not least.estimate.cpu_bytes else "") + ")")
     remedies: list[tuple[str, dict]] = []
+    if on_gpu and not base.expandable_segments:
+        remedies.append(("`--expandable-segments`", dict(expandable_segments=True)))
+    if not liger and not base.use_liger_kernel and liger_searched(spec, base, True):
+        remedies.append(("`--use-liger-kernel yes`", dict(use_liger_kernel=True)))  # installed where it will run
+    ladder = ADAM_LADDER if on_gpu else CPU_ADAM_LADDER
+    remedies += [(f"`--optim {name}`", dict(optim=name)) for name in ladder if name not in searched]  # AdamW's numerics
     if on_gpu and allow_offload == "none" and not base.load_in_4bit:
         remedies.append(("`--allow-offload cpu`", offload))
     if on_gpu and base.num_nodes == 1 and not base.load_in_4bit:  # 4-bit weights are not partitioned by ZeRO-3
@@ -378,6 +391,7 @@ def nothing_fits(spec, base: TrainSettings, candidates, usable: int, budget: int
             if gpus <= 8 and per_rank * world % gpus == 0:
                 layout = offload if allow_offload != "none" else dict(zero_stage=3, optim="adamw_torch_fused")
                 remedies.append((f"`--num-gpus {gpus}` with ZeRO-3", dict(layout, num_gpus=gpus)))
+    remedies += [(f"`--allow-optimizers {name}`", changes) for name, changes in _dynamics_optimizers(spec, base, searched)]
     if not base.uses_lora:
         remedies.append(("LoRA `--lora-r 16`", dict(lora_r=16, optim="adamw_torch_fused")))
     qlora = dict(lora_r=base.lora_r or 16, load_in_4bit=True, optim="adamw_torch_fused",
@@ -411,6 +425,27 @@ def nothing_fits(spec, base: TrainSettings, candidates, usable: int, budget: int
             helps.append(f"{prefix}a shorter sequence `--seq-len {seq}` ({format_bytes(est.device_total_bytes)})")
     suggestion = "; ".join(helps) if helps else "a larger GPU"
     return f"{head}; what would fit: {suggestion}"
+
+
+def _dynamics_optimizers(spec, base: TrainSettings, searched: tuple[str, ...]) -> list[tuple[str, dict]]:
+    """The optimizers `--allow-optimizers` would admit that this search did not try, with the settings each needs.
+
+    The same admission rules as `grid.allowed_optimizers` (no low-rank projection of
+    LoRA adapters, no layerwise step over several GPUs), so a remedy named here is one
+    the plan would search once allowed. GaLore / APOLLO project the layers' linear
+    modules, as the plan would pick them (`grid.low_rank_targets`).
+    """
+    remedies = []
+    for name, o in optimizers.OPTIMIZERS.items():
+        if not o.changes_dynamics or name in searched:
+            continue
+        if (o.low_rank and base.uses_lora) or (o.layerwise and base.world_size > 1):
+            continue
+        targets = (base.optim_target_modules or low_rank_targets(spec, base)) if o.low_rank else None
+        if o.low_rank and not targets:
+            continue
+        remedies.append((name, dict(optim=name, optim_target_modules=targets)))
+    return remedies
 
 
 def first_fit(best_fit, seq: int, variants: list[dict]) -> MemoryEstimate | None:

@@ -181,7 +181,8 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
         fitting = confirm_in_exact_mode(spec, fitting, usable, host, everything=mode == "exact", progress=progress)
     if not fitting:
         raise MemFitError(nothing_fits(spec, base, candidates, usable, budget, allow_offload, world, per_rank,
-                                        host, optims, pure_bf16_base=pure_base if not allow_pure_bf16 else None))
+                                        host, optims, pure_bf16_base=pure_base if not allow_pure_bf16 else None,
+                                        liger=liger))
     best = fitting[0]
     alternatives = runners_up(best, fitting, candidates)
     ideal = ideal_seconds(spec, best.settings, best.estimate, gpu_info)

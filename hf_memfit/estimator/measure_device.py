@@ -1,0 +1,225 @@
+"""A real training step on this machine, measured: what `hf-memfit check` compares the prediction with.
+
+The step is `step.py`'s, the code exact mode traces and the accuracy benchmark
+measures, run on real tensors with random weights (the model built from its config).
+
+- **CPU**: the peak is `measure.measure_cpu_peak`, the benchmarks' ground truth
+  (the running sum of the profiler's allocator events). A second, identical run
+  under the profiler's memory analysis (`torch.profiler._memory_profiler`, what
+  `export_memory_timeline` draws) splits the live bytes at its own peak into the
+  profiler's categories, which map onto the estimate's breakdown (`PROFILER_TERMS`).
+- **CUDA**: `torch.cuda.reset_peak_memory_stats`, then `max_memory_allocated` /
+  `max_memory_reserved` over model creation and the steps; the process's own
+  device memory as nvidia-smi shows it (NVML where `pynvml` is installed, else the
+  device-wide used memory); the cuBLAS workspaces (the allocator's growth over a
+  forward and backward matmul before the model exists) and the CUDA context (the
+  device memory the process uses beyond what the allocator reserved). 4-bit QLoRA
+  loads the random weights through bitsandbytes as `from_pretrained` does.
+  This path has not run on the machine the package was written on (no GPU there);
+  `tests/test_check.py::test_check_on_cuda` runs it where there is one.
+"""
+
+import contextlib
+import dataclasses
+import os
+import tempfile
+import time
+
+import torch
+
+from hf_memfit.estimator import step as training
+from hf_memfit.estimator.measure import measure_cpu_peak
+from hf_memfit.settings import TrainSettings
+
+# The profiler's categories (torch/profiler/_memory_profiler.py `Category`) as the estimate's breakdown names them.
+# INPUT is the batch, which the estimator counts with the activations it feeds; AUTOGRAD_DETAIL is autograd's
+# own scratch (e.g. the loss's backward seed, the gradient buffers in flight) and TEMPORARY what the profiler could
+# not tie to a longer life: both are the estimate's `temporary`. Bytes with no tensor behind them go there too.
+PROFILER_TERMS = {"PARAMETER": "weights", "GRADIENT": "gradients", "OPTIMIZER_STATE": "optimizer",
+                  "ACTIVATION": "activations", "INPUT": "activations", "TEMPORARY": "temporary",
+                  "AUTOGRAD_DETAIL": "temporary", None: "temporary"}
+
+
+@dataclasses.dataclass
+class Measurement:
+    """What one real run of `steps` training steps held at its peak, in bytes."""
+
+    device: str
+    steps: int
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int | None = None  # CUDA: the caching allocator's cached segments at the peak
+    device_total_bytes: int | None = None  # CUDA: what nvidia-smi shows for this process
+    terms: dict[str, int] | None = None  # the breakdown at the measured peak, where it can be attributed
+    constants: dict[str, int] = dataclasses.field(default_factory=dict)  # CUDA: workspace, context, ...
+    seconds: float = 0.0
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def measure_step(config: dict, settings: TrainSettings, *, steps: int = 2, terms: bool = True) -> Measurement:
+    """Run `steps` real training steps of `settings` on `settings.device` and measure them."""
+    started = time.perf_counter()
+    if settings.device == "cuda":
+        result = _measure_cuda(config, settings, steps)
+    else:
+        result = Measurement("cpu", steps, measure_cpu_peak(config, settings, steps=steps))
+        result.peak_reserved_bytes = result.device_total_bytes = result.peak_allocated_bytes
+        if terms:
+            try:
+                result.terms, analysed_peak = cpu_terms_at_peak(config, settings, steps=steps)
+            except Exception as error:  # noqa: BLE001 - a private torch analysis; the measured peak stands without it
+                result.notes.append(f"no term-by-term split: the profiler's memory analysis failed "
+                                    f"({type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''})")
+                analysed_peak = result.peak_allocated_bytes
+            if analysed_peak != result.peak_allocated_bytes:
+                result.notes.append(f"the attributed run peaked at {analysed_peak} B, the measured one at "
+                                    f"{result.peak_allocated_bytes} B (its analysis follows tensors, not every allocator event)")
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def cpu_terms_at_peak(config: dict, settings: TrainSettings, *, steps: int = 2) -> tuple[dict[str, int], int]:
+    """The live bytes by breakdown term at the peak of a profiled CPU run, and that peak.
+
+    The same loop as `measure_cpu_peak`, under a profiler that also records shapes and
+    stacks, which its memory analysis needs to follow each tensor's role.
+    """
+    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler._memory_profiler import _CATEGORY_TO_INDEX, MemoryProfileTimeline
+
+    torch.manual_seed(0)
+    with training.cuda_synchronize_without_cuda(), \
+            profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
+                    with_stack=True) as prof:
+        model = training.build_model(config, settings)
+        optimizer = training.make_optimizer(model, settings)
+        for _ in range(steps):
+            for _ in range(min(settings.gradient_accumulation_steps, 2)):
+                batch = training.make_batch(settings, config)
+                training.forward_backward(model, batch, settings, device_type="cpu")
+                del batch
+            training.optimizer_step(model, optimizer)
+        del model, optimizer
+    _, sizes = MemoryProfileTimeline(prof._memory_profile())._coalesce_timeline("cpu")
+    # column 0 is memory with no tensor key; the others follow _CATEGORY_TO_INDEX
+    names = [None] + [category.name if category is not None else None for category in _CATEGORY_TO_INDEX]
+    at_peak = max(sizes, key=sum)
+    terms: dict[str, int] = {}
+    for name, size in zip(names, at_peak):
+        term = PROFILER_TERMS.get(name, "temporary")
+        terms[term] = terms.get(term, 0) + int(size)
+    return terms, int(sum(at_peak))
+
+
+# --- CUDA ----------------------------------------------------------------------------------------------
+
+
+def _measure_cuda(config: dict, settings: TrainSettings, steps: int) -> Measurement:
+    torch.cuda.init()
+    torch.cuda.empty_cache()
+    torch.cuda.synchronize()
+    torch.manual_seed(0)
+    constants = {"cublas_workspace_bytes": _cublas_workspace_probe(settings)}
+    torch.cuda.reset_peak_memory_stats()  # the workspaces stay allocated, so the peaks below include them
+    # A 4-bit build places itself (`from_pretrained(device_map=...)`, and peft puts each adapter on its base
+    # layer's device); everything else is built straight on the GPU.
+    placement = contextlib.nullcontext() if settings.load_in_4bit else torch.device("cuda")
+    with _quantized_build(settings), placement:
+        model = training.build_model(config, settings)
+    optimizer = training.make_optimizer(model, settings, cuda_semantics=True)
+    for _ in range(steps):
+        for _ in range(min(settings.gradient_accumulation_steps, 2)):
+            batch = training.make_batch(settings, config, device="cuda")
+            training.forward_backward(model, batch, settings, device_type="cuda")
+            del batch
+        training.optimizer_step(model, optimizer, cuda_semantics=True)
+    torch.cuda.synchronize()
+    allocated, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+    # The context is what the process holds beyond the allocator's segments, read after the steps: kernels load
+    # lazily (CUDA_MODULE_LOADING=LAZY), so only now does it hold a training step's kernel images, as predicted.
+    constants["cuda_context_bytes"] = _process_device_bytes() - torch.cuda.memory_reserved()
+    constants["allocator_reserved_minus_allocated_bytes"] = reserved - allocated
+    total = constants["cuda_context_bytes"] + reserved  # nvidia-smi at the peak: the context and every segment
+    del model, optimizer
+    notes = [] if _nvml() is not None else [
+        "no pynvml: the device total is the whole device's used memory, other processes included"]
+    return Measurement("cuda", steps, allocated, reserved, total, None, constants, notes=notes)
+
+
+def _cublas_workspace_probe(settings: TrainSettings) -> int:
+    """The allocator bytes cuBLAS keeps after a matmul forward (main thread) and backward (autograd's thread).
+
+    cuBLAS takes its workspace from the caching allocator per handle, and a training
+    process has a handle on each thread that runs matmuls; the workspaces stay allocated.
+    """
+    dtype = training.torch_dtype(settings.compute_dtype)
+    before = torch.cuda.memory_allocated()
+    a = torch.randn(64, 64, device="cuda", dtype=dtype, requires_grad=True)
+    b = torch.randn(64, 64, device="cuda", dtype=dtype, requires_grad=True)
+    (a @ b).sum().backward()
+    torch.cuda.synchronize()
+    del a, b
+    return torch.cuda.memory_allocated() - before
+
+
+def _nvml():
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return pynvml
+    except Exception:  # noqa: BLE001 - not installed or no driver library: fall back to the device-wide figure
+        return None
+
+
+def _process_device_bytes() -> int:
+    """This process's device memory as nvidia-smi lists it (NVML), else the device's used memory."""
+    nvml = _nvml()
+    if nvml is not None:
+        index = torch.cuda.current_device()
+        handle = nvml.nvmlDeviceGetHandleByIndex(index)
+        for process in nvml.nvmlDeviceGetComputeRunningProcesses(handle):
+            if process.pid == os.getpid() and process.usedGpuMemory is not None:
+                return int(process.usedGpuMemory)
+    free, total = torch.cuda.mem_get_info()
+    return int(total - free)
+
+
+@contextlib.contextmanager
+def _quantized_build(settings: TrainSettings):
+    """For 4-bit QLoRA on CUDA: `build_model` gets its base weights packed by bitsandbytes, as a real run has them.
+
+    `build_model` keeps a 4-bit base in the compute dtype (fake tensors cannot be packed).
+    Here its `instantiate` is swapped for one that saves the random weights and loads them
+    back with a `BitsAndBytesConfig`, which is how `from_pretrained` quantises a checkpoint;
+    checkpointing and the LoRA adapters are then added by `build_model` as usual.
+    """
+    if not settings.load_in_4bit:
+        yield
+        return
+    from transformers import BitsAndBytesConfig
+
+    from hf_memfit.models.generic import auto_model_class
+
+    original = training.instantiate
+    storage = settings.bnb_4bit_quant_storage or "uint8"
+
+    def quantized(config, task, num_labels, *, dtype, attn_implementation):
+        with tempfile.TemporaryDirectory(prefix="hf-memfit-check-") as folder:
+            with torch.device("cpu"):  # the random weights never touch the GPU unpacked
+                original(config, task, num_labels, dtype=dtype, attn_implementation=attn_implementation) \
+                    .save_pretrained(folder)
+            quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype,
+                                       bnb_4bit_use_double_quant=settings.bnb_4bit_use_double_quant,
+                                       bnb_4bit_quant_storage=getattr(torch, storage))
+            return auto_model_class(task).from_pretrained(folder, quantization_config=quant, dtype=dtype,
+                                                          attn_implementation=attn_implementation or "sdpa",
+                                                          device_map={"": torch.cuda.current_device()})
+
+    training.instantiate = quantized
+    try:
+        yield
+    finally:
+        training.instantiate = original

@@ -1,0 +1,160 @@
+"""`hf-memfit check`: a real step on this machine against the prediction; one-line refusals for what cannot run here."""
+
+import json
+
+import pytest
+
+from conftest import TINY_GPT2, TINY_LLAMA
+from hf_memfit.cli.main import main
+
+# docs/benchmarks.md section 1: on real CPU steps exact mode is within 1% on every row (max 0.10%) and fast
+# mode's target is a median within 5% (it met 0.01%, max 4.14%). The check of a full fine-tune of a tiny Llama
+# is held to the same targets; nothing here is tuned to this configuration.
+EXACT_TOLERANCE_PERCENT = 1.0
+FAST_TOLERANCE_PERCENT = 5.0
+
+
+def _config(tmp_path, config: dict, name: str = "config.json") -> str:
+    path = tmp_path / name
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
+def _run(capsys, *argv) -> tuple[int, str, str]:
+    code = main(["check", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_check_on_the_cpu_matches_the_prediction(tmp_path, capsys):
+    model = _config(tmp_path, TINY_LLAMA)
+    code, out, err = _run(capsys, model, "--batch-size", "2", "--seq-len", "64", "--device", "cpu", "--json")
+    assert code == 0, err
+    row = json.loads(out)
+    measured = row["measured"]
+    assert measured["device"] == "cpu" and measured["steps"] == 2 and measured["peak_allocated_bytes"] > 0
+    assert abs(row["error_percent"]["exact"]["peak_allocated"]) <= EXACT_TOLERANCE_PERCENT, row["error_percent"]
+    assert abs(row["error_percent"]["fast"]["peak_allocated"]) <= FAST_TOLERANCE_PERCENT, row["error_percent"]
+    # the error is the prediction against the measurement, not a number carried through
+    exact = row["predicted"]["exact"]["peak_allocated_bytes"]
+    assert row["error_percent"]["exact"]["peak_allocated"] == pytest.approx(
+        100 * (exact - measured["peak_allocated_bytes"]) / measured["peak_allocated_bytes"])
+    # Term by term: the attributed run is the same step, so its terms add up to the measured peak, and the
+    # model states (sizes fixed by the parameters and AdamW's two fp32 states) are what exact mode says.
+    terms = measured["terms"]
+    assert sum(terms.values()) == pytest.approx(measured["peak_allocated_bytes"], rel=1e-3)
+    breakdown = row["predicted"]["exact"]["breakdown"]
+    for term in ("weights", "optimizer"):
+        assert terms[term] == pytest.approx(breakdown[term], rel=0.01), term
+    assert row["machine"]["torch"] and row["machine"]["transformers"] and row["machine"]["device"] == "cpu"
+
+
+def test_check_table_names_both_modes_and_the_terms(tmp_path, capsys):
+    model = _config(tmp_path, TINY_GPT2)
+    code, out, err = _run(capsys, model, "--batch-size", "1", "--seq-len", "32", "--device", "cpu", "--mode", "fast",
+                          "--steps", "1")
+    assert code == 0, err
+    assert "measured" in out and "fast" in out and "exact" not in out.split("\n")[3]
+    for term in ("weights", "gradients", "optimizer", "activations"):
+        assert term in out
+
+
+def test_grid_writes_a_report_with_the_machine_and_every_row(tmp_path, capsys):
+    model = _config(tmp_path, TINY_GPT2)
+    out_file = tmp_path / "reports" / "check.json"
+    code, out, err = _run(capsys, model, "--batch-size", "1", "--seq-len", "32", "--device", "cpu", "--grid",
+                          "--mode", "fast", "--no-terms", "--out", str(out_file))
+    assert code == 0, err
+    report = json.loads(out_file.read_text())
+    rows = report["rows"]
+    # micro-batch 1/2 x checkpointing off/on x full/LoRA; no QLoRA row without CUDA
+    assert len(rows) == 8 and not any(row["settings"]["load_in_4bit"] for row in rows)
+    assert {(r["settings"]["batch_size"], r["settings"]["gradient_checkpointing"], r["settings"]["lora_r"])
+            for r in rows} == {(b, c, lora) for b in (1, 2) for c in (False, True) for lora in (None, 8)}
+    for key in ("torch", "transformers", "device_name", "python"):
+        assert report["machine"][key]
+    for row in rows:
+        assert row["measured"]["peak_allocated_bytes"] > 0 and "fast" in row["predicted"]
+        assert abs(row["error_percent"]["fast"]["peak_allocated"]) <= 10.0, row["label"]  # fast's every-row target
+    # checkpointing frees activations in every real run: the grid measures what the levers do
+    by_key = {(r["settings"]["batch_size"], r["settings"]["gradient_checkpointing"], r["settings"]["lora_r"]):
+              r["measured"]["peak_allocated_bytes"] for r in rows}
+    assert all(by_key[(b, True, lora)] < by_key[(b, False, lora)] for b in (1, 2) for lora in (None, 8))
+    assert report["summary"]["fast"]["rows"] == 8 and "wrote" in err
+
+
+REFUSALS = [
+    (["--load-in-4bit", "--lora-r", "8"], "--load-in-4bit"),
+    (["--num-gpus", "2"], "--num-gpus"),
+    (["--zero-stage", "2"], "--zero-stage"),
+    (["--gradient-checkpointing", "--offload-activations"], "--offload-activations"),
+    (["--steps", "0"], "--steps"),
+]
+
+
+@pytest.mark.parametrize("extra,named", REFUSALS, ids=[n for _, n in REFUSALS])
+def test_what_the_cpu_cannot_run_is_refused_in_one_line(tmp_path, capsys, extra, named):
+    model = _config(tmp_path, TINY_LLAMA)
+    code, out, err = _run(capsys, model, "--batch-size", "1", "--seq-len", "32", "--device", "cpu", *extra)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith("hf-memfit: error:") and named in err
+
+
+def test_a_grid_no_row_can_run_is_refused_up_front(tmp_path, capsys):
+    out_file = tmp_path / "check.json"
+    code, _, err = _run(capsys, _config(tmp_path, TINY_LLAMA), "--batch-size", "1", "--seq-len", "32", "--device",
+                        "cpu", "--grid", "--num-gpus", "2", "--out", str(out_file))
+    assert code == 2 and err.count("\n") == 1 and "--num-gpus" in err and not out_file.exists()
+
+
+def test_a_model_too_big_for_this_machine_is_refused_before_it_runs(capsys):
+    import psutil
+
+    from hf_memfit.estimator.assemble import estimate
+
+    # Llama-2-70B's fp32 weights alone are ~260 GiB; refused only if this machine really lacks the memory
+    need = estimate("meta-llama/Llama-2-70b-hf", batch_size=1, seq_len=64, device="cpu").device_total_bytes
+    if need < psutil.virtual_memory().available:
+        pytest.skip("this machine could run it")
+    code, _, err = _run(capsys, "meta-llama/Llama-2-70b-hf", "--batch-size", "1", "--seq-len", "64",
+                        "--device", "cpu")
+    assert code == 2 and err.count("\n") == 1 and "predicted to need" in err and "--batch-size" in err
+
+
+def test_cuda_without_a_gpu_is_refused(tmp_path, capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    code, _, err = _run(capsys, _config(tmp_path, TINY_LLAMA), "--batch-size", "1", "--seq-len", "32",
+                        "--device", "cuda")
+    assert code == 2 and err.count("\n") == 1 and "--device cpu" in err
+
+
+@pytest.mark.gpu
+def test_check_on_cuda(tmp_path, capsys):
+    """The CUDA path, and each CUDA-side constant family of the estimate against what the run measured.
+
+    Tolerances, from the evidence behind each constant (hf_memfit/estimator/cuda_overhead.py):
+    - cuBLAS workspaces are fixed sizes per handle (8,519,680 B, or 32 MiB on sm90+), one handle per thread
+      that runs matmuls: the probe must find the predicted handles' worth, within one 2 MiB allocator segment;
+    - the CUDA context is one figure for every GPU, from published measurements between 0.25 and 0.95 GiB: 50%;
+    - the allocator's reserved-minus-allocated is modelled as 25% of the churning bytes; a tiny model's is set by
+      the allocator's segment sizes (2 MiB small, 20 MiB large buffers), so 20 MiB absolute.
+    """
+    model = _config(tmp_path, TINY_LLAMA)
+    code, out, err = _run(capsys, model, "--batch-size", "2", "--seq-len", "128", "--precision", "bf16-mixed",
+                          "--device", "cuda", "--json")
+    assert code == 0, err
+    row = json.loads(out)
+    assert row["measured"]["device"] == "cuda" and row["measured"]["peak_reserved_bytes"] >= \
+        row["measured"]["peak_allocated_bytes"] > 0
+    constants = row["constants"]
+    workspace = constants["cublas_workspace_bytes"]
+    assert abs(workspace["measured"] - workspace["predicted"]) <= 2 * 2**20, workspace
+    context = constants["cuda_context_bytes"]
+    assert context["measured"] == pytest.approx(context["predicted"], rel=0.5), context
+    slack = constants["allocator_reserved_minus_allocated_bytes"]
+    assert abs(slack["measured"] - slack["predicted"]) <= 20 * 2**20, slack
+    # the allocated peak: exact mode plus the workspaces, which dominate a tiny model on a GPU
+    assert abs(row["error_percent"]["exact"]["peak_allocated"]) <= 10.0, row["error_percent"]
