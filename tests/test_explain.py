@@ -78,7 +78,8 @@ PLANS = [
 
 @pytest.mark.parametrize("argv", PLANS, ids=lambda argv: argv[0])
 def test_plan_table_gives_the_explain_command_of_its_plan(argv):
-    from hf_memfit.cli.main import build_parser, settings_from_args
+    from hf_memfit.cli.arguments import settings_from_args
+    from hf_memfit.cli.main import build_parser
     from hf_memfit.planner.search import plan
     from hf_memfit.report.text import explain_command, format_plan
 

@@ -34,7 +34,7 @@ PREDICTION_MARGIN = 1.25
 
 
 def add_check_parser(sub) -> None:
-    from hf_memfit.cli.main import add_step_arguments
+    from hf_memfit.cli.arguments import add_step_arguments
 
     parser = sub.add_parser("check", help="measure a real training step here and compare it with the prediction",
                             epilog=CHECK_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -66,13 +66,13 @@ def cmd_check(args: argparse.Namespace) -> int:
     if args.steps < 1:
         raise MemFitError(f"`--steps` must be at least 1, got {args.steps}; 2 reaches the steady state")
     if args.grid:
-        from hf_memfit.cli.main import _check_writable
+        from hf_memfit.cli.arguments import check_writable
 
-        _check_writable(args.out, "--out")  # before the runs, not after
+        check_writable(args.out, "--out")  # before the runs, not after
     device = _device(args.device)
     args.device, args.gpu = device, _local_gpu_name(args.gpu) if device == "cuda" else args.gpu
     spec = resolve_model(args.model)
-    from hf_memfit.cli.main import settings_from_args
+    from hf_memfit.cli.arguments import settings_from_args
 
     base = settings_from_args(args).validate(spec)
     machine = machine_info(device)

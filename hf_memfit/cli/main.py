@@ -10,6 +10,8 @@ import json
 import logging
 import sys
 
+from hf_memfit.cli.arguments import (MemFitArgumentParser, add_step_arguments, check_writable, positive_int,
+                                      settings_from_args, step_shape)
 from hf_memfit.cli.cache import add_cache_parser
 from hf_memfit.cli.check import add_check_parser
 from hf_memfit.errors import MemFitError
@@ -20,138 +22,6 @@ _ESTIMATE_EPILOG = """examples:
       --gradient-checkpointing --optim adamw_bnb_8bit --json
   hf-memfit estimate ./my-model/config.json --batch-size 8 --seq-len 512 --mode exact
 """
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse that reports usage errors in one line with exit code 2, like every other user error."""
-
-    def error(self, message):
-        raise MemFitError(f"{message} (see `{self.prog} --help`)")
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return value
-
-
-def add_step_arguments(parser: argparse.ArgumentParser, *, with_batch: bool = True) -> None:
-    """The flags that describe a training step; shared by estimate, plan and explain."""
-    from hf_memfit.settings import (ATTN_IMPLEMENTATIONS, FSDP_STRATEGIES, OFFLOAD_TARGETS, OPTIMIZERS, PRECISIONS,
-                                    QUANT_STORAGE_DTYPES, TASKS)
-
-    parser.add_argument("model", help="catalogue name (gpt2-xl, meta-llama/Llama-3.1-8B, ...), local dir or config.json")
-    if with_batch:
-        parser.add_argument("--batch-size", type=_positive_int, required=True, help="per-device micro-batch size")
-        parser.add_argument("--gradient-accumulation-steps", type=_positive_int, default=1)
-    parser.add_argument("--seq-len", type=_positive_int, help="tokens per sample (required unless --max-length)")
-    parser.add_argument("--task", choices=TASKS, help="default: the model's own (causal-lm, seq-cls for BERT, seq2seq for T5)")
-    parser.add_argument("--num-labels", type=_positive_int, default=2, help="classes for --task seq-cls")
-    parser.add_argument("--lora-r", type=_positive_int, help="train LoRA adapters of this rank (peft)")
-    parser.add_argument("--lora-alpha", type=_positive_int)
-    parser.add_argument("--lora-target-modules", help="comma-separated module names; default: peft's for the model")
-    parser.add_argument("--load-in-4bit", action="store_true", help="QLoRA: 4-bit NF4 base weights (bitsandbytes)")
-    parser.add_argument("--no-double-quant", dest="bnb_4bit_use_double_quant", action="store_false",
-                        help="4-bit without double quantisation (bnb_4bit_use_double_quant=False)")
-    parser.add_argument("--bnb-4bit-quant-storage", choices=QUANT_STORAGE_DTYPES,
-                        help="dtype the packed 4-bit weights are stored in; default: uint8, or the compute dtype "
-                             "when FSDP / ZeRO-3 shard them")
-    parser.add_argument("--num-gpus", type=_positive_int, default=1, help="GPUs per node")
-    parser.add_argument("--num-nodes", type=_positive_int, default=1)
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="memory semantics to estimate for")
-    parser.add_argument("--gpu", help="GPU model (a100, h100, rtx3060, ...): flash support and CUDA overheads")
-    parser.add_argument("--expandable-segments", action="store_true",
-                        help="the run sets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (less allocator slack)")
-    parser.add_argument("--mode", choices=("fast", "exact"), default="fast",
-                        help="fast: formulas (ms); exact: trace the real model on fake tensors (seconds)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    trl = parser.add_argument_group("TRL trainers (SFTTrainer, DPOTrainer)")
-    trl.add_argument("--trainer", choices=("trainer", "sft", "dpo"), default="trainer",
-                     help="the step's loss: the HF Trainer's (default) or TRL's SFT / DPO (fused LM head; DPO's "
-                          "chosen + rejected rows and reference forward)")
-    trl.add_argument("--max-length", type=_positive_int,
-                     help="TRL's max_length: the longest row (stands for --seq-len)")
-    trl.add_argument("--packing", action="store_true",
-                     help="SFT packing (bfd, TRL's default): rows packed to --max-length, trained padding-free")
-    trl.add_argument("--padding-free", action="store_true",
-                     help="the micro-batch's rows concatenated into one row (SFT padding_free)")
-    trl.add_argument("--activation-offloading", action="store_true",
-                     help="TRL's SFTConfig / DPOConfig activation_offloading: every saved activation of 1 KiB or "
-                          "more in pinned host memory, back to the GPU in backward")
-    trl.add_argument("--reference-model", choices=("copy", "adapters", "precomputed"),
-                     help="DPO: a frozen copy (default for a full fine-tune), the LoRA base (default with "
-                          "--lora-r), or precompute_ref_log_probs")
-    parser.add_argument("--decoder-seq-len", type=_positive_int, help="seq2seq: the labels' length (default --seq-len)")
-    if with_batch:
-        parser.add_argument("--precision", choices=PRECISIONS, default="fp32",
-                            help="*-mixed: autocast over fp32 weights; bf16/fp16: weights stored in that dtype")
-        parser.add_argument("--optim", default="adamw_torch", help=f"TrainingArguments.optim: {', '.join(OPTIMIZERS)}")
-        parser.add_argument("--optim-args", help='TrainingArguments.optim_args, e.g. "bf16_stochastic_round=True" '
-                                                 'or "rank=64" (GaLore / APOLLO)')
-        parser.add_argument("--optim-target-modules",
-                            help="GaLore / APOLLO: comma-separated linear module names, or all-linear")
-        parser.add_argument("--gradient-checkpointing", action="store_true")
-        parser.add_argument("--offload-activations", action="store_true",
-                            help="with --gradient-checkpointing: the checkpoints' inputs in pinned host memory "
-                                 '(activation_checkpointing_kwargs={"offload": True})')
-        parser.add_argument("--use-liger-kernel", action="store_true",
-                            help="Liger's fused linear cross-entropy head (TrainingArguments.use_liger_kernel)")
-        parser.add_argument("--attn-implementation", choices=ATTN_IMPLEMENTATIONS)
-        parser.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=0)
-        parser.add_argument("--offload-optimizer", choices=OFFLOAD_TARGETS, default="none")
-        parser.add_argument("--offload-param", choices=OFFLOAD_TARGETS, default="none")
-        parser.add_argument("--fsdp", choices=FSDP_STRATEGIES,
-                            help="PyTorch FSDP sharding strategy, as TrainingArguments --fsdp")
-        parser.add_argument("--fsdp-version", type=int, choices=(1, 2), default=2,
-                            help="2: fully_shard (the Trainer's default); 1: FullyShardedDataParallel")
-        parser.add_argument("--fsdp-offload", action="store_true",
-                            help="FSDP CPU offload: parameters, gradients and the optimizer step on the host")
-
-
-def step_shape(args: argparse.Namespace) -> dict:
-    """seq_len and the TRL knobs from the flags: `--max-length` stands for `--seq-len`, `--packing` implies padding-free."""
-    from hf_memfit.errors import check_all
-
-    problems = []
-    if args.seq_len is None and args.max_length is None:
-        problems.append("give `--seq-len N` (or `--max-length N` for a TRL trainer)")
-    elif args.seq_len is not None and args.max_length is not None and args.seq_len != args.max_length:
-        problems.append(f"`--seq-len {args.seq_len}` and `--max-length {args.max_length}` disagree; give one")
-    if args.packing and args.trainer != "sft":
-        problems.append("`--packing` is SFT packing: add `--trainer sft`")
-    if args.packing and args.max_length is None:
-        problems.append("`--packing` packs rows to `--max-length N`: give it")
-    check_all(problems)
-    return {"seq_len": args.seq_len or args.max_length, "trainer": args.trainer,
-            "padding_free": args.padding_free or args.packing, "reference_model": args.reference_model,
-            "decoder_seq_len": args.decoder_seq_len, "activation_offloading": args.activation_offloading}
-
-
-def settings_from_args(args: argparse.Namespace):
-    """TrainSettings from parsed estimate/explain flags."""
-    from hf_memfit.settings import TrainSettings
-
-    targets = tuple(t.strip() for t in args.lora_target_modules.split(",") if t.strip()) \
-        if args.lora_target_modules else None
-    optim_targets = tuple(t.strip() for t in args.optim_target_modules.split(",") if t.strip()) \
-        if args.optim_target_modules else None
-    return TrainSettings(
-        batch_size=args.batch_size, **step_shape(args), task=args.task, num_labels=args.num_labels,
-        precision=args.precision, optim=args.optim, optim_args=args.optim_args, optim_target_modules=optim_targets,
-        gradient_checkpointing=args.gradient_checkpointing, use_liger_kernel=args.use_liger_kernel,
-        offload_activations=args.offload_activations,
-        attn_implementation=args.attn_implementation, gradient_accumulation_steps=args.gradient_accumulation_steps,
-        lora_r=args.lora_r, lora_alpha=args.lora_alpha, lora_target_modules=targets,
-        load_in_4bit=args.load_in_4bit, num_gpus=args.num_gpus, num_nodes=args.num_nodes,
-        zero_stage=args.zero_stage, offload_optimizer=args.offload_optimizer, offload_param=args.offload_param,
-        fsdp=args.fsdp, fsdp_version=args.fsdp_version, fsdp_offload=args.fsdp_offload,
-        bnb_4bit_use_double_quant=args.bnb_4bit_use_double_quant, bnb_4bit_quant_storage=args.bnb_4bit_quant_storage,
-        device=args.device, gpu=args.gpu, mode=args.mode, expandable_segments=args.expandable_segments,
-    )
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
@@ -186,7 +56,7 @@ _PLAN_EPILOG = """examples:
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     add_step_arguments(parser, with_batch=False)
-    parser.add_argument("--global-batch-size", type=_positive_int, required=True,
+    parser.add_argument("--global-batch-size", type=positive_int, required=True,
                         help="samples per optimizer step over all GPUs; kept exactly")
     parser.add_argument("--gpu-memory", help="budget per GPU: a size (12GiB, 24GB) or `auto` for the local GPU")
     parser.add_argument("--allow-offload", choices=("none", "cpu", "nvme"), default="cpu",
@@ -227,9 +97,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     for flag in ("deepspeed_config_out", "accelerate_config_out"):  # before planning, not after
         if getattr(args, flag):
-            _check_writable(getattr(args, flag), "--" + flag.replace("_", "-"))
+            check_writable(getattr(args, flag), "--" + flag.replace("_", "-"))
     if args.explain:
-        _check_writable(args.explain, "--explain")
+        check_writable(args.explain, "--explain")
     targets = args.lora_target_modules
     result = plan(
         args.model, **step_shape(args), global_batch_size=args.global_batch_size, gpu_memory=args.gpu_memory,
@@ -327,7 +197,7 @@ def _trace(spec, configs, plot: str | None, flag: str = "--plot") -> list:
     from hf_memfit.estimator.timeline import trace_timeline
 
     if plot:
-        _check_writable(plot, flag)  # before the (long) traces, not after
+        check_writable(plot, flag)  # before the (long) traces, not after
     timelines = []
     for label, settings in configs:
         settings = settings.replace(mode="exact").validate(spec)
@@ -343,32 +213,6 @@ def _trace(spec, configs, plot: str | None, flag: str = "--plot") -> list:
 
 def _progress(text: str) -> None:
     print(f"hf-memfit: {text} ...", file=sys.stderr, flush=True)
-
-
-def _check_writable(path: str, flag: str) -> None:
-    """Make `path`'s folder if needed and check that a file can be created there; one-line error otherwise.
-
-    Creating (and removing) a scratch file is the only test that covers every case:
-    a folder, a path under a file, read-only mounts and pseudo-filesystems such as /proc.
-    """
-    import os
-    import tempfile
-
-    folder = os.path.dirname(os.path.abspath(path))
-    hint = "give a file path in a writable folder"
-    if os.path.isdir(path):
-        raise MemFitError(f"`{flag} {path}` is a folder; {hint}")
-    ancestor = folder
-    while not os.path.exists(ancestor) and os.path.dirname(ancestor) != ancestor:
-        ancestor = os.path.dirname(ancestor)
-    if not os.path.isdir(ancestor):
-        raise MemFitError(f"`{flag} {path}`: {ancestor} is a file, not a folder; {hint}")
-    try:
-        os.makedirs(folder, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=folder, prefix=".hf-memfit-", suffix=".tmp"):
-            pass
-    except OSError as error:
-        raise MemFitError(f"`{flag} {path}`: cannot write in {folder} ({error.strerror}); {hint}") from None
 
 
 def _timeline_dict(t) -> dict:
@@ -402,9 +246,9 @@ def _override(settings, text: str):
 def build_parser() -> argparse.ArgumentParser:
     from hf_memfit import __version__
 
-    parser = _Parser(prog="hf-memfit", description="Predict and fit the memory of Hugging Face fine-tuning, offline.")
+    parser = MemFitArgumentParser(prog="hf-memfit", description="Predict and fit the memory of Hugging Face fine-tuning, offline.")
     parser.add_argument("--version", action="version", version=f"hf-memfit {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=MemFitArgumentParser)
     est = sub.add_parser("estimate", help="peak memory of one training step", epilog=_ESTIMATE_EPILOG,
                          formatter_class=argparse.RawDescriptionHelpFormatter)
     add_step_arguments(est)
