@@ -319,8 +319,10 @@ def _validate_against_model(settings: TrainSettings, spec) -> tuple[TrainSetting
     if settings.decoder_seq_len is not None and task != "seq2seq":
         problems.append("`--decoder-seq-len` is for encoder-decoder (seq2seq) models")
     limit = spec.max_position_embeddings
+    # A learned position table has `limit` rows, so no sequence can be longer; rotary and other positions have
+    # no table and train past the configured length (the estimate notes it: `beyond_positions_note`).
     # (padding-free rows restart their position ids at every packed sequence: the limit is per sequence)
-    if limit is not None and settings.seq_len > limit:
+    if limit is not None and spec.learned_positions and settings.seq_len > limit:
         problems.append(f"`--seq-len {settings.seq_len}` is over {spec.name}'s maximum of {limit} positions; use `--seq-len {limit}` or less")
     if settings.optim_target_modules and settings.optim_target_modules != ("all-linear",):
         known = sorted({m.name for m in spec.linear_modules()})
@@ -334,3 +336,13 @@ def _validate_against_model(settings: TrainSettings, spec) -> tuple[TrainSetting
         if missing:
             problems.append(f"`--lora-target-modules` {', '.join(missing)} not found in {spec.name}; its linear modules are {', '.join(known)}")
     return settings.replace(task=task), problems
+
+
+def beyond_positions_note(settings: TrainSettings, spec) -> str | None:
+    """A note for a sequence longer than a rotary-position model's configured positions (memory is not limited)."""
+    limit = spec.max_position_embeddings
+    if limit is None or spec.learned_positions or settings.seq_len <= limit:
+        return None
+    return (f"`--seq-len {settings.seq_len}` is beyond {spec.name}'s max_position_embeddings of {limit}: it has no "
+            "position table, so it trains at this length and the estimate is for it, but quality past the trained "
+            "context usually needs RoPE scaling (`rope_scaling`) or long-context data")

@@ -498,3 +498,33 @@ def test_family_knowledge_lives_in_the_family_modules():
         assert callable(module.fields) and callable(module.linears) and callable(module.counts)
         assert hasattr(module, "Forward")
     assert set(owners) == set(models.hand_written_types())
+
+
+def test_only_a_learned_position_table_limits_the_sequence(tmp_path, monkeypatch):
+    """GPT-2/BERT/OPT (and any generic model with a table of `max_position_embeddings` rows) refuse a longer
+    sequence; rotary models plan it, with a note that quality past the trained context needs RoPE scaling."""
+    import json
+
+    from hf_memfit.estimator import estimate
+
+    monkeypatch.setenv("HF_MEMFIT_CACHE", str(tmp_path / "cache"))
+    assert resolve_model("gpt2").learned_positions and resolve_model("bert-base-uncased").learned_positions
+    assert resolve_model("facebook/opt-125m").learned_positions
+    llama = resolve_model("meta-llama/Llama-3.1-8B")
+    assert not llama.learned_positions
+    with pytest.raises(MemFitError, match="maximum of 1024 positions"):
+        estimate("gpt2", batch_size=1, seq_len=1025)
+    est = estimate(llama, batch_size=1, seq_len=2 * llama.max_position_embeddings, gradient_checkpointing=True)
+    assert est.device_total_bytes > 0
+    assert any("beyond" in n and "rope_scaling" in n for n in est.notes)
+    assert not any("beyond" in n for n in estimate(llama, batch_size=1, seq_len=4096).notes)
+    # the generic path finds the table itself: BioGPT's embed_positions (max + 2 rows) vs Qwen3's rotary positions
+    tiny = dict(model_type="biogpt", num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                vocab_size=100, max_position_embeddings=64)
+    (tmp_path / "biogpt.json").write_text(json.dumps(tiny))
+    biogpt = resolve_model(str(tmp_path / "biogpt.json"))
+    assert not biogpt.hand_written and biogpt.learned_positions
+    qwen = ModelSpec.from_config("tiny-qwen3", dict(model_type="qwen3", num_hidden_layers=2, hidden_size=32,
+                                                    intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
+                                                    head_dim=16, vocab_size=100, max_position_embeddings=64))
+    assert not qwen.hand_written and not qwen.learned_positions

@@ -14,7 +14,7 @@ The result is plain data (`MemoryEstimate`); printing lives in `report.py`.
 from dataclasses import dataclass, field
 
 from hf_memfit.estimator.breakdown import CATEGORIES, StepMemory
-from hf_memfit.settings import TrainSettings
+from hf_memfit.settings import TrainSettings, beyond_positions_note
 from hf_memfit.models.spec import ModelSpec, resolve_model
 
 
@@ -125,6 +125,9 @@ def assemble(spec: ModelSpec, settings: TrainSettings, step: StepMemory) -> Memo
     breakdown = {k: int(rank.candidates[peak_region].get(k, 0)) for k in CATEGORIES}
     allocated = sum(breakdown.values())
     notes = list(step.notes) + list(rank.notes)
+    beyond = beyond_positions_note(settings, spec)
+    if beyond:
+        notes.insert(0, beyond)
     if settings.device == "cpu":
         reserved = total = allocated
     else:

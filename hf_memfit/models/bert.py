@@ -44,6 +44,7 @@ def fields(get: Getter) -> dict[str, Any]:
         "head_dim": h // heads,
         "intermediate_size": get("intermediate_size"),
         "max_position_embeddings": get("max_position_embeddings"),
+        "learned_positions": True,  # BertEmbeddings.position_embeddings: one row per position
         "tie_word_embeddings": bool(get("tie_word_embeddings")),
         "is_encoder_decoder": False,
         "default_task": "seq-cls",

@@ -289,6 +289,7 @@ def describe(name: str, config: dict) -> dict:
     facts["tasks"][_task_key(fields["default_task"], 2)] = _task_facts(config, fields["default_task"], 2, fields)
     facts["layer_period"] = facts["tasks"][_task_key(fields["default_task"], 2)].pop("layer_period")
     fields["layer_period"] = facts["layer_period"]
+    fields["learned_positions"] = facts["tasks"][_task_key(fields["default_task"], 2)].pop("learned_positions")
     write_cache("specs", key, facts)
     return facts
 
@@ -318,7 +319,23 @@ def _task_facts(config: dict, task: str, num_labels: int, fields: dict) -> dict:
         "linears": _linear_entries(model, names),
         "counts": _parameter_counts(model, names, main, depth),
         "layer_period": layer_period(stack, layer_types) if stack is not None else 1,
+        "learned_positions": _has_position_table(model, fields["max_position_embeddings"]),
     }
+
+
+def _has_position_table(model, positions: int | None) -> bool:
+    """Whether the model looks positions up in a learned table sized by `max_position_embeddings`.
+
+    Such a table (BERT's `position_embeddings`, OPT's `embed_positions` with its offset of 2) is a hard
+    limit on the sequence length; rotary, ALiBi and NoPE models have none and train past the configured length.
+    """
+    import torch
+
+    if not positions:
+        return False
+    tokens = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    return any(isinstance(m, torch.nn.Embedding) and m is not tokens and positions <= m.num_embeddings <= positions + 2
+               for m in model.modules())
 
 
 def _layer_types(model, depth: int) -> list | None:
@@ -337,6 +354,7 @@ def task_facts(name: str, config: dict, facts: dict, task: str, num_labels: int)
     if key not in facts["tasks"]:
         found = _task_facts(config, task, num_labels, facts["fields"])
         found.pop("layer_period", None)
+        found.pop("learned_positions", None)
         facts["tasks"][key] = found
         write_cache("specs", config_key(config), facts)
     return facts["tasks"][key]

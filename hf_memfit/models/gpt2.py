@@ -48,6 +48,7 @@ def fields(get: Getter) -> dict[str, Any]:
         "head_dim": h // heads,
         "intermediate_size": get("n_inner") or 4 * h,
         "max_position_embeddings": get("n_positions"),
+        "learned_positions": True,  # GPT2Model.wpe: one row per position
         "tie_word_embeddings": bool(get("tie_word_embeddings")),
         "is_encoder_decoder": False,
         "default_task": "causal-lm",

@@ -43,6 +43,7 @@ def fields(get: Getter) -> dict[str, Any]:
         "head_dim": h // heads,
         "intermediate_size": get("ffn_dim"),
         "max_position_embeddings": get("max_position_embeddings"),
+        "learned_positions": True,  # OPTLearnedPositionalEmbedding: max positions + 2 rows
         "tie_word_embeddings": bool(get("tie_word_embeddings")),
         "is_encoder_decoder": False,
         "default_task": "causal-lm",

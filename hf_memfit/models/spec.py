@@ -290,6 +290,9 @@ class ModelSpec:
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
     dtype: str | None = None  # the checkpoint's torch_dtype / dtype, if the config says
+    # A learned position table (GPT-2, BERT, OPT) has `max_position_embeddings` rows: no sequence can be longer.
+    # Rotary, ALiBi and relative positions have no such table, and models train past their configured length.
+    learned_positions: bool = False
     # The generic path's facts (`generic.describe`): linear modules and counts per task, MoE routing.
     generic: dict | None = field(default=None, repr=False, compare=False)
 
