@@ -1,0 +1,384 @@
+"""Fast mode for families without hand-written formulas: a parametric step fitted to a few traces.
+
+Every live byte of a training step is a model state (weights, gradients,
+optimizer states: independent of the data), a per-sequence tensor shared by
+the batch (rotary tables: `s`; a mask shared by the rows: `s^2`), a per-row
+tensor (classifier logits: `b`), a per-token tensor (hidden states, the
+logits and the loss: `b*s`) or a per-score tensor (eager attention
+probabilities, padded masks: `b*s^2`). So while the same tensors are live,
+the bytes of a region of the step, category by category, are
+
+    c0 + c1*b + c2*s + c3*s^2 + c4*b*s + c5*b*s^2.
+
+The reduced-depth copy exact mode traces (2p and 3p layers) is built once
+per depth and stepped at `len(TERMS) + 1` (batch, seq) points; the first
+`len(TERMS)` determine the coefficients, the last is a check whose miss is
+reported in the notes, not hidden. The coefficients are then extrapolated to
+the real depth region by region, as exact mode extrapolates its bytes. One
+calibration thus serves every micro-batch and sequence length, and (traced
+with two micro-batches) both a step without and one with gradient
+accumulation.
+
+A region's maximum is a maximum of such polynomials (which tensors are live
+at its peak can change with the shape), so the fit is exact where one set of
+tensors dominates the points; the points are taken long (`_points`) so that
+the one that dominates long sequences is the one fitted, and the check point
+says when that did not hold.
+
+The optimizer is moved by formula: the states and the step's temporaries of
+the traced optimizer and of the asked one are computed by `optimizers.py`
+(the one optimizer model, as hand-written fast mode uses it) over the traced
+trainable tensors, and the difference is added. This is exact where those
+formulas are (they are checked against the trace at calibration; a miss keys
+the calibration by optimizer instead). GaLore / APOLLO (their projections run
+in the backward, layerwise ones step inside it) are always keyed by optimizer.
+
+Imports no torch unless it calibrates.
+"""
+
+from __future__ import annotations
+
+import time
+
+from hf_memfit.breakdown import CATEGORIES, StepMemory
+from hf_memfit.generic import cache_dir, config_key, moe_note, read_cache, write_cache
+
+#: Bumped whenever what a cached fit means changes (part of the cache key, beside generic.CACHE_VERSION).
+PARAMETRIC_VERSION = 1
+CACHE_KIND = "parametric"
+
+#: The terms of the fit, as (batch power, seq power): 1, b, s, s^2, b*s, b*s^2.
+TERMS = ((0, 0), (1, 0), (0, 1), (0, 2), (1, 1), (1, 2))
+
+#: The shortest sequence the fit is traced at, for models with room for it. Long enough that per-token
+#: tensors (KiB per token) outweigh a layer's gradients and the step's fixed temporaries (MiB), so the
+#: tensors that are live at a region's maximum are those that are live at long sequences; fake tensors cost
+#: the same at any length. A multiple of 512 and of 128: CUDA's 512-byte rounding and the flash kernels'
+#: 128-row padding then add nothing that is not a whole number of rows.
+BASE_SEQ = 2048
+
+# The relative miss at the check point above which the fit is reported as approximate.
+CHECK_TOLERANCE = 0.01
+
+# Settings that do not change the single-device step (sharding.shard and the planner apply them afterwards).
+_LAYOUT_FIELDS = ("batch_size", "mode", "num_gpus", "num_nodes", "zero_stage", "offload_optimizer", "offload_param",
+                  "expandable_segments")
+# What the fit serves without a new calibration.
+_FITTED_FIELDS = ("seq_len", "gradient_accumulation_steps")
+_OPTIMIZER_FIELDS = ("optim", "optim_args")
+
+_FACTS = ("trainable_params", "total_params", "largest_param_numel", "quantizable_linear_params",
+          "largest_linear_numel")
+
+
+# --- keys ------------------------------------------------------------------------------------------------
+
+def _swappable(settings) -> bool:
+    """Whether the optimizer can be moved by formula (not GaLore / APOLLO, whose projection runs in backward)."""
+    return not settings.optimizer.low_rank
+
+
+def _points(spec, settings) -> tuple[tuple[int, int], ...]:
+    """The (batch, seq) points: two batches by three lengths, then a check point beyond both batches.
+
+    The lengths stay within `max_position_embeddings` (learned positions index a table) and on the
+    side of the sliding window the asked length is on: below it transformers skips the sliding mask,
+    above it builds one, and the two sides are different polynomials.
+    """
+    base = BASE_SEQ
+    limit = spec.max_position_embeddings or 0
+    window = spec.sliding_window or 0
+    if window and settings.seq_len <= window:
+        limit = min(limit, window) if limit else window
+    elif window:
+        base = max(base, -(-(window + 1) // 128) * 128)
+    if limit and 4 * base > limit:
+        base = max(limit // 4 // 128 * 128, limit // 4, 1)
+    s1, s2, s4 = base, 2 * base, 4 * base
+    return ((1, s1), (1, s2), (1, s4), (2, s1), (2, s2), (2, s4), (4, 3 * base))
+
+
+def _regime(spec, settings) -> str:
+    """Which side of the sliding window the asked length is on (one calibration per side)."""
+    window = spec.sliding_window
+    return "" if not window else ("within-window" if settings.seq_len <= window else "beyond-window")
+
+
+def _settings_key(spec, settings, by_optimizer: bool) -> dict:
+    key = {k: v for k, v in settings.to_dict().items() if k not in _LAYOUT_FIELDS + _FITTED_FIELDS}
+    if _swappable(settings) and not by_optimizer:
+        for name in _OPTIMIZER_FIELDS:
+            key.pop(name)
+    elif settings.optimizer_family == "adam8bit":
+        key["optim"] = "adam8bit"  # one traced state layout for every bitsandbytes 8-bit AdamW; paging is applied later
+    key["regime"] = _regime(spec, settings)
+    key["parametric"] = PARAMETRIC_VERSION
+    return key
+
+
+# --- evaluation ----------------------------------------------------------------------------------------
+
+def parametric_step_memory(spec, settings) -> StepMemory:
+    """Single-device peak candidates for `settings`, from a cached parametric fit (made now if missing)."""
+    key = config_key(spec.config, _settings_key(spec, settings, by_optimizer=False))
+    fit = _read(key)
+    if fit is not None and _optimizer_of(settings) != fit["optimizer"] and not fit["optimizer_formula_exact"]:
+        # The formula missed the traced optimizer: a different one is calibrated on its own.
+        key = config_key(spec.config, _settings_key(spec, settings, by_optimizer=True))
+        fit = _read(key)
+    paid = None
+    if fit is None:
+        started = time.perf_counter()
+        fit = calibrate(spec, settings)
+        paid = time.perf_counter() - started
+        write_cache(CACHE_KIND, key, fit)
+    step = evaluate(fit, settings)
+    if spec.moe:
+        step.notes.append(moe_note(spec.moe, settings))
+    points = ", ".join(f"{b}x{s}" for b, s in fit["points"])
+    text = (f"fast mode for model type `{spec.model_type}` (no hand-written formulas): parametric fit from "
+            f"{fit['traces']} traces of depth {fit['depths']} at batch x seq {points}")
+    if paid is not None:
+        text += f"; this first call paid {paid:.1f} s for it, cached in {cache_dir() / CACHE_KIND}"
+    else:
+        text += f" (cached in {cache_dir() / CACHE_KIND})"
+    step.notes.append(text)
+    return step
+
+
+def _read(key: str) -> dict | None:
+    """A cached fit, or None when missing, unreadable or not one of ours (then it is made afresh)."""
+    fit = read_cache(CACHE_KIND, key)
+    needed = ("version", "points", "candidates", "facts", "optimizer", "optimizer_formula_exact", "tensors")
+    if not isinstance(fit, dict) or fit.get("version") != PARAMETRIC_VERSION or any(k not in fit for k in needed):
+        return None
+    return fit
+
+
+def _optimizer_of(settings) -> list:
+    return [settings.optim, settings.optim_args]
+
+
+def _term(b: int, s: int, term: tuple[int, int]) -> float:
+    return float(b) ** term[0] * float(s) ** term[1]
+
+
+def _value(coefficients: list[float], b: int, s: int) -> int:
+    return max(0, int(round(sum(c * _term(b, s, t) for c, t in zip(coefficients, TERMS)))))
+
+
+def evaluate(fit: dict, settings) -> StepMemory:
+    """The fitted candidates at the settings' micro-batch and sequence length, with their optimizer."""
+    b, s = settings.batch_size, settings.seq_len
+    accumulating = settings.gradient_accumulation_steps > 1
+    candidates = {}
+    for region, by_category in fit["candidates"].items():
+        step, _, rest = region.partition("|")
+        if not accumulating and step.endswith(".1") and rest != "opt":
+            continue  # a later micro-batch, which a step without accumulation does not run
+        if rest == "opt":
+            region = "1.1|opt" if accumulating else "1.0|opt"
+        candidates[region] = {k: _value(c, b, s) for k, c in by_category.items()}
+    if _optimizer_of(settings) != fit["optimizer"]:
+        _move_optimizer(candidates, fit, settings)
+    step = StepMemory(candidates, **fit["facts"])
+    if fit["host"]:
+        step.host_bytes = _value(fit["host"], b, s)
+    if fit["check_miss"] > CHECK_TOLERANCE:
+        step.notes.append(f"parametric fit: the check point missed exact mode by {100 * fit['check_miss']:.1f}% "
+                          f"(region {fit['check_region']}); the estimate is approximate (use --mode exact to trace it)")
+    return step
+
+
+def _move_optimizer(candidates: dict, fit: dict, settings) -> None:
+    """Replace the traced optimizer's states and step temporaries by the asked one's, by formula."""
+    traced_optim, traced_args = fit["optimizer"]
+    states_was, temps_was = _optimizer_bytes(fit["tensors"], traced_optim, traced_args, settings.device)
+    states, temps = _optimizer_bytes(fit["tensors"], settings.optim, settings.optim_args, settings.device)
+    for region, values in candidates.items():
+        if region == "build":
+            continue
+        values["optimizer"] = max(0, values.get("optimizer", 0) + states - states_was)
+        if region.endswith("|opt"):
+            values["temporary"] = max(0, values.get("temporary", 0) + temps - temps_was)
+
+
+def _optimizer_bytes(tensors: dict, optim: str, optim_args, device: str) -> tuple[int, int]:
+    """States and step temporaries of `optim` at the real depth: computed at each traced depth, extrapolated."""
+    from hf_memfit import optimizers
+
+    cuda = device == "cuda"
+    per_depth = []
+    for listed in tensors["lists"]:
+        groups = [optimizers.TensorGroup(tuple(shape), 1, size, decay, embedding=embedding)
+                  for shape, size, decay, embedding in listed]
+        states = sum(optimizers.state_bytes(t, optim, cuda, optim_args=optim_args) for t in groups)
+        temps = optimizers.tensors_step_temporary_bytes(groups, optim, device, optim_args=optim_args)
+        per_depth.append((states, temps))
+    return tuple(int(round(_extrapolate([p[i] for p in per_depth], tensors["steps"]))) for i in (0, 1))
+
+
+def _extrapolate(values: list[float], steps: list[float]) -> float:
+    """Exact mode's depth extrapolation: the base value plus, per stack, the growth times the periods added."""
+    return values[0] + sum(step * (grown - values[0]) for step, grown in zip(steps, values[1:]))
+
+
+# --- calibration ---------------------------------------------------------------------------------------
+
+def calibrate(spec, settings) -> dict:
+    """Trace the reduced-depth model at the points, fit every region's bytes, extrapolate to the real depth."""
+    from hf_memfit.trace import _config_with_depths, _real_depths, progress, trace_step
+
+    points = _points(spec, settings)
+    # Two micro-batches: the first is a step without accumulation, the second the accumulating one.
+    # Layerwise optimizers step inside backward and cannot accumulate.
+    traced = settings.replace(mode="exact", batch_size=points[0][0], seq_len=points[0][1],
+                              gradient_accumulation_steps=1 if settings.optimizer.layerwise else 2)
+    real = _real_depths(spec)
+    period = getattr(spec, "layer_period", 1) or 1
+    base_depth, grown_depth = 2 * period, 3 * period
+    if max(real) <= grown_depth:
+        depth_sets, steps = [real], []
+    else:
+        base = tuple(min(base_depth, d) for d in real)
+        depth_sets = [base] + [tuple(grown_depth if j == i else base[j] for j in range(len(real)))
+                               for i in range(len(real))]
+        steps = [(real[i] - base[i]) / period for i in range(len(real))]
+    traces = []
+    for number, depths in enumerate(depth_sets, 1):
+        progress.info("fast mode: tracing %s at depth %s (%d of %d) at %d shapes", spec.name,
+                      "+".join(map(str, depths)), number, len(depth_sets), len(points))
+        traces.append(trace_step(_config_with_depths(spec, depths), traced, depths, shapes=points))
+
+    per_depth = [_point_classes(t, len(points)) for t in traces]  # [depth][point] -> class -> breakdown
+    regions = set.intersection(*(set(p) for d in per_depth for p in d))
+    n = len(TERMS)
+    candidates, check_miss, check_region = {}, 0.0, ""
+    for region in sorted(regions):
+        fitted = {}
+        for category in CATEGORIES:
+            rows = [[p[region].get(category, 0) for p in d] for d in per_depth]
+            coefficients = [_solve(points[:n], values[:n]) for values in rows]
+            fitted[category] = [_extrapolate([c[t] for c in coefficients], steps) for t in range(n)]
+        candidates[region] = fitted
+        # The check: the held-out point, at every traced depth, against what the fit predicts there.
+        for d, depth_points in enumerate(per_depth):
+            seen = sum(depth_points[-1][region].values())
+            predicted = sum(_value(_solve(points[:n], [p[region].get(k, 0) for p in depth_points][:n]), *points[-1])
+                            for k in CATEGORIES)
+            miss = abs(predicted - seen) / max(seen, 1)
+            if miss > check_miss:
+                check_miss, check_region = miss, region
+    host = None
+    if any(any(t.host_peaks) for t in traces):
+        host_coefficients = [_solve(points[:n], t.host_peaks[1:n + 1]) for t in traces]
+        host = [_extrapolate([c[k] for c in host_coefficients], steps) for k in range(n)]
+    facts = {k: int(round(_extrapolate([getattr(t, k) for t in traces], steps))) for k in _FACTS}
+    facts["largest_param_numel"] = traces[0].largest_param_numel
+    facts["largest_linear_numel"] = traces[0].largest_linear_numel
+    tensors = {"lists": [t.trainable_tensors for t in traces], "steps": steps}
+    exact = _optimizer_formula_exact(per_depth, tensors, settings)
+    return {
+        "version": PARAMETRIC_VERSION,
+        "points": [list(p) for p in points],
+        "depths": "+".join("/".join(map(str, d)) for d in zip(*depth_sets)),
+        "traces": len(traces),
+        "candidates": candidates,
+        "host": host,
+        "facts": facts,
+        "optimizer": _optimizer_of(settings),
+        "optimizer_formula_exact": exact,
+        "tensors": tensors,
+        "check_miss": check_miss,
+        "check_region": check_region,
+    }
+
+
+def _optimizer_formula_exact(per_depth, tensors, settings) -> bool:
+    """Whether optimizers.py gives the traced optimizer's states (in a steady forward region) at every depth."""
+    if not _swappable(settings):
+        return False
+    from hf_memfit import optimizers
+
+    cuda = settings.device == "cuda"
+    for listed, points in zip(tensors["lists"], per_depth):
+        groups = [optimizers.TensorGroup(tuple(shape), 1, size, decay, embedding=embedding)
+                  for shape, size, decay, embedding in listed]
+        states = sum(optimizers.state_bytes(t, settings.optim, cuda, optim_args=settings.optim_args)
+                     for t in groups)
+        traced = points[0].get("1.0|fwd|pre", {}).get("optimizer", 0)
+        if abs(states - traced) > max(0.005 * traced, 4096):  # a few scalars' rounding aside
+            return False
+    return True
+
+
+def _point_classes(trace, count: int) -> list[dict[str, dict[str, int]]]:
+    """Per point (traced step 1..count): region class -> bytes by category at the class's maximum.
+
+    The step index is normalised to 1, as exact mode names its steady-state step.
+    """
+    from hf_memfit.trace import _by_class
+
+    tracker = trace.tracker
+    clocks = {}
+    for region, (live, clock) in tracker.region_peaks.items():
+        if "|" in region and not region.startswith("0."):
+            clocks[region] = clock
+    breakdowns = _breakdowns_at(tracker, set(clocks.values()))
+    out = []
+    for index in range(1, count + 1):
+        prefix = f"{index}."
+        view = _View(trace, {"1." + r[len(prefix):]: tracker.region_peaks[r][0] for r in clocks if r.startswith(prefix)},
+                     {"1." + r[len(prefix):]: breakdowns[clocks[r]] for r in clocks if r.startswith(prefix)})
+        out.append({cls: breakdown for cls, (_, breakdown) in _by_class(view).items()})
+    return out
+
+
+class _View:
+    """One traced step of a multi-shape trace, shaped as the TraceResult `trace._by_class` reads."""
+
+    def __init__(self, trace, peaks, breakdowns):
+        self.region_peaks, self.region_breakdowns = peaks, breakdowns
+        self.stack_depths, self.depths = trace.stack_depths, trace.depths
+
+
+def _breakdowns_at(tracker, clocks: set[int]) -> dict[int, dict[str, int]]:
+    """Live bytes by (final) category at each clock, in one sweep of the events.
+
+    The same as `StorageTracker.breakdown_at` for each clock (live at c: made at or before c, released
+    after c), which scans every allocation once per clock. Event i happens at clock i + 1.
+    """
+    totals = dict.fromkeys(CATEGORIES, 0)
+    wanted = sorted(clocks)
+    out, w = {}, 0
+    allocations = tracker.allocations
+    for i, (signed, nbytes) in enumerate(tracker.events):
+        clock = i + 1
+        while w < len(wanted) and wanted[w] < clock:
+            out[wanted[w]] = dict(totals)
+            w += 1
+        record = allocations[abs(signed) - 1]
+        totals[record.category] += nbytes if signed > 0 else -nbytes
+    while w < len(wanted):
+        out[wanted[w]] = dict(totals)
+        w += 1
+    return out
+
+
+def _solve(points, values) -> list[float]:
+    """The coefficients of TERMS through the points (a square system, solved by Gaussian elimination)."""
+    n = len(TERMS)
+    rows = [[_term(b, s, t) for t in TERMS] + [float(v)] for (b, s), v in zip(points, values)]
+    # Scale each column so the elimination is well conditioned (s^2 is ~1e7 at the points).
+    scales = [max(abs(r[j]) for r in rows) or 1.0 for j in range(n)]
+    for r in rows:
+        for j in range(n):
+            r[j] /= scales[j]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda i: abs(rows[i][col]))
+        rows[col], rows[pivot] = rows[pivot], rows[col]
+        for i in range(n):
+            if i != col and rows[i][col]:
+                factor = rows[i][col] / rows[col][col]
+                rows[i] = [a - factor * p for a, p in zip(rows[i], rows[col])]
+    return [rows[j][n] / rows[j][j] / scales[j] for j in range(n)]
