@@ -3,21 +3,28 @@
 Every live byte of a training step is a model state (weights, gradients,
 optimizer states: independent of the data), a per-sequence tensor shared by
 the batch (rotary tables: `s`; a mask shared by the rows: `s^2`), a per-row
-tensor (classifier logits: `b`), a per-token tensor (hidden states, the
-logits and the loss: `b*s`) or a per-score tensor (eager attention
-probabilities, padded masks: `b*s^2`). So while the same tensors are live,
-the bytes of a region of the step, category by category, are
+tensor, a per-token tensor (hidden states, the logits and the loss: `b*s`)
+or a per-score tensor (eager attention probabilities, padded masks:
+`b*s^2`). So while the same tensors are live, the bytes of a region of the
+step, category by category, are
 
-    c0 + c1*b + c2*s + c3*s^2 + c4*b*s + c5*b*s^2.
+    c0 + c1*s + c2*s^2 + c3*b*s + c4*b*s^2.
+
+Per-row tensors (a classifier's pooled output and logits, `b`) are left out:
+they are a row's hidden size at most, against a row's thousands of tokens.
 
 The reduced-depth copy exact mode traces (2p and 3p layers) is built once
 per depth and stepped at `len(TERMS) + 1` (batch, seq) points; the first
 `len(TERMS)` determine the coefficients, the last is a check whose miss is
 reported in the notes, not hidden. The coefficients are then extrapolated to
 the real depth region by region, as exact mode extrapolates its bytes. One
-calibration thus serves every micro-batch and sequence length, and (traced
-with two micro-batches) both a step without and one with gradient
-accumulation.
+calibration thus serves every micro-batch and sequence length.
+
+Gradient accumulation: a later micro-batch runs the same forward and
+backward with every gradient already live, so its regions are the first
+micro-batch's plus bytes that do not depend on the shape. The last fit point
+and the check point run two micro-batches; the first gives that offset, the
+check tests it. One calibration serves steps with and without accumulation.
 
 A region's maximum is a maximum of such polynomials (which tensors are live
 at its peak can change with the shape), so the fit is exact where one set of
@@ -47,8 +54,8 @@ from hf_memfit.generic import cache_dir, config_key, moe_note, read_cache, write
 PARAMETRIC_VERSION = 1
 CACHE_KIND = "parametric"
 
-#: The terms of the fit, as (batch power, seq power): 1, b, s, s^2, b*s, b*s^2.
-TERMS = ((0, 0), (1, 0), (0, 1), (0, 2), (1, 1), (1, 2))
+#: The terms of the fit, as (batch power, seq power): 1, s, s^2, b*s, b*s^2.
+TERMS = ((0, 0), (0, 1), (0, 2), (1, 1), (1, 2))
 
 #: The shortest sequence the fit is traced at, for models with room for it. Long enough that per-token
 #: tensors (KiB per token) outweigh a layer's gradients and the step's fixed temporaries (MiB), so the
@@ -78,8 +85,9 @@ def _swappable(settings) -> bool:
     return not settings.optimizer.low_rank
 
 
-def _points(spec, settings) -> tuple[tuple[int, int], ...]:
-    """The (batch, seq) points: two batches by three lengths, then a check point beyond both batches.
+def _points(spec, settings) -> tuple[tuple[int, int, int], ...]:
+    """The (batch, seq, micro-batches) points: three lengths at batch 1, the shortest and the longest at
+    batch 2 (which determine the b*s and b*s^2 terms), then a check point beyond both batches.
 
     The lengths stay within `max_position_embeddings` (learned positions index a table) and on the
     side of the sliding window the asked length is on: below it transformers skips the sliding mask,
@@ -94,8 +102,9 @@ def _points(spec, settings) -> tuple[tuple[int, int], ...]:
         base = max(base, -(-(window + 1) // 128) * 128)
     if limit and 4 * base > limit:
         base = max(limit // 4 // 128 * 128, limit // 4, 1)
-    s1, s2, s4 = base, 2 * base, 4 * base
-    return ((1, s1), (1, s2), (1, s4), (2, s1), (2, s2), (2, s4), (4, 3 * base))
+    micro = 1 if settings.optimizer.layerwise else 2  # layerwise optimizers step inside backward: no accumulation
+    return ((1, base, 1), (1, 2 * base, 1), (1, 4 * base, 1), (2, base, 1), (2, 4 * base, micro),
+            (4, 3 * base, micro))
 
 
 def _regime(spec, settings) -> str:
@@ -135,7 +144,7 @@ def parametric_step_memory(spec, settings) -> StepMemory:
     step = evaluate(fit, settings)
     if spec.moe:
         step.notes.append(moe_note(spec.moe, settings))
-    points = ", ".join(f"{b}x{s}" for b, s in fit["points"])
+    points = ", ".join(f"{b}x{s}" for b, s, _ in fit["points"])
     text = (f"fast mode for model type `{spec.model_type}` (no hand-written formulas): parametric fit from "
             f"{fit['traces']} traces of depth {fit['depths']} at batch x seq {points}")
     if paid is not None:
@@ -173,11 +182,10 @@ def evaluate(fit: dict, settings) -> StepMemory:
     accumulating = settings.gradient_accumulation_steps > 1
     candidates = {}
     for region, by_category in fit["candidates"].items():
-        step, _, rest = region.partition("|")
-        if not accumulating and step.endswith(".1") and rest != "opt":
+        if region.startswith("1.1|") and not accumulating:
             continue  # a later micro-batch, which a step without accumulation does not run
-        if rest == "opt":
-            region = "1.1|opt" if accumulating else "1.0|opt"
+        if region == "1.0|opt" and accumulating:
+            region = "1.1|opt"  # as exact mode names it: the step after the last micro-batch
         candidates[region] = {k: _value(c, b, s) for k, c in by_category.items()}
     if _optimizer_of(settings) != fit["optimizer"]:
         _move_optimizer(candidates, fit, settings)
@@ -185,8 +193,9 @@ def evaluate(fit: dict, settings) -> StepMemory:
     if fit["host"]:
         step.host_bytes = _value(fit["host"], b, s)
     if fit["check_miss"] > CHECK_TOLERANCE:
-        step.notes.append(f"parametric fit: the check point missed exact mode by {100 * fit['check_miss']:.1f}% "
-                          f"(region {fit['check_region']}); the estimate is approximate (use --mode exact to trace it)")
+        step.notes.append(f"parametric fit: at its check point it missed the trace by {100 * fit['check_miss']:.1f}% "
+                          f"of the peak (region {fit['check_region']}); the estimate is approximate (`--mode exact` "
+                          "traces these settings)")
     return step
 
 
@@ -230,10 +239,9 @@ def calibrate(spec, settings) -> dict:
     from hf_memfit.trace import _config_with_depths, _real_depths, progress, trace_step
 
     points = _points(spec, settings)
-    # Two micro-batches: the first is a step without accumulation, the second the accumulating one.
-    # Layerwise optimizers step inside backward and cannot accumulate.
+    shapes = [p[:2] for p in points]
     traced = settings.replace(mode="exact", batch_size=points[0][0], seq_len=points[0][1],
-                              gradient_accumulation_steps=1 if settings.optimizer.layerwise else 2)
+                              gradient_accumulation_steps=max(p[2] for p in points))
     real = _real_depths(spec)
     period = getattr(spec, "layer_period", 1) or 1
     base_depth, grown_depth = 2 * period, 3 * period
@@ -251,33 +259,21 @@ def calibrate(spec, settings) -> dict:
         traces.append(trace_step(_config_with_depths(spec, depths), traced, depths, shapes=points))
 
     per_depth = [_point_classes(t, len(points)) for t in traces]  # [depth][point] -> class -> breakdown
-    regions = set.intersection(*(set(p) for d in per_depth for p in d))
+    fitted = [_fit_depth(d, points) for d in per_depth]  # [depth] -> class -> category -> coefficients
     n = len(TERMS)
-    candidates, check_miss, check_region = {}, 0.0, ""
-    for region in sorted(regions):
-        fitted = {}
-        for category in CATEGORIES:
-            rows = [[p[region].get(category, 0) for p in d] for d in per_depth]
-            coefficients = [_solve(points[:n], values[:n]) for values in rows]
-            fitted[category] = [_extrapolate([c[t] for c in coefficients], steps) for t in range(n)]
-        candidates[region] = fitted
-        # The check: the held-out point, at every traced depth, against what the fit predicts there.
-        for d, depth_points in enumerate(per_depth):
-            seen = sum(depth_points[-1][region].values())
-            predicted = sum(_value(_solve(points[:n], [p[region].get(k, 0) for p in depth_points][:n]), *points[-1])
-                            for k in CATEGORIES)
-            miss = abs(predicted - seen) / max(seen, 1)
-            if miss > check_miss:
-                check_miss, check_region = miss, region
+    candidates = {}
+    for region in set.intersection(*(set(f) for f in fitted)):
+        candidates[region] = {k: [_extrapolate([f[region][k][t] for f in fitted], steps) for t in range(n)]
+                              for k in CATEGORIES}
+    check_miss, check_region = _check(per_depth, fitted, points)
     host = None
-    if any(any(t.host_peaks) for t in traces):
-        host_coefficients = [_solve(points[:n], t.host_peaks[1:n + 1]) for t in traces]
+    if any(any(t.host_peaks) for t in traces):  # offloaded activations: fitted as the region bytes are
+        host_coefficients = [_solve(shapes[:n], t.host_peaks[1:n + 1]) for t in traces]
         host = [_extrapolate([c[k] for c in host_coefficients], steps) for k in range(n)]
     facts = {k: int(round(_extrapolate([getattr(t, k) for t in traces], steps))) for k in _FACTS}
     facts["largest_param_numel"] = traces[0].largest_param_numel
     facts["largest_linear_numel"] = traces[0].largest_linear_numel
     tensors = {"lists": [t.trainable_tensors for t in traces], "steps": steps}
-    exact = _optimizer_formula_exact(per_depth, tensors, settings)
     return {
         "version": PARAMETRIC_VERSION,
         "points": [list(p) for p in points],
@@ -287,11 +283,53 @@ def calibrate(spec, settings) -> dict:
         "host": host,
         "facts": facts,
         "optimizer": _optimizer_of(settings),
-        "optimizer_formula_exact": exact,
+        "optimizer_formula_exact": _optimizer_formula_exact(per_depth, tensors, settings),
         "tensors": tensors,
         "check_miss": check_miss,
         "check_region": check_region,
     }
+
+
+def _fit_depth(point_classes: list[dict], points) -> dict[str, dict[str, list[float]]]:
+    """Coefficients per region class and category at one traced depth.
+
+    The first micro-batch's regions ("1.0|...") and the optimizer step are solved from the fit points;
+    a later micro-batch's ("1.1|...") are the first one's plus a constant per category, read at the
+    last fit point (the first with two micro-batches).
+    """
+    n = len(TERMS)
+    shapes = [p[:2] for p in points[:n]]
+    fit_points = point_classes[:n]
+    out = {}
+    for region in set.intersection(*(set(p) for p in fit_points)):
+        out[region] = {k: _solve(shapes, [p[region].get(k, 0) for p in fit_points]) for k in CATEGORIES}
+    offset_at = fit_points[n - 1]
+    for region in offset_at:
+        first = "1.0|" + region[4:]
+        if region.startswith("1.1|") and first in out:
+            out[region] = {}
+            for k in CATEGORIES:
+                coefficients = list(out[first][k])
+                coefficients[0] += offset_at[region].get(k, 0) - _value(coefficients, *shapes[-1])
+                out[region][k] = coefficients
+    return out
+
+
+def _check(per_depth, fitted, points) -> tuple[float, str]:
+    """The fit's largest miss at the held-out point, relative to the step's peak there, and where."""
+    b, s = points[-1][:2]
+    worst, where = 0.0, ""
+    for classes, fit in zip(per_depth, fitted):
+        seen = classes[-1]
+        peak = max(sum(v.values()) for v in seen.values())
+        for region, values in seen.items():
+            if region not in fit:
+                continue
+            predicted = sum(_value(fit[region][k], b, s) for k in CATEGORIES)
+            miss = abs(predicted - sum(values.values())) / max(peak, 1)
+            if miss > worst:
+                worst, where = miss, region
+    return worst, where
 
 
 def _optimizer_formula_exact(per_depth, tensors, settings) -> bool:
@@ -328,8 +366,10 @@ def _point_classes(trace, count: int) -> list[dict[str, dict[str, int]]]:
     out = []
     for index in range(1, count + 1):
         prefix = f"{index}."
-        view = _View(trace, {"1." + r[len(prefix):]: tracker.region_peaks[r][0] for r in clocks if r.startswith(prefix)},
-                     {"1." + r[len(prefix):]: breakdowns[clocks[r]] for r in clocks if r.startswith(prefix)})
+        # The optimizer step is one region whatever the micro-batches before it: named as without accumulation.
+        name = lambda r: "1.0|opt" if r.endswith("|opt") else "1." + r[len(prefix):]  # noqa: E731
+        view = _View(trace, {name(r): tracker.region_peaks[r][0] for r in clocks if r.startswith(prefix)},
+                     {name(r): breakdowns[clocks[r]] for r in clocks if r.startswith(prefix)})
         out.append({cls: breakdown for cls, (_, breakdown) in _by_class(view).items()})
     return out
 

@@ -803,9 +803,9 @@ def trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], *
     The steady-state peak is the one of the last step, when optimizer states exist.
     `depths` is informational here; the config already carries them.
 
-    `shapes` ((batch, seq) pairs, for `parametric.py`): one warm-up step at the
-    settings' own shape, then one steady-state step per shape on the same built
-    model, so one build serves every point. Region peaks (with their clocks in
+    `shapes` ((batch, seq, micro-batches) triples, for `parametric.py`): one warm-up
+    step of one micro-batch at the settings' own shape, then one steady-state step
+    per shape on the same built model, so one build serves every point. Region peaks (with their clocks in
     `tracker.region_peaks`) are then kept for every step but the warm-up, and no
     breakdowns are computed here (the caller sweeps the events once for all of them).
     """
@@ -849,7 +849,7 @@ def trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], *
             position["step"] = step_index
             if stash is not None:
                 stash.peak = stash.live
-            for micro in range(micro_batches):
+            for micro in range(micro_batches if not shapes else shapes[step_index - 1][2] if step_index else 1):
                 position["micro"] = micro
                 tracker.phase = "inputs"
                 tracker.set_region(f"{step_tag()}|fwd|pre")
