@@ -155,12 +155,33 @@ def parametric_step_memory(spec, settings) -> StepMemory:
     return step
 
 
+# Fits already parsed in this process, by file and its (mtime, size): the planner evaluates one fit for
+# dozens of candidates; a stat is all a repeat costs, and a file replaced or damaged since is read again.
+_read_fits: dict[tuple, dict] = {}
+
+
+def _file_id(key: str) -> tuple | None:
+    path = cache_dir() / CACHE_KIND / f"{key}.json"
+    try:
+        stat = path.stat()
+    except OSError:
+        return None
+    return str(path), stat.st_mtime_ns, stat.st_size
+
+
 def _read(key: str) -> dict | None:
     """A cached fit, or None when missing, unreadable or not one of ours (then it is made afresh)."""
+    memo = _file_id(key)
+    if memo is None:
+        return None
+    if memo in _read_fits:
+        return _read_fits[memo]
     fit = read_cache(CACHE_KIND, key)
-    needed = ("version", "points", "candidates", "facts", "optimizer", "optimizer_formula_exact", "tensors")
+    needed = ("version", "points", "candidates", "facts", "optimizer", "optimizer_formula_exact", "tensors",
+              "host", "check_miss", "check_region", "traces", "depths")
     if not isinstance(fit, dict) or fit.get("version") != PARAMETRIC_VERSION or any(k not in fit for k in needed):
         return None
+    _read_fits[memo] = fit
     return fit
 
 

@@ -485,7 +485,7 @@ def test_family_knowledge_lives_in_the_family_modules():
     from hf_memfit import models
 
     root = Path(models.__file__).parent.parent
-    for shared in ("spec.py", "formulas.py", "trace.py", "generic.py", "calibrated.py"):
+    for shared in ("spec.py", "formulas.py", "trace.py", "generic.py", "parametric.py"):
         text = (root / shared).read_text()
         assert not re.search(r"model_type\s*(==|!=|in\s*[(\[{])", text), shared
     owners = {}

@@ -11,7 +11,7 @@ and `counts` (the linear modules and parameter counts in closed form), and
 Adding a family is adding one module here: every module in this package whose
 name does not start with "_" is a family module. A model type no module claims
 takes the generic path (`generic.py`): exact mode traces it, and fast mode is
-calibrated from exact traces (`calibrated.py`).
+fitted to a few exact traces (`parametric.py`).
 
 Nothing here imports torch or transformers.
 """
