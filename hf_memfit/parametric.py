@@ -202,12 +202,13 @@ def evaluate(fit: dict, settings) -> StepMemory:
     b, s = settings.batch_size, settings.seq_len
     accumulating = settings.gradient_accumulation_steps > 1
     candidates = {}
-    for region, by_category in fit["candidates"].items():
+    for region, clocks in fit["candidates"].items():
         if region.startswith("1.1|") and not accumulating:
             continue  # a later micro-batch, which a step without accumulation does not run
         if region == "1.0|opt" and accumulating:
             region = "1.1|opt"  # as exact mode names it: the step after the last micro-batch
-        candidates[region] = {k: _value(c, b, s) for k, c in by_category.items()}
+        at_clocks = [{k: _value(c, b, s) for k, c in by_category.items()} for by_category in clocks]
+        candidates[region] = max(at_clocks, key=lambda values: sum(values.values()))
     if _optimizer_of(settings) != fit["optimizer"]:
         _move_optimizer(candidates, fit, settings)
     step = StepMemory(candidates, **fit["facts"])
@@ -259,8 +260,10 @@ def calibrate(spec, settings) -> dict:
     """Trace the reduced-depth model at the points, fit every region's bytes, extrapolate to the real depth."""
     from hf_memfit.trace import _config_with_depths, _real_depths, progress, trace_step
 
+    import numpy as np
+
     points = _points(spec, settings)
-    shapes = [p[:2] for p in points]
+    n = len(TERMS)
     traced = settings.replace(mode="exact", batch_size=points[0][0], seq_len=points[0][1],
                               gradient_accumulation_steps=max(p[2] for p in points))
     real = _real_depths(spec)
@@ -279,18 +282,20 @@ def calibrate(spec, settings) -> dict:
                       "+".join(map(str, depths)), number, len(depth_sets), len(points))
         traces.append(trace_step(_config_with_depths(spec, depths), traced, depths, shapes=points))
 
-    per_depth = [_point_classes(t, len(points)) for t in traces]  # [depth][point] -> class -> breakdown
-    fitted = [_fit_depth(d, points) for d in per_depth]  # [depth] -> class -> category -> coefficients
-    n = len(TERMS)
+    series = [_point_series(t, len(points)) for t in traces]  # [depth][point] -> class -> (clocks, categories)
+    fitted = [_fit_depth(d, points) for d in series]  # [depth] -> class -> (terms, clocks, categories)
     candidates = {}
     for region in set.intersection(*(set(f) for f in fitted)):
-        candidates[region] = {k: [_extrapolate([f[region][k][t] for f in fitted], steps) for t in range(n)]
-                              for k in CATEGORIES}
-    check_miss, check_region = _check(per_depth, fitted, points)
+        shapes_seen = {f[region].shape for f in fitted}
+        per_depth = [f[region] for f in fitted] if len(shapes_seen) == 1 else \
+            [_as_maxima(f[region], points) for f in fitted]  # clocks not aligned across depths
+        real_depth = per_depth[0] + sum(step * (grown - per_depth[0]) for step, grown in zip(steps, per_depth[1:]))
+        candidates[region] = _prune(real_depth)
+    check_miss, check_region = _check(series, fitted, points)
     host = None
     if any(any(t.host_peaks) for t in traces):  # offloaded activations: fitted as the region bytes are
-        host_coefficients = [_solve(shapes[:n], t.host_peaks[1:n + 1]) for t in traces]
-        host = [_extrapolate([c[k] for c in host_coefficients], steps) for k in range(n)]
+        host_coefficients = [_solve_all(points, np.array(t.host_peaks[1:n + 1], dtype=float)) for t in traces]
+        host = [float(c) for c in _extrapolate(host_coefficients, steps)]
     facts = {k: int(round(_extrapolate([getattr(t, k) for t in traces], steps))) for k in _FACTS}
     facts["largest_param_numel"] = traces[0].largest_param_numel
     facts["largest_linear_numel"] = traces[0].largest_linear_numel
@@ -304,50 +309,114 @@ def calibrate(spec, settings) -> dict:
         "host": host,
         "facts": facts,
         "optimizer": _optimizer_of(settings),
-        "optimizer_formula_exact": _optimizer_formula_exact(per_depth, tensors, settings),
+        "optimizer_formula_exact": _optimizer_formula_exact(series, tensors, settings),
         "tensors": tensors,
         "check_miss": check_miss,
         "check_region": check_region,
     }
 
 
-def _fit_depth(point_classes: list[dict], points) -> dict[str, dict[str, list[float]]]:
-    """Coefficients per region class and category at one traced depth.
+def _matrix(points):
+    import numpy as np
 
+    return np.array([[_term(b, s, t) for t in TERMS] for b, s, *_ in points])
+
+
+def _solve_all(points, values):
+    """Coefficients of TERMS through the points for every column of `values` (points x ...) at once."""
+    import numpy as np
+
+    n = len(TERMS)
+    matrix = _matrix(points[:n])
+    scale = np.abs(matrix).max(axis=0)  # s^2 is ~1e7 at the points: scale the columns before solving
+    solved = np.linalg.solve(matrix / scale, values.reshape(n, -1)) / scale[:, None]
+    return solved.reshape((n,) + values.shape[1:])
+
+
+def _fit_depth(point_series: list[dict], points) -> dict:
+    """Coefficients (terms x clocks x categories) per region class at one traced depth.
+
+    The same step runs the same ops at every shape, so the k-th clock of a region is the same moment
+    of the step at every point: each clock is fitted on its own, and the region's maximum is taken over
+    the fitted clocks where it is asked for (it moves from clock to clock with the shape: eager
+    attention's probabilities outgrow the MLP's intermediates as the sequence grows). A region whose
+    clocks do not line up across points (a loop over chunks of the sequence) is fitted by its maxima.
     The first micro-batch's regions ("1.0|...") and the optimizer step are solved from the fit points;
     a later micro-batch's ("1.1|...") are the first one's plus a constant per category, read at the
     last fit point (the first with two micro-batches).
     """
+    import numpy as np
+
     n = len(TERMS)
-    shapes = [p[:2] for p in points[:n]]
-    fit_points = point_classes[:n]
+    fit_points = point_series[:n]
     out = {}
     for region in set.intersection(*(set(p) for p in fit_points)):
-        out[region] = {k: _solve(shapes, [p[region].get(k, 0) for p in fit_points]) for k in CATEGORIES}
-    offset_at = fit_points[n - 1]
-    for region in offset_at:
+        if len({p[region].shape for p in fit_points}) == 1:
+            out[region] = _solve_all(points, np.stack([p[region] for p in fit_points]))
+        else:
+            out[region] = _fit_depth_maxima(point_series, points, region)
+    at = fit_points[n - 1]
+    b, s = points[n - 1][:2]
+    row = np.array([_term(b, s, t) for t in TERMS])
+    for region in at:
         first = "1.0|" + region[4:]
         if region.startswith("1.1|") and first in out:
-            out[region] = {}
-            for k in CATEGORIES:
-                coefficients = list(out[first][k])
-                coefficients[0] += offset_at[region].get(k, 0) - _value(coefficients, *shapes[-1])
-                out[region][k] = coefficients
+            predicted = np.einsum("t,tlk->lk", row, out[first])
+            seen = at[region][at[region].sum(axis=1).argmax()]
+            shifted = out[first].copy()
+            shifted[0] += seen - predicted[predicted.sum(axis=1).argmax()]
+            out[region] = shifted
     return out
 
 
-def _check(per_depth, fitted, points) -> tuple[float, str]:
+def _fit_depth_maxima(point_series: list[dict], points, region: str):
+    """A region fitted by its maximum at each point (one clock): for clocks that do not line up."""
+    import numpy as np
+
+    n = len(TERMS)
+    maxima = np.stack([p[region][p[region].sum(axis=1).argmax()] for p in point_series[:n]])[:, None, :]
+    return _solve_all(points, maxima)
+
+
+def _as_maxima(coefficients, points):
+    """A clock-by-clock fit refitted by its maximum at each fit point (one clock): for depths whose clocks differ."""
+    import numpy as np
+
+    n = len(TERMS)
+    at = np.einsum("pt,tlk->plk", _matrix(points[:n]), coefficients)
+    maxima = np.stack([at[p][at[p].sum(axis=1).argmax()] for p in range(n)])[:, None, :]
+    return _solve_all(points, maxima)
+
+
+#: Where the fitted clocks are compared to keep only those that can be a region's maximum: micro-batches
+#: 1-256 and sequences of 64-1M tokens, by factors of 2 (what the planner and users ask for).
+_GRID = tuple((b, s) for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) for s in (2 ** k for k in range(6, 21)))
+
+
+def _prune(coefficients) -> list[dict[str, list[float]]]:
+    """The region's clocks that are its maximum somewhere on `_GRID`, as {category: coefficients}."""
+    import numpy as np
+
+    totals = coefficients.sum(axis=2)  # terms x clocks
+    keep = sorted(set(np.argmax(_matrix(_GRID) @ totals, axis=1).tolist()))
+    return [{k: [float(c) for c in coefficients[:, clock, i]] for i, k in enumerate(CATEGORIES)} for clock in keep]
+
+
+def _check(series, fitted, points) -> tuple[float, str]:
     """The fit's largest miss at the held-out point, relative to the step's peak there, and where."""
+    import numpy as np
+
     b, s = points[-1][:2]
+    row = np.array([_term(b, s, t) for t in TERMS])
     worst, where = 0.0, ""
-    for classes, fit in zip(per_depth, fitted):
+    for classes, fit in zip(series, fitted):
         seen = classes[-1]
-        peak = max(sum(v.values()) for v in seen.values())
+        peak = max(float(v.sum(axis=1).max()) for v in seen.values())
         for region, values in seen.items():
             if region not in fit:
                 continue
-            predicted = sum(_value(fit[region][k], b, s) for k in CATEGORIES)
-            miss = abs(predicted - sum(values.values())) / max(peak, 1)
+            predicted = float(np.einsum("t,tlk->l", row, fit[region]).max())
+            miss = abs(predicted - float(values.sum(axis=1).max())) / max(peak, 1.0)
             if miss > worst:
                 worst, where = miss, region
     return worst, where
@@ -365,81 +434,52 @@ def _optimizer_formula_exact(per_depth, tensors, settings) -> bool:
                   for shape, size, decay, embedding in listed]
         states = sum(optimizers.state_bytes(t, settings.optim, cuda, optim_args=settings.optim_args)
                      for t in groups)
-        traced = points[0].get("1.0|fwd|pre", {}).get("optimizer", 0)
+        region = points[0].get("1.0|fwd|pre")
+        traced = int(region[0][CATEGORIES.index("optimizer")]) if region is not None else 0
         if abs(states - traced) > max(0.005 * traced, 4096):  # a few scalars' rounding aside
             return False
     return True
 
 
-def _point_classes(trace, count: int) -> list[dict[str, dict[str, int]]]:
-    """Per point (traced step 1..count): region class -> bytes by category at the class's maximum.
+def _point_series(trace, count: int) -> list[dict]:
+    """Per point (traced step 1..count): region class -> live bytes by category at each of its clocks.
 
-    The step index is normalised to 1, as exact mode names its steady-state step.
+    Rows are the region's entry and every allocation and release in it, by final category (a gradient
+    made in backward counts as a gradient). The step index is normalised to 1, as exact mode names
+    its steady-state step; the optimizer step is one region whatever the micro-batches before it.
     """
-    from hf_memfit.trace import _by_class
+    import numpy as np
+
+    from hf_memfit.trace import _depth_of, _region_class
 
     tracker = trace.tracker
-    clocks = {}
-    for region, (live, clock) in tracker.region_peaks.items():
-        if "|" in region and not region.startswith("0."):
-            clocks[region] = clock
-    breakdowns = _breakdowns_at(tracker, set(clocks.values()))
-    out = []
-    for index in range(1, count + 1):
-        prefix = f"{index}."
-        # The optimizer step is one region whatever the micro-batches before it: named as without accumulation.
-        name = lambda r: "1.0|opt" if r.endswith("|opt") else "1." + r[len(prefix):]  # noqa: E731
-        view = _View(trace, {name(r): tracker.region_peaks[r][0] for r in clocks if r.startswith(prefix)},
-                     {name(r): breakdowns[clocks[r]] for r in clocks if r.startswith(prefix)})
-        out.append({cls: breakdown for cls, (_, breakdown) in _by_class(view).items()})
-    return out
-
-
-class _View:
-    """One traced step of a multi-shape trace, shaped as the TraceResult `trace._by_class` reads."""
-
-    def __init__(self, trace, peaks, breakdowns):
-        self.region_peaks, self.region_breakdowns = peaks, breakdowns
-        self.stack_depths, self.depths = trace.stack_depths, trace.depths
-
-
-def _breakdowns_at(tracker, clocks: set[int]) -> dict[int, dict[str, int]]:
-    """Live bytes by (final) category at each clock, in one sweep of the events.
-
-    The same as `StorageTracker.breakdown_at` for each clock (live at c: made at or before c, released
-    after c), which scans every allocation once per clock. Event i happens at clock i + 1.
-    """
-    totals = dict.fromkeys(CATEGORIES, 0)
-    wanted = sorted(clocks)
-    out, w = {}, 0
-    allocations = tracker.allocations
-    for i, (signed, nbytes) in enumerate(tracker.events):
-        clock = i + 1
-        while w < len(wanted) and wanted[w] < clock:
-            out[wanted[w]] = dict(totals)
-            w += 1
-        record = allocations[abs(signed) - 1]
-        totals[record.category] += nbytes if signed > 0 else -nbytes
-    while w < len(wanted):
-        out[wanted[w]] = dict(totals)
-        w += 1
-    return out
-
-
-def _solve(points, values) -> list[float]:
-    """The coefficients of TERMS through the points (a square system, solved by Gaussian elimination)."""
-    n = len(TERMS)
-    rows = [[_term(b, s, t) for t in TERMS] + [float(v)] for (b, s), v in zip(points, values)]
-    # Scale each column so the elimination is well conditioned (s^2 is ~1e7 at the points).
-    scales = [max(abs(r[j]) for r in rows) or 1.0 for j in range(n)]
-    for r in rows:
-        for j in range(n):
-            r[j] /= scales[j]
-    for col in range(n):
-        pivot = max(range(col, n), key=lambda i: abs(rows[i][col]))
-        rows[col], rows[pivot] = rows[pivot], rows[col]
-        for i in range(n):
-            if i != col and rows[i][col]:
-                factor = rows[i][col] / rows[col][col]
-                rows[i] = [a - factor * p for a, p in zip(rows[i], rows[col])]
-    return [rows[j][n] / rows[j][j] / scales[j] for j in range(n)]
+    index = {k: i for i, k in enumerate(CATEGORIES)}
+    categories = [index[a.category] for a in tracker.allocations]
+    rows: dict[str, list] = {}
+    totals = [0] * len(CATEGORIES)
+    events, e = tracker.events, 0
+    starts = tracker.region_starts
+    for j, (clock, region) in enumerate(starts):
+        end = starts[j + 1][0] if j + 1 < len(starts) else len(events)
+        while e < clock:  # event e happens at clock e + 1
+            signed, nbytes = events[e]
+            totals[categories[abs(signed) - 1]] += nbytes if signed > 0 else -nbytes
+            e += 1
+        keep = "|" in region and not region.startswith("0.")
+        out = rows.setdefault(region, []) if keep else None
+        if keep:
+            out.append(tuple(totals))
+        while e < end:
+            signed, nbytes = events[e]
+            totals[categories[abs(signed) - 1]] += nbytes if signed > 0 else -nbytes
+            e += 1
+            if keep:
+                out.append(tuple(totals))
+    points = [{} for _ in range(count)]
+    for region, values in rows.items():
+        step, rest = region.split(".", 1)
+        name = "1.0|opt" if rest.endswith("|opt") else "1." + rest
+        stack = name.split("|")[-1].split(".")[0]
+        for cls in _region_class(name, _depth_of(stack, trace.stack_depths or trace.depths)):
+            points[int(step) - 1][cls] = np.array(values, dtype=float)
+    return points

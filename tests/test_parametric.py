@@ -74,13 +74,16 @@ def test_a_corrupt_cache_file_is_rebuilt(tmp_path, monkeypatch):
 
 def test_a_fit_that_misses_its_check_point_says_so(tmp_path, monkeypatch):
     """Eager attention keeps b*s^2 probabilities; a fit without the s^2 terms misses the held-out point, and the
-    notes say by how much instead of hiding it. The full fit passes the same check."""
+    notes say by how much instead of hiding it. The full fit passes the same check (with SDPA, whose steps
+    run the same ops at every shape)."""
     monkeypatch.setenv("HF_MEMFIT_CACHE", str(tmp_path))
     spec = ModelSpec.from_config("qwen3", TINY_QWEN3)
-    settings = parametric_settings(spec, batch_size=3, seq_len=320, device="cpu", attn_implementation="eager")
-    sound = parametric.calibrate(spec, settings)
-    assert sound["check_miss"] < parametric.CHECK_TOLERANCE
-    assert not any("missed" in n for n in parametric.evaluate(sound, settings).notes)
+    sound_settings = parametric_settings(spec, batch_size=3, seq_len=320, device="cpu")
+    sound = parametric.calibrate(spec, sound_settings)
+    assert sound["check_miss"] < parametric.CHECK_TOLERANCE / 10
+    assert not any("missed" in n for n in parametric.evaluate(sound, sound_settings).notes)
+
+    settings = sound_settings.replace(attn_implementation="eager")
 
     monkeypatch.setattr(parametric, "TERMS", ((0, 0), (0, 1), (1, 1)))
     monkeypatch.setattr(parametric, "_points", lambda spec, settings: ((1, 128, 1), (2, 128, 1), (1, 256, 2),
