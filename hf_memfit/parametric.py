@@ -96,8 +96,8 @@ def _points(spec, settings) -> tuple[tuple[int, int, int], ...]:
     base = BASE_SEQ
     limit = spec.max_position_embeddings or 0
     window = spec.sliding_window or 0
-    if window and settings.seq_len <= window:
-        limit = min(limit, window) if limit else window
+    if window and settings.seq_len <= window:  # strictly inside: whether the window's own length masks is not ours to guess
+        limit = min(limit, window - 1) if limit else window - 1
     elif window:
         base = max(base, -(-(window + 1) // 128) * 128)
     if limit and 4 * base > limit:
