@@ -23,7 +23,7 @@ def _error(spec, **settings) -> float:
 @pytest.mark.parametrize("config, settings", [
     (TINY_QWEN3, dict(device="cpu")),
     (dict(TINY_OLMO2, num_hidden_layers=6), dict(device="cuda", precision="bf16-mixed", gpu="H100")),
-    (dict(TINY_GEMMA3, num_hidden_layers=12), dict(device="cuda", precision="bf16", lora_r=8,
+    (dict(TINY_GEMMA3, num_hidden_layers=7), dict(device="cuda", precision="bf16", lora_r=8,
                                                    lora_target_modules=("all-linear",))),
 ])
 def test_fast_matches_exact_at_an_untraced_shape(config, settings, tmp_path, monkeypatch):
@@ -92,3 +92,16 @@ def test_a_fit_that_misses_its_check_point_says_so(tmp_path, monkeypatch):
     assert linear["check_miss"] > parametric.CHECK_TOLERANCE
     assert any(f"missed the trace by {100 * linear['check_miss']:.1f}%" in n
                for n in parametric.evaluate(linear, settings).notes)
+
+
+def test_each_side_of_a_sliding_window_has_its_own_fit(tmp_path, monkeypatch):
+    """Below the window transformers skips the sliding mask, above it builds one: two fits, each exact on its side."""
+    monkeypatch.setenv("HF_MEMFIT_CACHE", str(tmp_path))
+    config = dict(model_type="starcoder2", num_hidden_layers=4, hidden_size=64, intermediate_size=128,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024,
+                  sliding_window=96)
+    spec = ModelSpec.from_config("starcoder2", config)
+    assert not spec.hand_written and spec.sliding_window == 96
+    for seq in (80, 40, 300, 520):
+        assert _error(spec, batch_size=3, seq_len=seq, device="cpu", attn_implementation="eager") < 0.01, seq
+    assert len(list((tmp_path / "parametric").glob("*.json"))) == 2
