@@ -60,8 +60,9 @@ TERMS = ((0, 0), (0, 1), (0, 2), (1, 1), (1, 2))
 #: The shortest sequence the fit is traced at, for models with room for it. Long enough that per-token
 #: tensors (KiB per token) outweigh a layer's gradients and the step's fixed temporaries (MiB), so the
 #: tensors that are live at a region's maximum are those that are live at long sequences; fake tensors cost
-#: the same at any length. A multiple of 512 and of 128: CUDA's 512-byte rounding and the flash kernels'
-#: 128-row padding then add nothing that is not a whole number of rows.
+#: the same at any length. Every traced length is a multiple of 128 (`_round`): the flash kernels' 128-row
+#: padding then adds nothing, and a per-token tensor of 4 bytes or more per token is a whole number of CUDA's
+#: 512-byte blocks, so the allocator's rounding adds nothing that is not a polynomial in b and s.
 BASE_SEQ = 2048
 
 # The relative miss at the check point above which the fit is reported as approximate.
@@ -93,18 +94,29 @@ def _points(spec, settings) -> tuple[tuple[int, int, int], ...]:
     side of the sliding window the asked length is on: below it transformers skips the sliding mask,
     above it builds one, and the two sides are different polynomials.
     """
-    base = BASE_SEQ
+    shortest = BASE_SEQ
     limit = spec.max_position_embeddings or 0
     window = spec.sliding_window or 0
     if window and settings.seq_len <= window:  # strictly inside: whether the window's own length masks is not ours to guess
         limit = min(limit, window - 1) if limit else window - 1
-    elif window:
-        base = max(base, -(-(window + 1) // 128) * 128)
-    if limit and 4 * base > limit:
-        base = max(limit // 4 // 128 * 128, limit // 4, 1)
+    elif window and (not limit or limit > window):
+        shortest = max(shortest, _round(window + 1, up=True))
+    longest = 4 * shortest
+    if limit and longest > limit:  # as long as the model takes
+        longest = _round(limit) or limit
+        beyond = window and settings.seq_len > window
+        if not beyond or shortest >= longest:  # no window to stay above (or no room above it): a 4x range
+            shortest = _round(longest // 4) or max(longest // 4, 1)
+    middle = _round((shortest + longest) // 2) or (shortest + longest) // 2
+    check = _round((middle + longest) // 2) or (middle + longest) // 2
     micro = 1 if settings.optimizer.layerwise else 2  # layerwise optimizers step inside backward: no accumulation
-    return ((1, base, 1), (1, 2 * base, 1), (1, 4 * base, 1), (2, base, 1), (2, 4 * base, micro),
-            (4, 3 * base, micro))
+    return ((1, shortest, 1), (1, middle, 1), (1, longest, 1), (2, shortest, 1), (2, longest, micro),
+            (4, check, micro))
+
+
+def _round(seq: int, up: bool = False) -> int:
+    """A multiple of 128 (see BASE_SEQ): the nearest below, or above with `up`; 0 when there is none below."""
+    return -(-seq // 128) * 128 if up else seq // 128 * 128
 
 
 def _regime(spec, settings) -> str:
