@@ -146,8 +146,9 @@ def accuracy(families: list[str]) -> list[dict]:
 PLAN = ["--gpu", "a10g", "--global-batch-size", "32", "--load-in-4bit", "--lora-r", "16"]
 PLANS = [
     ("Qwen/Qwen3-8B-Base", ["--seq-len", "2048"] + PLAN),
+    # peft has no default LoRA targets for qwen3_moe: named, as a user must
     ("Qwen/Qwen3-30B-A3B", ["--seq-len", "2048", "--gpu", "h100", "--global-batch-size", "32", "--load-in-4bit",
-                            "--lora-r", "16"]),
+                            "--lora-r", "16", "--lora-target-modules", "q_proj,v_proj"]),
 ]
 
 
@@ -155,7 +156,7 @@ def _plan(code_root: str, cache: str, model: str, args: list[str]) -> float:
     env = dict(os.environ, HF_MEMFIT_CACHE=cache, PYTHONPATH=code_root)
     started = time.perf_counter()
     subprocess.run([sys.executable, "-m", "hf_memfit.cli", "plan", model, *args], env=env, check=True,
-                   capture_output=True, text=True)
+                   capture_output=True, text=True, cwd=code_root)  # `-m` puts the working folder first on the path
     return time.perf_counter() - started
 
 
@@ -168,7 +169,8 @@ def _breakdown(code_root: str, model: str) -> dict:
             f"t = time.perf_counter(); resolve_model({model!r}); c = time.perf_counter() - t\n"
             "print(a, b, c)")
     env = dict(os.environ, HF_MEMFIT_CACHE=tempfile.mkdtemp(prefix="hf_memfit_bench_"), PYTHONPATH=code_root)
-    out = subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True, text=True,
+                         cwd=code_root)
     a, b, c = map(float, out.stdout.split()[-3:])
     return {"import_hf_memfit_cli_s": a, "import_torch_transformers_peft_s": b, "resolve_generic_spec_s": c}
 
