@@ -158,7 +158,8 @@ def parametric_step_memory(spec, settings) -> StepMemory:
         step.notes.append(moe_note(spec.moe, settings))
     points = ", ".join(f"{b}x{s}" for b, s, _ in fit["points"])
     text = (f"fast mode for model type `{spec.model_type}` (no hand-written formulas): parametric fit from "
-            f"{fit['traces']} traces of depth {fit['depths']} at batch x seq {points}")
+            f"{fit['traces']} traces (depth {fit['depths']}), each stepped at batch x seq {points} (the last "
+            "checks the fit)")
     if paid is not None:
         text += f"; this first call paid {paid:.1f} s for it, cached in {cache_dir() / CACHE_KIND}"
     else:
@@ -315,7 +316,7 @@ def calibrate(spec, settings) -> dict:
     return {
         "version": PARAMETRIC_VERSION,
         "points": [list(p) for p in points],
-        "depths": "+".join("/".join(map(str, d)) for d in zip(*depth_sets)),
+        "depths": ", ".join("+".join(map(str, d)) for d in depth_sets),
         "traces": len(traces),
         "candidates": candidates,
         "host": host,
