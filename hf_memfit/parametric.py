@@ -153,6 +153,8 @@ def parametric_step_memory(spec, settings) -> StepMemory:
         fit = calibrate(spec, settings)
         paid = time.perf_counter() - started
         write_cache(CACHE_KIND, key, fit)
+    if fit["check_miss"] > CHECK_TOLERANCE:
+        return _traced_instead(spec, settings, fit)
     step = evaluate(fit, settings)
     if spec.moe:
         step.notes.append(moe_note(spec.moe, settings))
@@ -165,6 +167,38 @@ def parametric_step_memory(spec, settings) -> StepMemory:
     else:
         text += f" (cached in {cache_dir() / CACHE_KIND})"
     step.notes.append(text)
+    return step
+
+
+def _traced_instead(spec, settings, fit: dict) -> StepMemory:
+    """Exact mode at the asked settings (cached per shape), for settings whose fit missed its check point.
+
+    Some steps are not polynomials in b and s (TRL's fused LM head works in fixed-size chunks of the
+    tokens); their fit misses the held-out point by more than `CHECK_TOLERANCE`, and a fit that is known
+    to be off is not used: these settings are traced as they are, and the notes say why.
+    """
+    from hf_memfit.breakdown import StepMemory as Step
+
+    key = config_key(spec.config, _settings_key(spec, settings, by_optimizer=True),
+                     [settings.batch_size, settings.seq_len, min(settings.gradient_accumulation_steps, 2)])
+    cached = read_cache(CACHE_KIND + "-traced", key)
+    paid = None
+    if not isinstance(cached, dict) or "candidates" not in cached:
+        from hf_memfit.trace import exact_candidates
+
+        started = time.perf_counter()
+        traced = exact_candidates(spec, settings.replace(mode="exact"))
+        paid = time.perf_counter() - started
+        cached = {"candidates": traced.candidates, "host_bytes": traced.host_bytes,
+                  "facts": {k: getattr(traced, k) for k in _FACTS}}
+        write_cache(CACHE_KIND + "-traced", key, cached)
+    step = Step(cached["candidates"], **cached["facts"], host_bytes=cached["host_bytes"])
+    if spec.moe:
+        step.notes.append(moe_note(spec.moe, settings))
+    step.notes.append(f"fast mode for model type `{spec.model_type}`: the parametric fit of these settings missed "
+                      f"its check point by {100 * fit['check_miss']:.1f}% of the peak (region {fit['check_region']}), "
+                      "so this shape was traced in exact mode instead"
+                      + (f" ({paid:.1f} s, cached)" if paid is not None else " (cached)"))
     return step
 
 

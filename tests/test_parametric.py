@@ -105,3 +105,14 @@ def test_each_side_of_a_sliding_window_has_its_own_fit(tmp_path, monkeypatch):
     for seq in (80, 40, 300, 520):
         assert _error(spec, batch_size=3, seq_len=seq, device="cpu", attn_implementation="eager") < 0.01, seq
     assert len(list((tmp_path / "parametric").glob("*.json"))) == 2
+
+
+def test_settings_whose_fit_misses_are_traced_instead(tmp_path, monkeypatch):
+    """TRL's fused LM head works in fixed-size chunks of the tokens, not a polynomial in b and s: the fit misses
+    its check point, so fast mode traces those settings (and says why) rather than use a fit known to be off."""
+    monkeypatch.setenv("HF_MEMFIT_CACHE", str(tmp_path))
+    spec = ModelSpec.from_config("qwen3", dict(TINY_QWEN3, max_position_embeddings=4096))
+    settings = dict(batch_size=8, seq_len=700, trainer="sft", device="cuda", precision="bf16-mixed")
+    fast = estimate(spec, **settings)
+    assert fast.peak_allocated_bytes == estimate(spec, mode="exact", **settings).peak_allocated_bytes
+    assert any("missed its check point" in n and "traced in exact mode instead" in n for n in fast.notes)
