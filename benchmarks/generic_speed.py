@@ -7,7 +7,7 @@ median of `--repeats` runs each:
   (the generic path: QK-norm, no qkv bias), and vs the shipped Qwen3-8B-Base;
 - Llama-3.2-1B (`llama`) vs the same shapes as `olmo2` (generic).
 
-Then the fast mode of a generic family: the first call (which calibrates from
+Then the fast mode of a generic family: the first call (which fits from
 exact traces and caches the result) and a cached call in a fresh interpreter
 (start-up included, as the CLI would pay it; best of 3).
 
@@ -45,7 +45,7 @@ def _same_shapes(base: str, model_type: str, drop=()) -> dict:
 
 
 def _time_exact(spec) -> float:
-    from hf_memfit.estimator.assemble import estimate
+    from hf_memfit.estimator.assemble.assemble import estimate
 
     started = time.perf_counter()
     estimate(spec, **SETTINGS)
@@ -96,7 +96,7 @@ def main(argv=None) -> int:
     fast = dict(SETTINGS, mode="fast")
     code = ("import time; t = time.perf_counter(); from hf_memfit import estimate; "
             f"e = estimate({config_path!r}, **{fast!r}); print(time.perf_counter() - t); "
-            "print(next((n for n in e.notes if 'calibrat' in n), ''))")
+            "print(next((n for n in e.notes if 'parametric fit' in n), ''))")
     env = dict(os.environ)
     first = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     first_s, first_note = first.stdout.strip().splitlines()[-2:]

@@ -4,6 +4,7 @@
 new package no longer re-exports) still works: the old name is an alias of the
 module's new home, so both names are the same module object, and a
 `DeprecationWarning` names the new path. Remove after the next release.
+(`hf_memfit.calibrated` is gone, not moved: the parametric fit, `estimator/parametric.py`, replaced it.)
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ MOVED = {
     "hf_memfit.spec": "hf_memfit.models.spec",
     "hf_memfit.breakdown": "hf_memfit.estimator.breakdown",
     "hf_memfit.formulas": "hf_memfit.estimator.fast",
-    "hf_memfit.calibrated": "hf_memfit.estimator.calibrated",
     "hf_memfit.trace": "hf_memfit.estimator.trace",
     "hf_memfit.step": "hf_memfit.estimator.step",
     "hf_memfit.sharding": "hf_memfit.estimator.sharding",

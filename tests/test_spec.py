@@ -486,7 +486,7 @@ def test_family_knowledge_lives_in_the_family_modules():
 
     root = Path(models.__file__).parent.parent
     for shared in ("models/spec.py", "models/forward.py", "models/generic.py", "estimator/fast.py",
-                   "estimator/fast_params.py", "estimator/fast_heads.py", "estimator/trace.py", "estimator/calibrated.py"):
+                   "estimator/fast_params.py", "estimator/fast_heads.py", "estimator/trace.py", "estimator/parametric.py"):
         text = (root / shared).read_text()
         assert not re.search(r"model_type\s*(==|!=|in\s*[(\[{])", text), shared
     owners = {}

@@ -16,7 +16,8 @@ CACHE_EPILOG = """examples:
 
 # What `hf-memfit cache warm` calibrates for each model: the settings users plan most (full fine-tuning,
 # LoRA and QLoRA, each with and without checkpointing, bf16 mixed precision on a bf16 GPU with flash
-# attention); a calibration then serves every batch size (and layout) of its setting.
+# attention); one fit then serves every micro-batch, sequence length, accumulation, AdamW-family optimizer
+# and layout of its setting (`estimator/parametric.py`).
 WARM_SETTINGS = tuple(
     {"precision": "bf16-mixed", "gpu": "H100", "gradient_checkpointing": checkpointing, **adapters}
     for adapters in ({}, {"lora_r": 16}, {"lora_r": 16, "load_in_4bit": True})

@@ -91,9 +91,9 @@ def step_memory(spec: ModelSpec, settings: TrainSettings) -> StepMemory:
 
         return exact_candidates(spec, traced)
     if not spec.hand_written:
-        from hf_memfit.estimator.calibrated import calibrated_step_memory  # imports torch only to calibrate
+        from hf_memfit.estimator.parametric import parametric_step_memory  # imports torch only to fit
 
-        return calibrated_step_memory(spec, traced)
+        return parametric_step_memory(spec, traced)
     from hf_memfit.estimator.fast import fast_step_memory
 
     return fast_step_memory(spec, traced)

@@ -28,7 +28,7 @@ explicitly, each item sourced in `shared/CUDA_MEMORY_FACTS.md`:
 import contextlib
 import logging
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -201,6 +201,10 @@ class TraceResult:
     largest_linear_numel: int = 0
     host_bytes: int = 0  # offloaded activation checkpoints: the most pinned host memory held
     stack_depths: tuple[int, ...] = ()  # the length of every layer stack found in the traced model
+    # Multi-shape traces only (`trace_step(shapes=...)`): each step's host peak, and the trainable tensors
+    # as (shape, element size, in the weight-decay group, an nn.Embedding weight), in parameters() order.
+    host_peaks: list[int] = field(default_factory=list)
+    trainable_tensors: list[tuple] = field(default_factory=list)
 
 
 def _install_region_hooks(tracker: StorageTracker, stacks, step_tag) -> list:
@@ -260,12 +264,21 @@ def _module_names(tracker: StorageTracker, model):
             h.remove()
 
 
-def trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], *, steps: int = 2) -> TraceResult:
+def trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], *, steps: int = 2,
+               shapes: tuple[tuple[int, int], ...] = ()) -> TraceResult:
     """Trace `steps` optimizer steps of the model built from `config` with the given stack depths.
 
     The steady-state peak is the one of the last step, when optimizer states exist.
     `depths` is informational here; the config already carries them.
+
+    `shapes` ((batch, seq, micro-batches) triples, for `parametric.py`): one warm-up
+    step of one micro-batch at the settings' own shape, then one steady-state step
+    per shape on the same built model, so one build serves every point. Region peaks (with their clocks in
+    `tracker.region_peaks`) are then kept for every step but the warm-up, and no
+    breakdowns are computed here (the caller sweeps the events once for all of them).
     """
+    if shapes:
+        steps = 1 + len(shapes)
     cuda = settings.device == "cuda"
     tracker = StorageTracker(round_to=CUDA_BLOCK_BYTES if cuda else 1)  # the caching allocator's blocks
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -297,16 +310,23 @@ def trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], *
             patches.enter_context(cuda_autocast_policy())
         patches.enter_context(_module_names(tracker, model))
         micro_batches = min(settings.gradient_accumulation_steps, 2)  # later micro-batches repeat the second
+        stash = getattr(model, "memfit_host_stash", None) or getattr(getattr(model, "base_model", None),
+                                                                     "memfit_host_stash", None)
+        host_peaks = []  # the pinned host memory each step held at most (offloaded activations)
         for step_index in range(steps):
             position["step"] = step_index
-            for micro in range(micro_batches):
+            if stash is not None:
+                stash.peak = stash.live
+            for micro in range(micro_batches if not shapes else shapes[step_index - 1][2] if step_index else 1):
                 position["micro"] = micro
                 tracker.phase = "inputs"
                 tracker.set_region(f"{step_tag()}|fwd|pre")
                 tracker.markers.append((tracker.clock, f"step {step_index + 1} forward{_micro_label(micro, settings)}"))
-                batch = training.make_batch(settings, config)
+                shaped = settings if not shapes or step_index == 0 else \
+                    settings.replace(batch_size=shapes[step_index - 1][0], seq_len=shapes[step_index - 1][1])
+                batch = training.make_batch(shaped, config)
                 tracker.phase = "forward"
-                _forward_backward(model, batch, settings, tracker, step_tag)
+                _forward_backward(model, batch, shaped, tracker, step_tag)
                 del batch
                 for p in model.parameters():
                     tracker.mark(p.grad, "gradients")
@@ -318,6 +338,7 @@ def trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], *
                 tracker.mark(p, "weights")
             for value in optimizer_state_tensors(optimizer):
                 tracker.mark(value, "optimizer")
+            host_peaks.append(stash.peak if stash is not None else 0)
         tracker.markers.append((tracker.clock, "end"))
         for h in handles:
             h.remove()
@@ -336,10 +357,17 @@ def trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], *
         )
         if settings.load_in_4bit:
             result.quantizable_linear_params, result.largest_linear_numel = _quantizable_linear_params(model)
-        stash = getattr(model, "memfit_host_stash", None) or getattr(getattr(model, "base_model", None),
-                                                                     "memfit_host_stash", None)
-        result.host_bytes = stash.peak if stash is not None else 0
+        result.host_bytes = max(host_peaks, default=0)
+        if shapes:  # what `parametric.py` needs to move the optimizer by formula
+            result.host_peaks = host_peaks
+            decay = {id(p) for p in training.param_groups(model)[0]["params"]}
+            embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+            result.trainable_tensors = [(tuple(p.shape), p.element_size(), id(p) in decay, id(p) in embeddings)
+                                        for p in params if p.requires_grad]
         del model, optimizer
+    if shapes:
+        result.region_peaks = {r: live for r, (live, _) in tracker.region_peaks.items() if not r.startswith("0.")}
+        return result
     last_step = f"{steps - 1}."
     for region, (live, clock) in tracker.region_peaks.items():
         if region.startswith(last_step) or region == "build":

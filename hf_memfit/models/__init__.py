@@ -13,7 +13,7 @@ name does not start with "_" is a family module, except the three that serve
 them all: `spec.py` (config -> `ModelSpec`), `forward.py` (the symbolic ops a
 family's `Forward` is written in) and `generic.py`. A model type no module
 claims takes the generic path (`generic.py`): exact mode traces it, and fast
-mode is calibrated from exact traces (`estimator/calibrated.py`).
+mode is fitted to a few exact traces (`estimator/parametric.py`).
 
 Nothing here imports torch or transformers.
 """

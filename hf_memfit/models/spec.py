@@ -353,7 +353,7 @@ class ModelSpec:
 
     @property
     def hand_written(self) -> bool:
-        """Whether the family has hand-written fast formulas (else fast mode is calibrated from traces)."""
+        """Whether the family has hand-written fast formulas (else fast mode is a parametric fit to traces)."""
         return self.generic is None
 
     @property

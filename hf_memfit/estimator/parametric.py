@@ -1,0 +1,533 @@
+"""Fast mode for families without hand-written formulas: a parametric step fitted to a few traces.
+
+Every live byte of a training step is a model state (weights, gradients,
+optimizer states: independent of the data), a per-sequence tensor shared by
+the batch (rotary tables: `s`; a mask shared by the rows: `s^2`), a per-row
+tensor, a per-token tensor (hidden states, the logits and the loss: `b*s`)
+or a per-score tensor (eager attention probabilities, padded masks:
+`b*s^2`). So while the same tensors are live, the bytes of a region of the
+step, category by category, are
+
+    c0 + c1*s + c2*s^2 + c3*b*s + c4*b*s^2.
+
+Per-row tensors (a classifier's pooled output and logits, `b`) are left out:
+they are a row's hidden size at most, against a row's thousands of tokens.
+
+The reduced-depth copy exact mode traces (2p and 3p layers) is built once
+per depth and stepped at `len(TERMS) + 1` (batch, seq) points; the first
+`len(TERMS)` determine the coefficients, the last is a check whose miss is
+reported in the notes, not hidden. The coefficients are then extrapolated to
+the real depth region by region, as exact mode extrapolates its bytes. One
+calibration thus serves every micro-batch and sequence length.
+
+Gradient accumulation: a later micro-batch runs the same forward and
+backward with every gradient already live, so its regions are the first
+micro-batch's plus bytes that do not depend on the shape. The last fit point
+and the check point run two micro-batches; the first gives that offset, the
+check tests it. One calibration serves steps with and without accumulation.
+
+A region's maximum is a maximum of such polynomials (which tensors are live
+at its peak can change with the shape), so the fit is exact where one set of
+tensors dominates the points; the points are taken long (`_points`) so that
+the one that dominates long sequences is the one fitted, and the check point
+says when that did not hold.
+
+The optimizer is moved by formula: the states and the step's temporaries of
+the traced optimizer and of the asked one are computed by `optimizers.py`
+(the one optimizer model, as hand-written fast mode uses it) over the traced
+trainable tensors, and the difference is added. This is exact where those
+formulas are (they are checked against the trace at calibration; a miss keys
+the calibration by optimizer instead). GaLore / APOLLO (their projections run
+in the backward, layerwise ones step inside it) are always keyed by optimizer.
+
+Imports no torch unless it calibrates.
+"""
+
+from __future__ import annotations
+
+import time
+
+from hf_memfit.estimator.breakdown import CATEGORIES, StepMemory
+from hf_memfit.cache import cache_dir, config_key, read_cache, write_cache
+from hf_memfit.models.generic import moe_note
+
+#: Bumped whenever what a cached fit means changes (part of the cache key, beside generic.CACHE_VERSION).
+PARAMETRIC_VERSION = 1
+CACHE_KIND = "parametric"
+
+#: The terms of the fit, as (batch power, seq power): 1, s, s^2, b*s, b*s^2.
+TERMS = ((0, 0), (0, 1), (0, 2), (1, 1), (1, 2))
+
+#: The shortest sequence the fit is traced at, for models with room for it. Long enough that per-token
+#: tensors (KiB per token) outweigh a layer's gradients and the step's fixed temporaries (MiB), so the
+#: tensors that are live at a region's maximum are those that are live at long sequences; fake tensors cost
+#: the same at any length. Every traced length is a multiple of 128 (`_round`): the flash kernels' 128-row
+#: padding then adds nothing, and a per-token tensor of 4 bytes or more per token is a whole number of CUDA's
+#: 512-byte blocks, so the allocator's rounding adds nothing that is not a polynomial in b and s.
+BASE_SEQ = 2048
+
+# The relative miss at the check point above which the fit is reported as approximate.
+CHECK_TOLERANCE = 0.01
+
+# Settings that do not change the single-device step (sharding.shard and the planner apply them afterwards).
+_LAYOUT_FIELDS = ("batch_size", "mode", "num_gpus", "num_nodes", "zero_stage", "offload_optimizer", "offload_param",
+                  "expandable_segments")
+# What the fit serves without a new calibration.
+_FITTED_FIELDS = ("seq_len", "gradient_accumulation_steps")
+_OPTIMIZER_FIELDS = ("optim", "optim_args")
+
+_FACTS = ("trainable_params", "total_params", "largest_param_numel", "quantizable_linear_params",
+          "largest_linear_numel")
+
+
+# --- keys ------------------------------------------------------------------------------------------------
+
+def _swappable(settings) -> bool:
+    """Whether the optimizer can be moved by formula (not GaLore / APOLLO, whose projection runs in backward)."""
+    return not settings.optimizer.low_rank
+
+
+def _points(spec, settings) -> tuple[tuple[int, int, int], ...]:
+    """The (batch, seq, micro-batches) points: three lengths at batch 1, the shortest and the longest at
+    batch 2 (which determine the b*s and b*s^2 terms), then a check point beyond both batches.
+
+    The lengths stay within `max_position_embeddings` (learned positions index a table) and on the
+    side of the sliding window the asked length is on: below it transformers skips the sliding mask,
+    above it builds one, and the two sides are different polynomials.
+    """
+    shortest = BASE_SEQ
+    limit = spec.max_position_embeddings or 0
+    window = spec.sliding_window or 0
+    if window and settings.seq_len <= window:  # strictly inside: whether the window's own length masks is not ours to guess
+        limit = min(limit, window - 1) if limit else window - 1
+    elif window and (not limit or limit > window):
+        shortest = max(shortest, _round(window + 1, up=True))
+    longest = 4 * shortest
+    if limit and longest > limit:  # as long as the model takes
+        longest = _round(limit) or limit
+        beyond = window and settings.seq_len > window
+        if not beyond or shortest >= longest:  # no window to stay above (or no room above it): a 4x range
+            shortest = _round(longest // 4) or max(longest // 4, 1)
+    middle = _round((shortest + longest) // 2) or (shortest + longest) // 2
+    check = _round((middle + longest) // 2) or (middle + longest) // 2
+    micro = 1 if settings.optimizer.layerwise else 2  # layerwise optimizers step inside backward: no accumulation
+    return ((1, shortest, 1), (1, middle, 1), (1, longest, 1), (2, shortest, 1), (2, longest, micro),
+            (4, check, micro))
+
+
+def _round(seq: int, up: bool = False) -> int:
+    """A multiple of 128 (see BASE_SEQ): the nearest below, or above with `up`; 0 when there is none below."""
+    return -(-seq // 128) * 128 if up else seq // 128 * 128
+
+
+def _regime(spec, settings) -> str:
+    """Which side of the sliding window the asked length is on (one calibration per side)."""
+    window = spec.sliding_window
+    return "" if not window else ("within-window" if settings.seq_len <= window else "beyond-window")
+
+
+def _settings_key(spec, settings, by_optimizer: bool) -> dict:
+    key = {k: v for k, v in settings.to_dict().items() if k not in _LAYOUT_FIELDS + _FITTED_FIELDS}
+    if _swappable(settings) and not by_optimizer:
+        for name in _OPTIMIZER_FIELDS:
+            key.pop(name)
+    elif settings.optimizer_family == "adam8bit":
+        key["optim"] = "adam8bit"  # one traced state layout for every bitsandbytes 8-bit AdamW; paging is applied later
+    key["regime"] = _regime(spec, settings)
+    key["parametric"] = PARAMETRIC_VERSION
+    return key
+
+
+# --- evaluation ----------------------------------------------------------------------------------------
+
+def parametric_step_memory(spec, settings) -> StepMemory:
+    """Single-device peak candidates for `settings`, from a cached parametric fit (made now if missing)."""
+    key = config_key(spec.config, _settings_key(spec, settings, by_optimizer=False))
+    fit = _read(key)
+    if fit is not None and _optimizer_of(settings) != fit["optimizer"] and not fit["optimizer_formula_exact"]:
+        # The formula missed the traced optimizer: a different one is calibrated on its own.
+        key = config_key(spec.config, _settings_key(spec, settings, by_optimizer=True))
+        fit = _read(key)
+    paid = None
+    if fit is None:
+        started = time.perf_counter()
+        fit = calibrate(spec, settings)
+        paid = time.perf_counter() - started
+        write_cache(CACHE_KIND, key, fit)
+    if fit["check_miss"] > CHECK_TOLERANCE:
+        return _traced_instead(spec, settings, fit)
+    step = evaluate(fit, settings)
+    if spec.moe:
+        step.notes.append(moe_note(spec.moe, settings))
+    points = ", ".join(f"{b}x{s}" for b, s, _ in fit["points"])
+    text = (f"fast mode for model type `{spec.model_type}` (no hand-written formulas): parametric fit from "
+            f"{fit['traces']} traces (depth {fit['depths']}), each stepped at batch x seq {points} (the last "
+            "checks the fit)")
+    if paid is not None:
+        text += f"; this first call paid {paid:.1f} s for it, cached in {cache_dir() / CACHE_KIND}"
+    else:
+        text += f" (cached in {cache_dir() / CACHE_KIND})"
+    step.notes.append(text)
+    return step
+
+
+def _traced_instead(spec, settings, fit: dict) -> StepMemory:
+    """Exact mode at the asked settings (cached per shape), for settings whose fit missed its check point.
+
+    Some steps are not polynomials in b and s (TRL's fused LM head works in fixed-size chunks of the
+    tokens); their fit misses the held-out point by more than `CHECK_TOLERANCE`, and a fit that is known
+    to be off is not used: these settings are traced as they are, and the notes say why.
+    """
+    from hf_memfit.estimator.breakdown import StepMemory as Step
+
+    key = config_key(spec.config, _settings_key(spec, settings, by_optimizer=True),
+                     [settings.batch_size, settings.seq_len, min(settings.gradient_accumulation_steps, 2)])
+    cached = read_cache(CACHE_KIND + "-traced", key)
+    paid = None
+    if not isinstance(cached, dict) or "candidates" not in cached:
+        from hf_memfit.estimator.trace import exact_candidates
+
+        started = time.perf_counter()
+        traced = exact_candidates(spec, settings.replace(mode="exact"))
+        paid = time.perf_counter() - started
+        cached = {"candidates": traced.candidates, "host_bytes": traced.host_bytes,
+                  "facts": {k: getattr(traced, k) for k in _FACTS}}
+        write_cache(CACHE_KIND + "-traced", key, cached)
+    step = Step(cached["candidates"], **cached["facts"], host_bytes=cached["host_bytes"])
+    if spec.moe:
+        step.notes.append(moe_note(spec.moe, settings))
+    step.notes.append(f"fast mode for model type `{spec.model_type}`: the parametric fit of these settings missed "
+                      f"its check point by {100 * fit['check_miss']:.1f}% of the peak (region {fit['check_region']}), "
+                      "so this shape was traced in exact mode instead"
+                      + (f" ({paid:.1f} s, cached)" if paid is not None else " (cached)"))
+    return step
+
+
+# Fits already parsed in this process, by file and its (mtime, size): the planner evaluates one fit for
+# dozens of candidates; a stat is all a repeat costs, and a file replaced or damaged since is read again.
+_read_fits: dict[tuple, dict] = {}
+
+
+def _file_id(key: str) -> tuple | None:
+    path = cache_dir() / CACHE_KIND / f"{key}.json"
+    try:
+        stat = path.stat()
+    except OSError:
+        return None
+    return str(path), stat.st_mtime_ns, stat.st_size
+
+
+def _read(key: str) -> dict | None:
+    """A cached fit, or None when missing, unreadable or not one of ours (then it is made afresh)."""
+    memo = _file_id(key)
+    if memo is None:
+        return None
+    if memo in _read_fits:
+        return _read_fits[memo]
+    fit = read_cache(CACHE_KIND, key)
+    needed = ("version", "points", "candidates", "facts", "optimizer", "optimizer_formula_exact", "tensors",
+              "host", "check_miss", "check_region", "traces", "depths")
+    if not isinstance(fit, dict) or fit.get("version") != PARAMETRIC_VERSION or any(k not in fit for k in needed):
+        return None
+    _read_fits[memo] = fit
+    return fit
+
+
+def _optimizer_of(settings) -> list:
+    return [settings.optim, settings.optim_args]
+
+
+def _term(b: int, s: int, term: tuple[int, int]) -> float:
+    return float(b) ** term[0] * float(s) ** term[1]
+
+
+def _value(coefficients: list[float], b: int, s: int) -> int:
+    return max(0, int(round(sum(c * _term(b, s, t) for c, t in zip(coefficients, TERMS)))))
+
+
+def evaluate(fit: dict, settings) -> StepMemory:
+    """The fitted candidates at the settings' micro-batch and sequence length, with their optimizer."""
+    b, s = settings.batch_size, settings.seq_len
+    accumulating = settings.gradient_accumulation_steps > 1
+    candidates = {}
+    for region, clocks in fit["candidates"].items():
+        if region.startswith("1.1|") and not accumulating:
+            continue  # a later micro-batch, which a step without accumulation does not run
+        if region == "1.0|opt" and accumulating:
+            region = "1.1|opt"  # as exact mode names it: the step after the last micro-batch
+        at_clocks = [{k: _value(c, b, s) for k, c in by_category.items()} for by_category in clocks]
+        candidates[region] = max(at_clocks, key=lambda values: sum(values.values()))
+    if _optimizer_of(settings) != fit["optimizer"]:
+        _move_optimizer(candidates, fit, settings)
+    step = StepMemory(candidates, **fit["facts"])
+    if fit["host"]:
+        step.host_bytes = _value(fit["host"], b, s)
+    if fit["check_miss"] > CHECK_TOLERANCE:
+        step.notes.append(f"parametric fit: at its check point it missed the trace by {100 * fit['check_miss']:.1f}% "
+                          f"of the peak (region {fit['check_region']}); the estimate is approximate (`--mode exact` "
+                          "traces these settings)")
+    return step
+
+
+def _move_optimizer(candidates: dict, fit: dict, settings) -> None:
+    """Replace the traced optimizer's states and step temporaries by the asked one's, by formula."""
+    traced_optim, traced_args = fit["optimizer"]
+    states_was, temps_was = _optimizer_bytes(fit["tensors"], traced_optim, traced_args, settings.device)
+    states, temps = _optimizer_bytes(fit["tensors"], settings.optim, settings.optim_args, settings.device)
+    for region, values in candidates.items():
+        if region == "build":
+            continue
+        values["optimizer"] = max(0, values.get("optimizer", 0) + states - states_was)
+        if region.endswith("|opt"):
+            values["temporary"] = max(0, values.get("temporary", 0) + temps - temps_was)
+
+
+def _optimizer_bytes(tensors: dict, optim: str, optim_args, device: str) -> tuple[int, int]:
+    """States and step temporaries of `optim` at the real depth: computed at each traced depth, extrapolated."""
+    from hf_memfit import optimizers
+
+    cuda = device == "cuda"
+    per_depth = []
+    for listed in tensors["lists"]:
+        groups = [optimizers.TensorGroup(tuple(shape), 1, size, decay, embedding=embedding)
+                  for shape, size, decay, embedding in listed]
+        states = sum(optimizers.state_bytes(t, optim, cuda, optim_args=optim_args) for t in groups)
+        temps = optimizers.tensors_step_temporary_bytes(groups, optim, device, optim_args=optim_args)
+        per_depth.append((states, temps))
+    return tuple(int(round(_extrapolate([p[i] for p in per_depth], tensors["steps"]))) for i in (0, 1))
+
+
+def _extrapolate(values: list[float], steps: list[float]) -> float:
+    """Exact mode's depth extrapolation: the base value plus, per stack, the growth times the periods added."""
+    return values[0] + sum(step * (grown - values[0]) for step, grown in zip(steps, values[1:]))
+
+
+# --- calibration ---------------------------------------------------------------------------------------
+
+def calibrate(spec, settings) -> dict:
+    """Trace the reduced-depth model at the points, fit every region's bytes, extrapolate to the real depth."""
+    from hf_memfit.estimator.trace import _config_with_depths, _real_depths, progress, trace_step
+
+    import numpy as np
+
+    points = _points(spec, settings)
+    n = len(TERMS)
+    traced = settings.replace(mode="exact", batch_size=points[0][0], seq_len=points[0][1],
+                              gradient_accumulation_steps=max(p[2] for p in points))
+    real = _real_depths(spec)
+    period = getattr(spec, "layer_period", 1) or 1
+    base_depth, grown_depth = 2 * period, 3 * period
+    if max(real) <= grown_depth:
+        depth_sets, steps = [real], []
+    else:
+        base = tuple(min(base_depth, d) for d in real)
+        depth_sets = [base] + [tuple(grown_depth if j == i else base[j] for j in range(len(real)))
+                               for i in range(len(real))]
+        steps = [(real[i] - base[i]) / period for i in range(len(real))]
+    traces = []
+    for number, depths in enumerate(depth_sets, 1):
+        progress.info("fast mode: tracing %s at depth %s (%d of %d) at %d shapes", spec.name,
+                      "+".join(map(str, depths)), number, len(depth_sets), len(points))
+        traces.append(trace_step(_config_with_depths(spec, depths), traced, depths, shapes=points))
+
+    series = [_point_series(t, len(points)) for t in traces]  # [depth][point] -> class -> (clocks, categories)
+    fitted = [_fit_depth(d, points) for d in series]  # [depth] -> class -> (terms, clocks, categories)
+    candidates = {}
+    for region in set.intersection(*(set(f) for f in fitted)):
+        shapes_seen = {f[region].shape for f in fitted}
+        per_depth = [f[region] for f in fitted] if len(shapes_seen) == 1 else \
+            [_as_maxima(f[region], points) for f in fitted]  # clocks not aligned across depths
+        real_depth = per_depth[0] + sum(step * (grown - per_depth[0]) for step, grown in zip(steps, per_depth[1:]))
+        candidates[region] = _prune(real_depth)
+    check_miss, check_region = _check(series, fitted, points)
+    host = None
+    if any(any(t.host_peaks) for t in traces):  # offloaded activations: fitted as the region bytes are
+        host_coefficients = [_solve_all(points, np.array(t.host_peaks[1:n + 1], dtype=float)) for t in traces]
+        host = [float(c) for c in _extrapolate(host_coefficients, steps)]
+    facts = {k: int(round(_extrapolate([getattr(t, k) for t in traces], steps))) for k in _FACTS}
+    facts["largest_param_numel"] = traces[0].largest_param_numel
+    facts["largest_linear_numel"] = traces[0].largest_linear_numel
+    tensors = {"lists": [t.trainable_tensors for t in traces], "steps": steps}
+    return {
+        "version": PARAMETRIC_VERSION,
+        "points": [list(p) for p in points],
+        "depths": ", ".join("+".join(map(str, d)) for d in depth_sets),
+        "traces": len(traces),
+        "candidates": candidates,
+        "host": host,
+        "facts": facts,
+        "optimizer": _optimizer_of(settings),
+        "optimizer_formula_exact": _optimizer_formula_exact(series, tensors, settings),
+        "tensors": tensors,
+        "check_miss": check_miss,
+        "check_region": check_region,
+    }
+
+
+def _matrix(points):
+    import numpy as np
+
+    return np.array([[_term(b, s, t) for t in TERMS] for b, s, *_ in points])
+
+
+def _solve_all(points, values):
+    """Coefficients of TERMS through the points for every column of `values` (points x ...) at once."""
+    import numpy as np
+
+    n = len(TERMS)
+    matrix = _matrix(points[:n])
+    scale = np.abs(matrix).max(axis=0)  # s^2 is ~1e7 at the points: scale the columns before solving
+    solved = np.linalg.solve(matrix / scale, values.reshape(n, -1)) / scale[:, None]
+    return solved.reshape((n,) + values.shape[1:])
+
+
+def _fit_depth(point_series: list[dict], points) -> dict:
+    """Coefficients (terms x clocks x categories) per region class at one traced depth.
+
+    The same step runs the same ops at every shape, so the k-th clock of a region is the same moment
+    of the step at every point: each clock is fitted on its own, and the region's maximum is taken over
+    the fitted clocks where it is asked for (it moves from clock to clock with the shape: eager
+    attention's probabilities outgrow the MLP's intermediates as the sequence grows). A region whose
+    clocks do not line up across points (a loop over chunks of the sequence) is fitted by its maxima.
+    The first micro-batch's regions ("1.0|...") and the optimizer step are solved from the fit points;
+    a later micro-batch's ("1.1|...") are the first one's plus a constant per category, read at the
+    last fit point (the first with two micro-batches).
+    """
+    import numpy as np
+
+    n = len(TERMS)
+    fit_points = point_series[:n]
+    out = {}
+    for region in set.intersection(*(set(p) for p in fit_points)):
+        if len({p[region].shape for p in fit_points}) == 1:
+            out[region] = _solve_all(points, np.stack([p[region] for p in fit_points]))
+        else:
+            out[region] = _fit_depth_maxima(point_series, points, region)
+    at = fit_points[n - 1]
+    b, s = points[n - 1][:2]
+    row = np.array([_term(b, s, t) for t in TERMS])
+    for region in at:
+        first = "1.0|" + region[4:]
+        if region.startswith("1.1|") and first in out:
+            predicted = np.einsum("t,tlk->lk", row, out[first])
+            seen = at[region][at[region].sum(axis=1).argmax()]
+            shifted = out[first].copy()
+            shifted[0] += seen - predicted[predicted.sum(axis=1).argmax()]
+            out[region] = shifted
+    return out
+
+
+def _fit_depth_maxima(point_series: list[dict], points, region: str):
+    """A region fitted by its maximum at each point (one clock): for clocks that do not line up."""
+    import numpy as np
+
+    n = len(TERMS)
+    maxima = np.stack([p[region][p[region].sum(axis=1).argmax()] for p in point_series[:n]])[:, None, :]
+    return _solve_all(points, maxima)
+
+
+def _as_maxima(coefficients, points):
+    """A clock-by-clock fit refitted by its maximum at each fit point (one clock): for depths whose clocks differ."""
+    import numpy as np
+
+    n = len(TERMS)
+    at = np.einsum("pt,tlk->plk", _matrix(points[:n]), coefficients)
+    maxima = np.stack([at[p][at[p].sum(axis=1).argmax()] for p in range(n)])[:, None, :]
+    return _solve_all(points, maxima)
+
+
+#: Where the fitted clocks are compared to keep only those that can be a region's maximum: micro-batches
+#: 1-256 and sequences of 64-1M tokens, by factors of 2 (what the planner and users ask for).
+_GRID = tuple((b, s) for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) for s in (2 ** k for k in range(6, 21)))
+
+
+def _prune(coefficients) -> list[dict[str, list[float]]]:
+    """The region's clocks that are its maximum somewhere on `_GRID`, as {category: coefficients}."""
+    import numpy as np
+
+    totals = coefficients.sum(axis=2)  # terms x clocks
+    keep = sorted(set(np.argmax(_matrix(_GRID) @ totals, axis=1).tolist()))
+    return [{k: [float(c) for c in coefficients[:, clock, i]] for i, k in enumerate(CATEGORIES)} for clock in keep]
+
+
+def _check(series, fitted, points) -> tuple[float, str]:
+    """The fit's largest miss at the held-out point, relative to the step's peak there, and where."""
+    import numpy as np
+
+    b, s = points[-1][:2]
+    row = np.array([_term(b, s, t) for t in TERMS])
+    worst, where = 0.0, ""
+    for classes, fit in zip(series, fitted):
+        seen = classes[-1]
+        peak = max(float(v.sum(axis=1).max()) for v in seen.values())
+        for region, values in seen.items():
+            if region not in fit:
+                continue
+            predicted = float(np.einsum("t,tlk->l", row, fit[region]).max())
+            miss = abs(predicted - float(values.sum(axis=1).max())) / max(peak, 1.0)
+            if miss > worst:
+                worst, where = miss, region
+    return worst, where
+
+
+def _optimizer_formula_exact(per_depth, tensors, settings) -> bool:
+    """Whether optimizers.py gives the traced optimizer's states (in a steady forward region) at every depth."""
+    if not _swappable(settings):
+        return False
+    from hf_memfit import optimizers
+
+    cuda = settings.device == "cuda"
+    for listed, points in zip(tensors["lists"], per_depth):
+        groups = [optimizers.TensorGroup(tuple(shape), 1, size, decay, embedding=embedding)
+                  for shape, size, decay, embedding in listed]
+        states = sum(optimizers.state_bytes(t, settings.optim, cuda, optim_args=settings.optim_args)
+                     for t in groups)
+        region = points[0].get("1.0|fwd|pre")
+        traced = int(region[0][CATEGORIES.index("optimizer")]) if region is not None else 0
+        if abs(states - traced) > max(0.005 * traced, 4096):  # a few scalars' rounding aside
+            return False
+    return True
+
+
+def _point_series(trace, count: int) -> list[dict]:
+    """Per point (traced step 1..count): region class -> live bytes by category at each of its clocks.
+
+    Rows are the region's entry and every allocation and release in it, by final category (a gradient
+    made in backward counts as a gradient). The step index is normalised to 1, as exact mode names
+    its steady-state step; the optimizer step is one region whatever the micro-batches before it.
+    """
+    import numpy as np
+
+    from hf_memfit.estimator.trace import _depth_of, _region_class
+
+    tracker = trace.tracker
+    index = {k: i for i, k in enumerate(CATEGORIES)}
+    categories = [index[a.category] for a in tracker.allocations]
+    rows: dict[str, list] = {}
+    totals = [0] * len(CATEGORIES)
+    events, e = tracker.events, 0
+    starts = tracker.region_starts
+    for j, (clock, region) in enumerate(starts):
+        end = starts[j + 1][0] if j + 1 < len(starts) else len(events)
+        while e < clock:  # event e happens at clock e + 1
+            signed, nbytes = events[e]
+            totals[categories[abs(signed) - 1]] += nbytes if signed > 0 else -nbytes
+            e += 1
+        keep = "|" in region and not region.startswith("0.")
+        out = rows.setdefault(region, []) if keep else None
+        if keep:
+            out.append(tuple(totals))
+        while e < end:
+            signed, nbytes = events[e]
+            totals[categories[abs(signed) - 1]] += nbytes if signed > 0 else -nbytes
+            e += 1
+            if keep:
+                out.append(tuple(totals))
+    points = [{} for _ in range(count)]
+    for region, values in rows.items():
+        step, rest = region.split(".", 1)
+        name = "1.0|opt" if rest.endswith("|opt") else "1." + rest
+        stack = name.split("|")[-1].split(".")[0]
+        for cls in _region_class(name, _depth_of(stack, trace.stack_depths or trace.depths)):
+            points[int(step) - 1][cls] = np.array(values, dtype=float)
+    return points

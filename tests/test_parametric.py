@@ -1,0 +1,118 @@
+"""Parametric fast mode (`parametric.py`) for families without hand-written formulas.
+
+Tiny generic models: fake tensors cost the same at any size, so these check the fit at
+shapes, accumulation and optimizers it never traced, against exact mode.
+"""
+
+import json
+
+import pytest
+from conftest import TINY_GEMMA3, TINY_OLMO2, TINY_QWEN3
+
+from hf_memfit.estimator import parametric
+from hf_memfit.estimator.assemble import estimate
+from hf_memfit.models.spec import ModelSpec
+
+
+def _error(spec, **settings) -> float:
+    fast = estimate(spec, **settings).peak_allocated_bytes
+    exact = estimate(spec, mode="exact", **settings).peak_allocated_bytes
+    return abs(fast - exact) / exact
+
+
+@pytest.mark.parametrize("config, settings", [
+    (TINY_QWEN3, dict(device="cpu")),
+    (dict(TINY_OLMO2, num_hidden_layers=6), dict(device="cuda", precision="bf16-mixed", gpu="H100")),
+    (dict(TINY_GEMMA3, num_hidden_layers=7), dict(device="cuda", precision="bf16", lora_r=8,
+                                                   lora_target_modules=("all-linear",))),
+])
+def test_fast_matches_exact_at_an_untraced_shape(config, settings, tmp_path, monkeypatch):
+    """One fit, then batches and lengths it never traced (not among `_points`), with and without accumulation."""
+    monkeypatch.setenv("HF_MEMFIT_CACHE", str(tmp_path))
+    spec = ModelSpec.from_config(config["model_type"], config)
+    traced = {tuple(p[:2]) for p in parametric._points(spec, parametric_settings(spec, seq_len=320, **settings))}
+    for batch, seq, accumulation in ((3, 320, 1), (5, 448, 3)):
+        assert (batch, seq) not in traced
+        assert _error(spec, batch_size=batch, seq_len=seq, gradient_accumulation_steps=accumulation,
+                      **settings) < 0.01
+    assert len(list((tmp_path / "parametric").glob("*.json"))) == 1
+
+
+def parametric_settings(spec, **settings):
+    from hf_memfit.settings import TrainSettings
+
+    return TrainSettings(**settings).validate(spec)
+
+
+def test_one_fit_serves_every_length_and_optimizer(tmp_path, monkeypatch):
+    """Sequence lengths, micro-batches, accumulation and (by formula) the optimizer share one cache entry."""
+    monkeypatch.setenv("HF_MEMFIT_CACHE", str(tmp_path))
+    spec = ModelSpec.from_config("qwen3", TINY_QWEN3)
+    estimate(spec, batch_size=1, seq_len=64, device="cuda")
+    calls = []
+    original = parametric.calibrate
+    monkeypatch.setattr(parametric, "calibrate", lambda *a, **k: calls.append(a) or original(*a, **k))
+    for seq, batch, optim in ((96, 2, "adamw_torch"), (512, 1, "adamw_torch_fused"), (200, 7, "adamw_bnb_8bit"),
+                              (256, 3, "adafactor"), (384, 2, "sgd")):
+        assert _error(spec, batch_size=batch, seq_len=seq, device="cuda", optim=optim) < 0.01, (seq, optim)
+    assert not calls
+    assert len(list((tmp_path / "parametric").glob("*.json"))) == 1
+
+
+def test_a_corrupt_cache_file_is_rebuilt(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_MEMFIT_CACHE", str(tmp_path))
+    spec = ModelSpec.from_config("qwen3", TINY_QWEN3)
+    before = estimate(spec, batch_size=2, seq_len=64, device="cpu").peak_allocated_bytes
+    (entry,) = (tmp_path / "parametric").glob("*.json")
+    for damage in ("{not json", json.dumps({"version": parametric.PARAMETRIC_VERSION, "points": []})):
+        entry.write_text(damage)
+        again = estimate(spec, batch_size=2, seq_len=64, device="cpu")
+        assert any("paid" in n for n in again.notes)
+        assert again.peak_allocated_bytes == before
+        assert json.loads(entry.read_text())["value"]["candidates"]  # rebuilt, in the cache's checked envelope
+
+
+def test_a_fit_that_misses_its_check_point_says_so(tmp_path, monkeypatch):
+    """Eager attention keeps b*s^2 probabilities; a fit without the s^2 terms misses the held-out point, and the
+    notes say by how much instead of hiding it. The full fit passes the same check (with SDPA, whose steps
+    run the same ops at every shape)."""
+    monkeypatch.setenv("HF_MEMFIT_CACHE", str(tmp_path))
+    spec = ModelSpec.from_config("qwen3", TINY_QWEN3)
+    sound_settings = parametric_settings(spec, batch_size=3, seq_len=320, device="cpu")
+    sound = parametric.calibrate(spec, sound_settings)
+    assert sound["check_miss"] < parametric.CHECK_TOLERANCE / 10
+    assert not any("missed" in n for n in parametric.evaluate(sound, sound_settings).notes)
+
+    settings = sound_settings.replace(attn_implementation="eager")
+
+    monkeypatch.setattr(parametric, "TERMS", ((0, 0), (0, 1), (1, 1)))
+    monkeypatch.setattr(parametric, "_points", lambda spec, settings: ((1, 128, 1), (2, 128, 1), (1, 256, 2),
+                                                                         (4, 384, 2)))
+    linear = parametric.calibrate(spec, settings)
+    assert linear["check_miss"] > parametric.CHECK_TOLERANCE
+    assert any(f"missed the trace by {100 * linear['check_miss']:.1f}%" in n
+               for n in parametric.evaluate(linear, settings).notes)
+
+
+def test_each_side_of_a_sliding_window_has_its_own_fit(tmp_path, monkeypatch):
+    """Below the window transformers skips the sliding mask, above it builds one: two fits, each exact on its side."""
+    monkeypatch.setenv("HF_MEMFIT_CACHE", str(tmp_path))
+    config = dict(model_type="starcoder2", num_hidden_layers=4, hidden_size=64, intermediate_size=128,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024,
+                  sliding_window=96)
+    spec = ModelSpec.from_config("starcoder2", config)
+    assert not spec.hand_written and spec.sliding_window == 96
+    for seq in (80, 40, 300, 520):
+        assert _error(spec, batch_size=3, seq_len=seq, device="cpu", attn_implementation="eager") < 0.01, seq
+    assert len(list((tmp_path / "parametric").glob("*.json"))) == 2
+
+
+def test_settings_whose_fit_misses_are_traced_instead(tmp_path, monkeypatch):
+    """TRL's fused LM head works in fixed-size chunks of the tokens, not a polynomial in b and s: the fit misses
+    its check point, so fast mode traces those settings (and says why) rather than use a fit known to be off."""
+    monkeypatch.setenv("HF_MEMFIT_CACHE", str(tmp_path))
+    spec = ModelSpec.from_config("qwen3", dict(TINY_QWEN3, max_position_embeddings=4096))
+    settings = dict(batch_size=8, seq_len=700, trainer="sft", device="cuda", precision="bf16-mixed")
+    fast = estimate(spec, **settings)
+    assert fast.peak_allocated_bytes == estimate(spec, mode="exact", **settings).peak_allocated_bytes
+    assert any("missed its check point" in n and "traced in exact mode instead" in n for n in fast.notes)
