@@ -288,13 +288,14 @@ def test_training_without_datasets_names_the_extra(tmp_path, monkeypatch, capsys
 def test_the_package_imports_without_datasets():
     """Only training a recipe needs `datasets`: every hf_memfit module imports without it.
 
-    Except `hf_memfit.integrations.trl`, whose `trl` package (the `trl` extra) itself requires `datasets`.
+    Except `hf_memfit.integrations.trl`, whose `trl` package (the `trl` extra) itself requires `datasets`, and
+    `hf_memfit.cli.__main__`, which runs the command when imported (`python -m hf_memfit.cli`).
     """
     script = ("import importlib, pkgutil, sys\n"
               "sys.modules['datasets'] = None\n"
               "import hf_memfit\n"
               "for module in pkgutil.walk_packages(hf_memfit.__path__, 'hf_memfit.'):\n"
-              "    if module.name != 'hf_memfit.integrations.trl':\n"
+              "    if module.name != 'hf_memfit.integrations.trl' and not module.name.endswith('.__main__'):\n"
               "        importlib.import_module(module.name)\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
