@@ -50,14 +50,29 @@ ROWS = {
     "dpo-defaults": ("dpo", {}, {}),  # a frozen reference copy
     "dpo-lora": ("dpo", {}, {"lora": True}),  # the reference is the base with adapters disabled
     "dpo-tight-budget": ("dpo", {"bf16": False}, {"budget_fraction": 0.35, "layers": 16}),
+    # exploratory (issue 19)
+    "x-dpo-vocab32k": ("dpo", {}, {"vocab_words": 32000}),
+    "x-dpo-varlen": ("dpo", {}, {"dpo_words": ((10, 60), (5, 150), (5, 150))}),
+    "x-dpo-truncated": ("dpo", {"max_length": 128}, {}),
+    "x-dpo-precompute": ("dpo", {"precompute_ref_log_probs": True}, {}),
+    "x-dpo-ipo": ("dpo", {"loss_type": ["ipo"]}, {}),
+    "x-sft-varlen": ("sft", {}, {"text_words": (20, 300)}),
+    "x-sft-bfd-varlen": ("sft", {"packing": True}, {"text_words": (20, 300)}),
+    "x-sft-vocab32k": ("sft", {}, {"vocab_words": 32000}),
+    "x-dpo-wide": ("dpo", {"max_length": 512}, {"shape": {"hidden_size": 512, "intermediate_size": 1376, "num_attention_heads": 8, "num_key_value_heads": 4},
+                                                "dpo_words": (200, 200, 200), "layers": 6}),
+    "x-dpo-ckpt": ("dpo", {}, {"budget_fraction": 0.6}),
+    "x-dpo-many-tokens": ("dpo", {"max_length": 512, "per_device_train_batch_size": 8}, {"dpo_words": (170, 170, 170)}),
+    "x-dpo-vocab128k": ("dpo", {}, {"vocab_words": 128000}),
+    "x-sft-many-tokens": ("sft", {"max_length": 1024}, {"text_words": (1100, 1500)}),
 }
 
 
-def tokenizer():
+def tokenizer(words: int = VOCAB_WORDS):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{f"w{i}": i + 3 for i in range(VOCAB_WORDS)}}
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{f"w{i}": i + 3 for i in range(words)}}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
@@ -70,22 +85,26 @@ def texts(n: int, low: int, high: int, seed: int) -> list[str]:
             for k in lengths]
 
 
-def dataset(trainer: str):
+def dataset(trainer: str, extras: dict | None = None):
     from datasets import Dataset
 
+    extras = extras or {}
     if trainer == "sft":  # longer than max_length: every row is truncated (or packed) to it
-        return Dataset.from_dict({"text": texts(64, MAX_LENGTH + 20, 2 * MAX_LENGTH, 1)})
-    third = MAX_LENGTH // 3  # prompt + completion = 2/3 of max_length, in every row
-    return Dataset.from_dict({"prompt": texts(64, third, third, 2), "chosen": texts(64, third, third, 3),
-                              "rejected": texts(64, third, third, 4)})
+        low, high = extras.get("text_words", (MAX_LENGTH + 20, 2 * MAX_LENGTH))
+        return Dataset.from_dict({"text": texts(64, low, high, 1)})
+    third = MAX_LENGTH // 3  # by default prompt + completion = 2/3 of max_length, in every row
+    # (prompt, chosen, rejected) word counts, each a fixed length or a (low, high) range
+    spans = [(n, n) if isinstance(n, int) else n for n in extras.get("dpo_words", (third, third, third))]
+    return Dataset.from_dict({"prompt": texts(64, *spans[0], 2), "chosen": texts(64, *spans[1], 3),
+                              "rejected": texts(64, *spans[2], 4)})
 
 
-def model(dtype: str = "float32", layers: int | None = None):
+def model(dtype: str = "float32", layers: int | None = None, vocab_words: int = VOCAB_WORDS, shape: dict | None = None):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
-    shape = {**MODEL, "num_hidden_layers": layers or MODEL["num_hidden_layers"]}
-    config = AutoConfig.for_model("llama", vocab_size=VOCAB_WORDS + 3, pad_token_id=0, eos_token_id=1, bos_token_id=1,
+    shape = {**MODEL, "num_hidden_layers": layers or MODEL["num_hidden_layers"], **(shape or {})}
+    config = AutoConfig.for_model("llama", vocab_size=vocab_words + 3, pad_token_id=0, eos_token_id=1, bos_token_id=1,
                                   **shape)
     return AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
 
@@ -100,15 +119,18 @@ def make_trainer(trainer: str, fields: dict, extras: dict, budget: str, out: str
                   max_length=MAX_LENGTH, disable_tqdm=True, seed=0, dataloader_num_workers=0)
     lora = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
                       task_type="CAUSAL_LM") if extras.get("lora") else None
-    policy = model(extras.get("dtype", "float32"), extras.get("layers"))
+    words = extras.get("vocab_words", VOCAB_WORDS)
+    policy = model(extras.get("dtype", "float32"), extras.get("layers"), words, extras.get("shape"))
     if trainer == "sft":
-        args = MemFitSFTConfig(**common, **fields)
-        return MemFitSFTTrainer(model=policy, args=args, train_dataset=dataset("sft"), processing_class=tokenizer(),
-                                peft_config=lora)
-    args = MemFitDPOConfig(**{**common, "per_device_train_batch_size": 4}, **fields)
-    reference = None if lora is not None else model(extras.get("dtype", "float32"), extras.get("layers"))
-    return MemFitDPOTrainer(policy, reference, args=args, train_dataset=dataset("dpo"), processing_class=tokenizer(),
-                            peft_config=lora)
+        args = MemFitSFTConfig(**{**common, **fields})
+        return MemFitSFTTrainer(model=policy, args=args, train_dataset=dataset("sft", extras),
+                                processing_class=tokenizer(words), peft_config=lora)
+    args = MemFitDPOConfig(**{**common, "per_device_train_batch_size": 4, **fields})
+    # A reference copy, unless LoRA (adapters disabled) or precomputed log-probs (DPOTrainer then keeps none)
+    needs_copy = lora is None and not fields.get("precompute_ref_log_probs") and not extras.get("no_ref_copy")
+    reference = model(extras.get("dtype", "float32"), extras.get("layers"), words, extras.get("shape")) if needs_copy else None
+    return MemFitDPOTrainer(policy, reference, args=args, train_dataset=dataset("dpo", extras),
+                            processing_class=tokenizer(words), peft_config=lora)
 
 
 def run_row(name: str, emit) -> None:
