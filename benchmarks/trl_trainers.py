@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -50,21 +51,22 @@ ROWS = {
     "dpo-defaults": ("dpo", {}, {}),  # a frozen reference copy
     "dpo-lora": ("dpo", {}, {"lora": True}),  # the reference is the base with adapters disabled
     "dpo-tight-budget": ("dpo", {"bf16": False}, {"budget_fraction": 0.35, "layers": 16}),
-    # exploratory (issue 19)
-    "x-dpo-vocab32k": ("dpo", {}, {"vocab_words": 32000}),
-    "x-dpo-varlen": ("dpo", {}, {"dpo_words": ((10, 60), (5, 150), (5, 150))}),
-    "x-dpo-truncated": ("dpo", {"max_length": 128}, {}),
-    "x-dpo-precompute": ("dpo", {"precompute_ref_log_probs": True}, {}),
-    "x-dpo-ipo": ("dpo", {"loss_type": ["ipo"]}, {}),
-    "x-sft-varlen": ("sft", {}, {"text_words": (20, 300)}),
-    "x-sft-bfd-varlen": ("sft", {"packing": True}, {"text_words": (20, 300)}),
-    "x-sft-vocab32k": ("sft", {}, {"vocab_words": 32000}),
-    "x-dpo-wide": ("dpo", {"max_length": 512}, {"shape": {"hidden_size": 512, "intermediate_size": 1376, "num_attention_heads": 8, "num_key_value_heads": 4},
-                                                "dpo_words": (200, 200, 200), "layers": 6}),
-    "x-dpo-ckpt": ("dpo", {}, {"budget_fraction": 0.6}),
-    "x-dpo-many-tokens": ("dpo", {"max_length": 512, "per_device_train_batch_size": 8}, {"dpo_words": (170, 170, 170)}),
-    "x-dpo-vocab128k": ("dpo", {}, {"vocab_words": 128000}),
-    "x-sft-many-tokens": ("sft", {"max_length": 1024}, {"text_words": (1100, 1500)}),
+    # issue 19: the settings varied to look for the held-out errors (vocabulary, lengths, truncation, loss types,
+    # the reference's source, budgets, LoRA, attention, how the model is given)
+    "dpo-ipo": ("dpo", {"loss_type": ["ipo"]}, {}),
+    "dpo-precompute-ref": ("dpo", {"precompute_ref_log_probs": True}, {}),  # no reference model in the step
+    "dpo-tight-bf16": ("dpo", {}, {"budget_fraction": 0.35}),  # DPOConfig defaults, 4 layers
+    "dpo-lora-tight": ("dpo", {}, {"lora": True, "budget_fraction": 0.5}),
+    "dpo-vocab32k": ("dpo", {}, {"vocab_words": 32000}),
+    "dpo-lora-vocab32k": ("dpo", {}, {"lora": True, "vocab_words": 32000}),
+    "dpo-varlen": ("dpo", {}, {"dpo_words": ((5, 100), (5, 200), (5, 200))}),  # padded pairs, truncated at 256
+    "dpo-truncated": ("dpo", {"max_length": 128}, {}),
+    "dpo-many-tokens": ("dpo", {"max_length": 512, "per_device_train_batch_size": 8}, {"dpo_words": (170, 170, 170)}),
+    "dpo-from-path": ("dpo", {}, {"from_path": True}),  # DPOTrainer(model=path): TRL loads the reference copy
+    "dpo-eager": ("dpo", {}, {"attn": "eager"}),
+    "sft-tight-bf16": ("sft", {}, {"budget_fraction": 0.3}),  # SFTConfig defaults, 4 layers
+    "sft-packing-bfd-varlen": ("sft", {"packing": True}, {"text_words": (20, 300)}),  # bins not all full
+    "sft-long": ("sft", {"max_length": 1024}, {"text_words": (1100, 1500)}),  # 8 x 1024 tokens
 }
 
 
@@ -99,14 +101,15 @@ def dataset(trainer: str, extras: dict | None = None):
                               "rejected": texts(64, *spans[2], 4)})
 
 
-def model(dtype: str = "float32", layers: int | None = None, vocab_words: int = VOCAB_WORDS, shape: dict | None = None):
+def model(dtype: str = "float32", layers: int | None = None, vocab_words: int = VOCAB_WORDS, shape: dict | None = None,
+          attn: str = "sdpa"):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
     shape = {**MODEL, "num_hidden_layers": layers or MODEL["num_hidden_layers"], **(shape or {})}
     config = AutoConfig.for_model("llama", vocab_size=vocab_words + 3, pad_token_id=0, eos_token_id=1, bos_token_id=1,
                                   **shape)
-    return AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    return AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype), attn_implementation=attn)
 
 
 def make_trainer(trainer: str, fields: dict, extras: dict, budget: str, out: str):
@@ -120,15 +123,21 @@ def make_trainer(trainer: str, fields: dict, extras: dict, budget: str, out: str
     lora = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
                       task_type="CAUSAL_LM") if extras.get("lora") else None
     words = extras.get("vocab_words", VOCAB_WORDS)
-    policy = model(extras.get("dtype", "float32"), extras.get("layers"), words, extras.get("shape"))
+    policy = model(extras.get("dtype", "float32"), extras.get("layers"), words, extras.get("shape"), extras.get("attn", "sdpa"))
     if trainer == "sft":
         args = MemFitSFTConfig(**{**common, **fields})
         return MemFitSFTTrainer(model=policy, args=args, train_dataset=dataset("sft", extras),
                                 processing_class=tokenizer(words), peft_config=lora)
     args = MemFitDPOConfig(**{**common, "per_device_train_batch_size": 4, **fields})
     # A reference copy, unless LoRA (adapters disabled) or precomputed log-probs (DPOTrainer then keeps none)
-    needs_copy = lora is None and not fields.get("precompute_ref_log_probs") and not extras.get("no_ref_copy")
-    reference = model(extras.get("dtype", "float32"), extras.get("layers"), words, extras.get("shape")) if needs_copy else None
+    needs_copy = lora is None and not fields.get("precompute_ref_log_probs") and not extras.get("from_path")
+    if extras.get("from_path"):  # DPOTrainer(model="path"): TRL loads the policy and its reference copy itself
+        path = f"{out}/model"
+        policy.save_pretrained(path)
+        tokenizer(words).save_pretrained(path)
+        del policy
+        policy = path
+    reference = model(extras.get("dtype", "float32"), extras.get("layers"), words, extras.get("shape"), extras.get("attn", "sdpa")) if needs_copy else None
     return MemFitDPOTrainer(policy, reference, args=args, train_dataset=dataset("dpo", extras),
                             processing_class=tokenizer(words), peft_config=lora)
 
@@ -195,7 +204,7 @@ def main(names: list[str]) -> int:
         if errors:
             print(f"{mode}: median |error| {statistics.median(errors):.1%}, max {max(errors):.1%} over {len(errors)} rows")
     failed = len(rows) - len(done)
-    path = Path(__file__).parent / "results" / "trl.json"
+    path = Path(os.environ.get("TRL_BENCH_OUT", Path(__file__).parent / "results" / "trl.json"))
     if names and path.exists():  # rerun rows replace their old results; the others are kept
         fresh = {r["row"]: r for r in rows}
         rows = [fresh.pop(r["row"], r) for r in json.loads(path.read_text())] + list(fresh.values())
