@@ -58,12 +58,10 @@ ROWS = {
     "dpo-tight-bf16": ("dpo", {}, {"budget_fraction": 0.35}),  # DPOConfig defaults, 4 layers
     "dpo-lora-tight": ("dpo", {}, {"lora": True, "budget_fraction": 0.5}),
     "dpo-vocab32k": ("dpo", {}, {"vocab_words": 32000}),
-    "dpo-lora-vocab32k": ("dpo", {}, {"lora": True, "vocab_words": 32000}),
     "dpo-varlen": ("dpo", {}, {"dpo_words": ((5, 100), (5, 200), (5, 200))}),  # padded pairs, truncated at 256
     "dpo-truncated": ("dpo", {"max_length": 128}, {}),
     "dpo-many-tokens": ("dpo", {"max_length": 512, "per_device_train_batch_size": 8}, {"dpo_words": (170, 170, 170)}),
     "dpo-from-path": ("dpo", {}, {"from_path": True}),  # DPOTrainer(model=path): TRL loads the reference copy
-    "dpo-eager": ("dpo", {}, {"attn": "eager"}),
     "sft-tight-bf16": ("sft", {}, {"budget_fraction": 0.3}),  # SFTConfig defaults, 4 layers
     "sft-packing-bfd-varlen": ("sft", {"packing": True}, {"text_words": (20, 300)}),  # bins not all full
     "sft-long": ("sft", {"max_length": 1024}, {"text_words": (1100, 1500)}),  # 8 x 1024 tokens
