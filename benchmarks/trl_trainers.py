@@ -64,6 +64,10 @@ ROWS = {
     "dpo-from-path": ("dpo", {}, {"from_path": True}),  # DPOTrainer(model=path): TRL loads the reference copy
     "sft-tight-bf16": ("sft", {}, {"budget_fraction": 0.3}),  # SFTConfig defaults, 4 layers
     "sft-packing-bfd-varlen": ("sft", {"packing": True}, {"text_words": (20, 300)}),  # bins not all full
+    # tight budgets with longer rows: the planner confirms a near-budget choice in exact mode and logs that figure
+    "sft-tight-long": ("sft", {"max_length": 1024}, {"text_words": (1100, 1500), "budget_fraction": 0.3}),
+    "dpo-tight-long": ("dpo", {"max_length": 512, "per_device_train_batch_size": 8},
+                       {"dpo_words": (170, 170, 170), "budget_fraction": 0.35}),
     "sft-long": ("sft", {"max_length": 1024}, {"text_words": (1100, 1500)}),  # 8 x 1024 tokens
 }
 
