@@ -7,13 +7,16 @@ the maximum of the running sum of the allocator's `[memory]` events, from
 model creation to the end of training, is the measured peak (the ground
 truth of `hf_memfit/estimator/measure.py`). The prediction is the trainer's own logged
 `memfit/predicted_peak_bytes` (its plan, made in fast mode from the prepared
-data); the exact-mode estimate of the same plan is reported beside it.
+data, or exact mode's where the planner confirmed a near-budget choice in it);
+the exact-mode estimate of the same plan, made before the row trains, is
+reported beside it.
 
 Rows are long enough that every micro-batch is as long as the plan assumes
 (SFT: texts longer than `max_length`, truncated or packed; DPO: equal lengths).
 
     PYTHONPATH=$PWD python benchmarks/trl_trainers.py            # all rows, writes benchmarks/results/trl.json
     PYTHONPATH=$PWD python benchmarks/trl_trainers.py sft-lora   # some rows, replacing theirs in the JSON
+    TRL_BENCH_OUT=/tmp/part.json PYTHONPATH=$PWD python benchmarks/trl_trainers.py dpo-ipo  # another JSON file
 """
 
 from __future__ import annotations
