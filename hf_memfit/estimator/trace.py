@@ -39,7 +39,8 @@ from hf_memfit.estimator import step as training
 from hf_memfit.estimator.breakdown import CATEGORIES, StepMemory
 from hf_memfit.estimator.fake_optimizers import apollo_on_fake_tensors, make_traced_optimizer, optimizer_state_tensors
 from hf_memfit.estimator.fake_patches import (cuda_autocast_policy, deepcopy_fake_tensors_as_real_ones, gpu_sdpa,
-                                              grouped_mm_any_dtype, is_experts, triton_folds_in_place,
+                                              grouped_mm_any_dtype, is_experts, masks_as_the_batch_has,
+                                              triton_folds_in_place,
                                               truncated_normal_init_in_place)
 from hf_memfit.settings import TrainSettings
 from hf_memfit.units import CUDA_BLOCK_BYTES
@@ -288,6 +289,7 @@ def trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], *
         patches.enter_context(deepcopy_fake_tensors_as_real_ones())  # peft copies modules; see there
         patches.enter_context(truncated_normal_init_in_place())  # ModernBERT, SigLIP init; see there
         patches.enter_context(training.cuda_synchronize_without_cuda())  # GaLore 8-bit's step syncs
+        patches.enter_context(masks_as_the_batch_has(settings.padding_free))  # see there
         if settings.optimizer.family == "apollo":
             patches.enter_context(apollo_on_fake_tensors())
         if cuda:
