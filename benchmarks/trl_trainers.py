@@ -200,6 +200,13 @@ def run_row(name: str, emit) -> None:
 
 
 def main(names: list[str]) -> int:
+    if any(name in ("-h", "--help") for name in names):
+        print(__doc__.split("\n\n", 1)[1].strip() + "\n\nrows: " + ", ".join(ROWS))
+        return 0
+    unknown = [name for name in names if name not in ROWS]
+    if unknown:  # checked before any row runs, so a typo never rewrites the results file
+        print(f"trl_trainers.py: unknown row(s) {', '.join(unknown)}; the rows are: {', '.join(ROWS)}", file=sys.stderr)
+        return 2
     rows = []
     for name in names or list(ROWS):
         result, crash = run_forked(lambda emit, name=name: run_row(name, emit), timeout_s=900)
