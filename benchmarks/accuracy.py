@@ -324,7 +324,7 @@ def baselines(config: dict, settings) -> dict:
     from accelerate.commands.estimate import estimate_training_usage
     from accelerate.utils import calculate_maximum_sizes
 
-    from hf_memfit.models.generic import auto_model_class
+    from hf_memfit.models.build import auto_model_class
 
     import transformers
 
@@ -566,7 +566,7 @@ def machine() -> dict:
 
 
 # The code a measurement executes: the training step (with its levers and the model build) and the profiler.
-GROUND_TRUTH_CODE = ("estimator/step.py", "estimator/step_levers.py", "estimator/measure.py", "models/generic.py")
+GROUND_TRUTH_CODE = ("estimator/step.py", "estimator/step_levers.py", "estimator/measure.py", "models/build.py")
 
 
 def _ground_truth_hashes() -> dict:

@@ -23,7 +23,7 @@ def test_generic_counts_match_the_real_model(name):
     """Parameter counts and linear modules come from a meta build; check them against a real CPU build."""
     import torch
 
-    from hf_memfit.models.generic import instantiate
+    from hf_memfit.models.build import instantiate
 
     spec = _spec(name)
     assert not spec.hand_written

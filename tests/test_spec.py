@@ -485,7 +485,7 @@ def test_family_knowledge_lives_in_the_family_modules():
     from hf_memfit import models
 
     root = Path(models.__file__).parent.parent
-    for shared in ("models/spec.py", "models/forward.py", "models/generic.py", "estimator/fast.py",
+    for shared in ("models/spec.py", "models/forward.py", "models/generic.py", "models/build.py", "estimator/fast.py",
                    "estimator/fast_params.py", "estimator/fast_heads.py", "estimator/trace.py", "estimator/parametric.py"):
         text = (root / shared).read_text()
         assert not re.search(r"model_type\s*(==|!=|in\s*[(\[{])", text), shared

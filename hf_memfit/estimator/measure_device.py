@@ -201,7 +201,7 @@ def _quantized_build(settings: TrainSettings):
         return
     from transformers import BitsAndBytesConfig
 
-    from hf_memfit.models.generic import auto_model_class
+    from hf_memfit.models.build import auto_model_class
 
     original = training.instantiate
     storage = settings.bnb_4bit_quant_storage or "uint8"

@@ -26,7 +26,7 @@ import tempfile
 
 import torch
 
-from hf_memfit.models.generic import instantiate
+from hf_memfit.models.build import instantiate
 from hf_memfit.estimator.step_levers import (TrlOffloadedActivations, liger_causal_lm_forward,
                                              liger_in_place_accumulation, offload_checkpoint_inputs)
 from hf_memfit.settings import TrainSettings

@@ -193,7 +193,7 @@ def load_model(recipe: Recipe, path: str, *, on_cpu: bool = False, pure_bf16: bo
     import torch
     from transformers import AutoTokenizer, BitsAndBytesConfig
 
-    from hf_memfit.models.generic import auto_model_class
+    from hf_memfit.models.build import auto_model_class
 
     on_gpu = torch.cuda.is_available() and not on_cpu
     # bf16 needs Ampere or newer; V100 / T4 get fp16. The dry run assumes bf16, like the planner.
@@ -378,7 +378,7 @@ def save_smoke_checkpoint(recipe: Recipe, texts: list[str], directory: Path) -> 
     import torch
     import transformers
 
-    from hf_memfit.models.generic import auto_model_class
+    from hf_memfit.models.build import auto_model_class
 
     torch.manual_seed(0)
     tokenizer = smoke_tokenizer(texts)

@@ -17,29 +17,12 @@ from typing import Any
 
 from hf_memfit.cache import config_key, library_version, read_cache, write_cache
 from hf_memfit.errors import MemFitError
+from hf_memfit.models.build import hf_config, instantiate
 from hf_memfit.tasks import TASK_TABLE
 
 # --------------------------------------------------------------------------
 # Building the transformers config and model
 # --------------------------------------------------------------------------
-
-
-def hf_config(config: dict, name: str = ""):
-    """The transformers config object for a config dict; a one-line `MemFitError` when it cannot be built."""
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-    model_type = config.get("model_type")
-    version = library_version("transformers")
-    try:
-        return transformers.AutoConfig.for_model(**config)
-    except (ValueError, KeyError) as exc:
-        remote = " (its config names remote code in `auto_map`, which hf-memfit does not run)" \
-            if "auto_map" in config else ""
-        shown = f"`{name}` " if name else ""
-        raise MemFitError(f"`model` {shown}has model_type `{model_type}`, which transformers {version} cannot "
-                          f"build{remote}; upgrade transformers or pass a config of a model type it "
-                          f"knows ({str(exc).split('. ')[0][:120]})") from None
 
 
 def supported_tasks(model_type: str) -> tuple[str, ...]:
@@ -58,35 +41,6 @@ def default_task(tasks: tuple[str, ...], is_encoder_decoder: bool) -> str:
         if task in tasks:
             return task
     return tasks[0]
-
-
-def auto_model_class(task: str):
-    import transformers
-
-    return getattr(transformers, TASK_TABLE[task].auto_class)
-
-
-def instantiate(config: dict, task: str, num_labels: int, *, dtype, attn_implementation: str | None):
-    """The task's transformers model from a config dict, as `AutoModelFor<task>.from_config` builds it.
-
-    With no attention implementation asked for, SDPA where the model supports
-    it and eager otherwise, which is what transformers itself picks.
-    """
-    built = hf_config(config)
-    if task in ("seq-cls", "token-cls"):
-        built.num_labels = num_labels
-        if task == "seq-cls" and getattr(built, "pad_token_id", None) is None:
-            # Sequence classification on decoder models needs a pad id to find the last token.
-            text = built.get_text_config() if hasattr(built, "get_text_config") else built
-            pad = getattr(built, "eos_token_id", None) or getattr(text, "eos_token_id", None) or 0
-            built.pad_token_id = pad[0] if isinstance(pad, list) else pad
-    cls = auto_model_class(task)
-    try:
-        return cls.from_config(built, dtype=dtype, attn_implementation=attn_implementation or "sdpa")
-    except ValueError as exc:
-        if attn_implementation is not None or "scaled_dot_product_attention" not in str(exc):
-            raise
-    return cls.from_config(built, dtype=dtype, attn_implementation="eager")  # no SDPA for this model
 
 
 def meta_model(config: dict, task: str, num_labels: int = 2):
