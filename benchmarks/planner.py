@@ -56,6 +56,7 @@ import os
 import statistics
 import sys
 import time
+from pathlib import Path
 import warnings
 from dataclasses import dataclass
 
@@ -134,15 +135,19 @@ def key(settings) -> str:
     return f"mb{settings.batch_size}xacc{settings.gradient_accumulation_steps} {gc} {settings.optim}"
 
 
-PLANNER = None  # the planner module under test: hf_memfit.planner.search, or the file given with --planner
+PLANNER = None  # plan() and step_seconds() under test: hf_memfit.planner's, or those of the file given with --planner
 
 
 def planner_module():
     global PLANNER
     if PLANNER is None:
-        import hf_memfit.planner.search
+        from types import SimpleNamespace
 
-        PLANNER = hf_memfit.planner.search
+        from hf_memfit.planner.search import plan
+        from hf_memfit.planner.speed import step_seconds
+
+        # The planner is a package now (search, speed, ...); a copy given with --planner is one file with both.
+        PLANNER = SimpleNamespace(plan=plan, step_seconds=step_seconds)
     return PLANNER
 
 
@@ -475,7 +480,7 @@ def print_summary(s: dict, out=sys.stdout) -> None:
 
 
 def calibrate(threads: int) -> dict:
-    """Microbenchmarks behind the device="cpu" constants of `hf_memfit.planner.search.step_seconds`.
+    """Microbenchmarks behind the device="cpu" constants of `hf_memfit.planner.speed.step_seconds`.
 
     Independent of the benchmark grid: plain tensors, no model. Each figure is
     the best of several repeats (other jobs only add time).
@@ -693,8 +698,12 @@ def _planner_hash(path: str | None = None) -> str:
 
     import hf_memfit
 
-    path = path or os.path.join(os.path.dirname(hf_memfit.__file__), "planner", "search.py")
-    return hashlib.sha256(open(path, "rb").read()).hexdigest()[:12]
+    if path:
+        return hashlib.sha256(open(path, "rb").read()).hexdigest()[:12]
+    digest = hashlib.sha256()  # the planner package: every module of it, in name order
+    for module in sorted(Path(hf_memfit.__file__).parent.joinpath("planner").glob("*.py")):
+        digest.update(module.read_bytes())
+    return digest.hexdigest()[:12]
 
 
 if __name__ == "__main__":
