@@ -11,6 +11,14 @@ class MemFitError(ValueError):
     """A problem with the user's input or request, with a one-line fix."""
 
 
+class NothingFits(MemFitError):
+    """A valid request that no configuration fits: the budget, not the input, is what is wrong.
+
+    `hf-memfit plan --seq-len max` tells the two apart: a length nothing fits at is a
+    point of its search, a bad flag is not.
+    """
+
+
 def check_all(problems: list[str]) -> None:
     """Raise one `MemFitError` listing every problem found, if there are any.
 

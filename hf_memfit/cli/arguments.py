@@ -23,6 +23,13 @@ def positive_int(text: str) -> int:
     return value
 
 
+def seq_len_or_max(text: str) -> int | str:
+    """`--seq-len` for `plan`: a positive integer, or `max` for the longest that fits."""
+    if text.strip().lower() == "max":
+        return "max"
+    return positive_int(text)
+
+
 def add_step_arguments(parser: argparse.ArgumentParser, *, with_batch: bool = True) -> None:
     """The flags that describe a training step; shared by estimate, plan and explain."""
     from hf_memfit.settings import (ATTN_IMPLEMENTATIONS, FSDP_STRATEGIES, OFFLOAD_TARGETS, OPTIMIZERS, PRECISIONS,
@@ -32,7 +39,12 @@ def add_step_arguments(parser: argparse.ArgumentParser, *, with_batch: bool = Tr
     if with_batch:
         parser.add_argument("--batch-size", type=positive_int, required=True, help="per-device micro-batch size")
         parser.add_argument("--gradient-accumulation-steps", type=positive_int, default=1)
-    parser.add_argument("--seq-len", type=positive_int, help="tokens per sample (required unless --max-length)")
+    if with_batch:
+        parser.add_argument("--seq-len", type=positive_int, help="tokens per sample (required unless --max-length)")
+    else:
+        parser.add_argument("--seq-len", type=seq_len_or_max,
+                            help="tokens per sample (required unless --max-length), or `max`: the longest sequence "
+                                 "that fits, with its plan (`--explain` adds how memory and step time grow to it)")
     parser.add_argument("--task", choices=TASKS, help="default: the model's own (causal-lm, seq-cls for BERT, seq2seq for T5)")
     parser.add_argument("--num-labels", type=positive_int, default=2, help="classes for --task seq-cls")
     parser.add_argument("--lora-r", type=positive_int, help="train LoRA adapters of this rank (peft)")

@@ -93,18 +93,25 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from hf_memfit.planner.search import plan
-    from hf_memfit.report.text import format_plan
 
     for flag in ("deepspeed_config_out", "accelerate_config_out"):  # before planning, not after
         if getattr(args, flag):
             check_writable(getattr(args, flag), "--" + flag.replace("_", "-"))
     if args.explain:
         check_writable(args.explain, "--explain")
-    targets = args.lora_target_modules
-    result = plan(
-        args.model, **step_shape(args), global_batch_size=args.global_batch_size, gpu_memory=args.gpu_memory,
+    shape = step_shape(args)
+    if shape["seq_len"] == "max":
+        return _plan_longest(args, shape)
+    result = plan(args.model, **shape, **_plan_kwargs(args))
+    return _print_plan(args, result)
+
+
+def _plan_kwargs(args: argparse.Namespace) -> dict:
+    """`plan()`'s arguments from the plan flags, less the step's shape."""
+    return dict(
+        global_batch_size=args.global_batch_size, gpu_memory=args.gpu_memory,
         gpu=args.gpu, task=args.task, num_labels=args.num_labels, num_gpus=args.num_gpus, num_nodes=args.num_nodes,
-        lora_r=args.lora_r, lora_alpha=args.lora_alpha, lora_target_modules=targets, load_in_4bit=args.load_in_4bit,
+        lora_r=args.lora_r, lora_alpha=args.lora_alpha, lora_target_modules=args.lora_target_modules, load_in_4bit=args.load_in_4bit,
         allow_offload=args.allow_offload, cpu_memory=args.cpu_memory, nvme_path=args.nvme_path,
         headroom=args.headroom, keep_optimizer=args.keep_optimizer, optim=args.optim, device=args.device,
         mode=args.mode, expandable_segments=args.expandable_segments, progress=_progress,
@@ -112,20 +119,52 @@ def cmd_plan(args: argparse.Namespace) -> int:
         use_liger_kernel={"auto": None, "yes": True, "no": False}[args.use_liger_kernel],
         optim_target_modules=args.optim_target_modules, optim_args=args.optim_args,
     )
+
+
+def _plan_longest(args: argparse.Namespace, shape: dict) -> int:
+    """`plan --seq-len max`: the longest sequence that fits, its plan, and (with --explain) how it scales."""
+    from hf_memfit.planner.longest import check_seq_len_max_request, format_scaling, longest_seq_len
+
+    kwargs = {**{k: v for k, v in shape.items() if k != "seq_len"}, **_plan_kwargs(args)}
+    check_seq_len_max_request(kwargs)
+    longest = longest_seq_len(args.model, **kwargs)
+    args.seq_len = longest.seq_len  # what the configs and the TRL fields below are written for
+    header = (f"Longest sequence that fits: {longest.seq_len:,} tokens (bounded by {longest.bound}; "
+              f"{longest.probes} lengths planned)")
+    explained = None
+    if args.explain is not None:
+        explained = format_scaling(longest)
+        if args.explain:
+            from hf_memfit.report.plot import plot_length_scaling
+
+            plot_length_scaling(longest.scaling(), args.explain, title=f"{args.model}: the longest sequence that fits")
+            print(f"hf-memfit: wrote {args.explain}", file=sys.stderr)
+    return _print_plan(args, longest.result, header=header, longest=longest, scaling=explained)
+
+
+def _print_plan(args: argparse.Namespace, result, *, header: str | None = None, longest=None,
+                scaling: str | None = None) -> int:
+    from hf_memfit.report.text import format_plan
     from hf_memfit.planner.accelerate import write_plan_configs
 
     notes, args.deepspeed_config_out = write_plan_configs(
         result.plan.settings, result.plan.deepspeed, args.accelerate_config_out, args.deepspeed_config_out)
     for note in notes:
         print(f"hf-memfit: note: {note}", file=sys.stderr)
-    output = result.to_dict() if args.json else format_plan(result)
+    if args.json:
+        output = longest.to_dict() if longest is not None else result.to_dict()
+    else:
+        output = (header + "\n\n" if header else "") + format_plan(result)
     if args.trainer != "trainer":
         fields = trl_config_fields(result.plan, args)
         if args.json:
             output["trl_config"] = fields
         else:
             output += "\n\n" + format_trl_config(args.trainer, fields)
-    if args.explain is not None:
+    if scaling is not None:
+        if not args.json:
+            output += "\n\n" + scaling
+    elif args.explain is not None:
         from hf_memfit.models.spec import resolve_model
 
         timelines = _trace(resolve_model(args.model), [("the plan", result.plan.settings)], args.explain, "--explain")

@@ -15,7 +15,7 @@ the training; when nothing fits, the error says that they would help.
 import importlib.util
 
 from hf_memfit import optimizers
-from hf_memfit.errors import MemFitError, check_all
+from hf_memfit.errors import MemFitError, NothingFits, check_all
 from hf_memfit.models.spec import ModelSpec, resolve_model
 from hf_memfit.planner.candidates import (
     HostLimit,
@@ -59,7 +59,8 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
          expandable_segments: bool = False, progress=None, use_liger_kernel: bool | None = None,
          attn_implementation: str | None = None, trainer: str = "trainer", padding_free: bool = False,
          reference_model: str | None = None, decoder_seq_len: int | None = None,
-         activation_offloading: bool = False, optim_target_modules=None, optim_args: str | None = None) -> PlanResult:
+         activation_offloading: bool = False, optim_target_modules=None, optim_args: str | None = None,
+         confirm_in_exact: bool = True) -> PlanResult:
     """Pick the fastest configuration that trains `model` within the memory budget.
 
     The budget is `gpu_memory` (a size such as "12GiB", or "auto" for the local
@@ -90,7 +91,10 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
     `activation_offloading` (TRL's, kept as set: it is the user's choice).
     `optim_target_modules` / `optim_args` go with a GaLore / APOLLO `optim` the run
     already has (TrainingArguments' names; "all-linear" or module names).
-    Raises `MemFitError` when the request is invalid or nothing fits, saying what would.
+    `confirm_in_exact=False` skips the exact-mode confirmation of near-budget choices (a search over
+    many plans, such as `--seq-len max`, confirms only the one it returns).
+    Raises `MemFitError` when the request is invalid, `NothingFits` (a `MemFitError`) when nothing fits,
+    saying what would.
     """
     spec = model if isinstance(model, ModelSpec) else resolve_model(model)
     gpu_info = _gpu_info(gpu)
@@ -168,7 +172,8 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
     candidates = [evaluate_candidate(spec, s, usable, host, gpu_info) for s in grid]
     fitting = fitting_last_resort_last(candidates)
     fast_total = fitting[0].estimate.device_total_bytes if fitting else 0
-    fitting = confirm_in_exact_mode(spec, fitting, usable, host, everything=mode == "exact", progress=progress)
+    if confirm_in_exact:
+        fitting = confirm_in_exact_mode(spec, fitting, usable, host, everything=mode == "exact", progress=progress)
     pure_base = pure_bf16_base(base, gpu_info, deepspeed_layout)
     if not fitting and allow_pure_bf16 and pure_base is not None:
         # Only once no mixed-precision plan fits: pure bf16 changes the numerics.
@@ -178,9 +183,11 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
         candidates += pure
         fitting = fitting_last_resort_last(pure)
         fast_total = fitting[0].estimate.device_total_bytes if fitting else 0
-        fitting = confirm_in_exact_mode(spec, fitting, usable, host, everything=mode == "exact", progress=progress)
+        if confirm_in_exact:
+            fitting = confirm_in_exact_mode(spec, fitting, usable, host, everything=mode == "exact",
+                                            progress=progress)
     if not fitting:
-        raise MemFitError(nothing_fits(spec, base, candidates, usable, budget, allow_offload, world, per_rank,
+        raise NothingFits(nothing_fits(spec, base, candidates, usable, budget, allow_offload, world, per_rank,
                                         host, optims, pure_bf16_base=pure_base if not allow_pure_bf16 else None,
                                         liger=liger))
     best = fitting[0]

@@ -43,3 +43,45 @@ def plot_timelines(timelines: list, path: str, title: str = "") -> str:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def plot_length_scaling(points: list, path: str, title: str = "") -> str:
+    """`plan --seq-len max --explain FILE.png`: device peak and step time of the plan at each length searched.
+
+    `points` are `planner.longest.LengthPoint`s; those that do not fit are marked on the budget line.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise MemFitError("`--explain FILE.png` needs matplotlib: pip install 'hf-memfit[plot]'") from None
+    gib = 2**30
+    fits = [p for p in points if p.fits]
+    fig, memory = plt.subplots(figsize=(7.5, 4.6))
+    memory.plot([p.seq_len for p in fits], [p.device_total_bytes / gib for p in fits], "o-", color=_COLORS["weights"],
+                label="device peak (GiB)")
+    for p in fits:
+        memory.annotate(f"{p.seq_len:,}", (p.seq_len, p.device_total_bytes / gib), textcoords="offset points",
+                        xytext=(0, 6), ha="center", fontsize=7)
+    memory.set_xscale("log", base=2)
+    memory.set_xlabel("tokens per sample")
+    memory.set_ylabel("device peak (GiB)")
+    time_axis = memory.twinx()
+    time_axis.plot([p.seq_len for p in fits], [p.step_seconds for p in fits], "s--", color=_COLORS["activations"],
+                   label="step time (s)")
+    time_axis.set_ylabel("predicted step time (s)")
+    for p in points:
+        if not p.fits:
+            memory.axvline(p.seq_len, color="0.4", lw=0.8, ls=":")
+            memory.text(p.seq_len, 0.02, " does not fit", transform=memory.get_xaxis_transform(), fontsize=7,
+                        rotation=90, va="bottom")
+    handles = memory.get_legend_handles_labels()[0] + time_axis.get_legend_handles_labels()[0]
+    memory.legend(handles, [h.get_label() for h in handles], loc="upper left", fontsize=8)
+    if title:
+        memory.set_title(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
