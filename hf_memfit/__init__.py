@@ -29,11 +29,13 @@ _LAZY = {"MemFitArguments": "hf_memfit.integrations.args", "MemFitTrainer": "hf_
          "MemFitMixin": "hf_memfit.integrations.mixin", "MemFitSeq2SeqTrainer": "hf_memfit.integrations.trainer",
          "MemFitSeq2SeqTrainingArguments": "hf_memfit.integrations.trainer",
          "MemFitSFTConfig": "hf_memfit.integrations.trl", "MemFitSFTTrainer": "hf_memfit.integrations.trl",
-         "MemFitDPOConfig": "hf_memfit.integrations.trl", "MemFitDPOTrainer": "hf_memfit.integrations.trl"}
+         "MemFitDPOConfig": "hf_memfit.integrations.trl", "MemFitDPOTrainer": "hf_memfit.integrations.trl",
+         "apply_tiled_mlp": "hf_memfit.integrations.tiled"}
 
 __all__ = ["MemFitArguments", "MemFitDPOConfig", "MemFitDPOTrainer", "MemFitError", "MemFitMixin", "MemFitSFTConfig",
            "MemFitSFTTrainer", "MemFitSeq2SeqTrainer", "MemFitSeq2SeqTrainingArguments", "MemFitTrainer",
-           "MemoryEstimate", "ModelSpec", "Plan", "PlanResult", "TrainSettings", "estimate", "plan", "resolve_model"]
+           "MemoryEstimate", "ModelSpec", "Plan", "PlanResult", "TrainSettings", "apply_tiled_mlp", "estimate", "plan",
+           "resolve_model"]
 
 _moved.install()
 

@@ -81,6 +81,9 @@ class TrainSettings:
     # TRL's SFTConfig/DPOConfig `activation_offloading`: every tensor saved for backward in the training step
     # (>= 1 KiB, not a parameter) goes to pinned host memory and comes back in backward (TRL 1.16 OffloadActivations)
     activation_offloading: bool = False
+    # ALST's TiledMLP (DeepSpeed ulysses_sp.TiledMLP, as Arctic Long Sequence Training, axolotl's `tiled_mlp`
+    # and Liger's tiled MLPs apply it): each layer's MLP computed in sequence shards of about hidden_size tokens
+    tiled_mlp: bool = False
 
     @property
     def world_size(self) -> int:
@@ -205,6 +208,9 @@ class TrainSettings:
         if self.activation_offloading and self.offload_activations:
             problems.append("`--activation-offloading` already offloads the checkpoints' saved inputs: drop "
                             "`--offload-activations`")
+        if self.tiled_mlp and spec is not None and not spec.tileable_mlp:
+            problems.append(f"`--tiled-mlp` tiles a dense per-layer MLP; {spec.name}'s layers have none it can "
+                            "tile (a mixture of experts, or no `mlp` module): drop `--tiled-mlp`")
         if self.use_liger_kernel and self.task not in (None, "causal-lm"):
             problems.append("`--use-liger-kernel` fuses the causal-LM head and loss: it needs `--task causal-lm`")
         if self.zero_stage not in (0, 1, 2, 3):

@@ -96,6 +96,9 @@ def add_step_arguments(parser: argparse.ArgumentParser, *, with_batch: bool = Tr
                                  '(activation_checkpointing_kwargs={"offload": True})')
         parser.add_argument("--use-liger-kernel", action="store_true",
                             help="Liger's fused linear cross-entropy head (TrainingArguments.use_liger_kernel)")
+        parser.add_argument("--tiled-mlp", action="store_true",
+                            help="ALST's TiledMLP: each layer's MLP in sequence shards of about hidden_size tokens "
+                                 "(DeepSpeed's ulysses_sp.TiledMLP; hf_memfit.apply_tiled_mlp applies it)")
         parser.add_argument("--attn-implementation", choices=ATTN_IMPLEMENTATIONS)
         parser.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=0)
         parser.add_argument("--offload-optimizer", choices=OFFLOAD_TARGETS, default="none")
@@ -139,7 +142,7 @@ def settings_from_args(args: argparse.Namespace):
         batch_size=args.batch_size, **step_shape(args), task=args.task, num_labels=args.num_labels,
         precision=args.precision, optim=args.optim, optim_args=args.optim_args, optim_target_modules=optim_targets,
         gradient_checkpointing=args.gradient_checkpointing, use_liger_kernel=args.use_liger_kernel,
-        offload_activations=args.offload_activations,
+        offload_activations=args.offload_activations, tiled_mlp=args.tiled_mlp,
         attn_implementation=args.attn_implementation, gradient_accumulation_steps=args.gradient_accumulation_steps,
         lora_r=args.lora_r, lora_alpha=args.lora_alpha, lora_target_modules=targets,
         load_in_4bit=args.load_in_4bit, num_gpus=args.num_gpus, num_nodes=args.num_nodes,

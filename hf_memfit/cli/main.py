@@ -70,6 +70,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--use-liger-kernel", choices=("auto", "yes", "no"), default="auto",
                         help="search Liger's fused linear cross-entropy: auto (when liger-kernel is installed), "
                              "yes (it will be on the GPU machine), no")
+    parser.add_argument("--tiled-mlp", choices=("auto", "yes", "no"), default="auto",
+                        help="search ALST's TiledMLP (each MLP in sequence shards; one more MLP forward per step): "
+                             "auto (on a GPU once a row spans two shards of hidden_size tokens), yes, no")
     parser.add_argument("--allow-pure-bf16", action="store_true",
                         help="allow bf16 weights with no fp32 master copy (torchao low-bit AdamW with bf16 "
                              "stochastic rounding) when no mixed-precision plan fits; it changes the numerics")
@@ -117,6 +120,7 @@ def _plan_kwargs(args: argparse.Namespace) -> dict:
         mode=args.mode, expandable_segments=args.expandable_segments, progress=_progress,
         allow_pure_bf16=args.allow_pure_bf16, allow_optimizers=args.allow_optimizers,
         use_liger_kernel={"auto": None, "yes": True, "no": False}[args.use_liger_kernel],
+        tiled_mlp={"auto": None, "yes": True, "no": False}[args.tiled_mlp],
         optim_target_modules=args.optim_target_modules, optim_args=args.optim_args,
     )
 

@@ -188,6 +188,9 @@ def _layer_backward(f: ForwardTape, scope: str, accumulate: bool, residual_grad:
     for pos, sc, numel, dtype, cast in f.grad_events:
         if sc == scope:
             grads_at.setdefault(pos, []).append((numel, dtype, cast))
+    # A tiled op's input gradient is its gradient buffer: it replaces the output-sized one counted for every op.
+    tiled = {pos: _tiled_backward(sub, sc, grad_buffer) - f.bytes_of(by_pos[pos])
+             for pos, sc, sub, grad_buffer in f.tiled_backward if sc == scope}
     live -= frees.pop(end + 1, 0)  # saved by the next layer: freed in its backward
     live_w -= frees_w.pop(end + 1, 0)
     start_live, start_w = live, live_w
@@ -196,7 +199,8 @@ def _layer_backward(f: ForwardTape, scope: str, accumulate: bool, residual_grad:
     best = _LayerBackward(live, 0, residual_grad, 0, live_w)
     for pos in range(end, start - 1, -1):
         t = by_pos.get(pos)
-        tmp = residual_grad + (2 * f.bytes_of(t) if t is not None and t.rg and t.alloc else 0)
+        tmp = (residual_grad + (2 * f.bytes_of(t) if t is not None and t.rg and t.alloc else 0) + tiled.get(pos, 0)
+               + f.backward_extra.get(pos, 0))
         stepped = 0
         for numel, dtype, cast in grads_at.get(pos, ()):
             g = allocated_bytes(numel, DTYPE_BYTES[dtype], cuda)
@@ -216,6 +220,15 @@ def _layer_backward(f: ForwardTape, scope: str, accumulate: bool, residual_grad:
     best.layer_grads = new
     best.start, best.start_w = start_live, start_w
     return best
+
+
+def _tiled_backward(sub: ForwardTape, scope: str, grad_buffer: int) -> int:
+    """The most a tiled op's backward adds (`ForwardTape.tiled`): its input's gradient buffer, plus one
+    shard's recompute at its largest, the forward's saved and transient tensors or the shard's backward."""
+    saved = sub.scope_bytes(scope, held=False)
+    forward = saved + sub.live_peak(scope, keep_saved=True)
+    back = _layer_backward(sub, scope, True, 0)
+    return grad_buffer + max(forward, back.acts + back.grads + back.temp)
 
 
 def _run_forward(spec, settings, ctx: StepContext) -> tuple[ForwardTape, dict]:
@@ -400,6 +413,12 @@ def fast_step_memory(spec, settings) -> StepMemory:
         saved_w = below_w + acts.final_w + head.saved_w
         candidates[f"{tag}|bwd|pre"] = _row(W, g_live + head_g, O, saved + head.bwd_peak_acts + head_a,
                                             head.bwd_peak, saved_w + head.bwd_peak_w)
+        # The final norm's backward, once the head's is done: with a fused head (Liger, TRL) that keeps
+        # no logits it can be the larger (an RMSNorm's backward makes several hidden-sized fp32 temporaries).
+        fb = _layer_backward(acts.tape, "final", bool(m), head.bwd_after)
+        after_head = _row(W, g_live + head_g + fb.grads, O, below + fb.acts + head_a, fb.temp, below_w + fb.acts_w)
+        if sum(after_head.values()) > sum(candidates[f"{tag}|bwd|pre"].values()):
+            candidates[f"{tag}|bwd|pre"] = after_head
         if layerwise and not tied and any(lw_head):
             # An untied head's gradient is stepped (and freed) by its hook as soon as the head's matmul
             # backward has made it (AccumulateGrad runs first among ready nodes): the head's saved tensors

@@ -28,7 +28,7 @@ import torch
 
 from hf_memfit.models.build import instantiate
 from hf_memfit.estimator.step_levers import (TrlOffloadedActivations, liger_causal_lm_forward,
-                                             liger_in_place_accumulation, offload_checkpoint_inputs)
+                                             liger_in_place_accumulation, offload_checkpoint_inputs, tile_mlps)
 from hf_memfit.settings import TrainSettings
 from hf_memfit.tasks import TASK_TABLE
 
@@ -109,6 +109,8 @@ def _build_model(config: dict, settings: TrainSettings):
             offload_checkpoint_inputs(model)
     if settings.use_liger_kernel:
         model.forward = liger_causal_lm_forward(model, liger_in_place_accumulation(settings))
+    if settings.tiled_mlp:
+        tile_mlps(model, model.config.get_text_config().hidden_size)
     if settings.trainer != "trainer":
         _add_trl_head(model, settings.trainer)
     if settings.uses_lora:

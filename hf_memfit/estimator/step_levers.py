@@ -1,7 +1,9 @@
 """The memory levers of a training step that change what it keeps: offloaded checkpoints, TRL's activation
-offloading and Liger's fused linear cross-entropy, each as the library runs it (`step.build_model` installs them).
+offloading, Liger's fused linear cross-entropy and ALST's TiledMLP, each as the library runs it
+(`step.build_model` installs them).
 """
 
+import math
 import weakref
 
 import torch
@@ -308,3 +310,49 @@ def liger_causal_lm_forward(model, in_place_accumulation: bool):
         return CausalLMOutputWithPast(loss=loss)
 
     return forward
+
+
+# --- ALST's TiledMLP ----------------------------------------------------------------------------
+
+def tiled_mlp_shards(tokens: int, hidden_size: int) -> int:
+    """How many sequence shards TiledMLP computes a layer's MLP in: about `hidden_size` tokens each.
+
+    ALST's rule (arXiv 2506.13996 section 3.2; DeepSpeed's `TiledMLP` docstring,
+    `num_shards = math.ceil(seqlen / hidden)`): the shard's intermediate activations are then
+    no larger than a hidden state of `hidden_size` tokens times the MLP's expansion.
+    """
+    return max(1, math.ceil(tokens / hidden_size))
+
+
+def tiled_mlp_modules(model) -> list:
+    """The per-layer MLPs TiledMLP wraps: each repeated layer's dense `mlp` child (`models.generic.dense_mlps`).
+
+    ALST patches the dense MLP class's forward (its `tiled_mlp_forward` example replaces `LlamaMLP.forward`).
+    """
+    from hf_memfit.models.generic import dense_mlps, layer_stacks
+
+    return [mlp for _, stack in layer_stacks(model) for mlp in dense_mlps(stack)]
+
+
+def tile_mlps(model, hidden_size: int) -> int:
+    """Run every layer's MLP through DeepSpeed's `TiledMLP`, as ALST's `tiled_mlp_forward` does; returns how many.
+
+    deepspeed/runtime/sequence_parallel/ulysses_sp.py `TiledMLP`: the forward runs the MLP
+    shard by shard under `no_grad` and saves only its input; the backward recomputes each
+    shard with grad and backpropagates it into a gradient buffer the size of the input. The
+    shard count is all-reduced to the maximum over ranks in ALST's example; one process needs
+    no reduction. `compute_params` is ALST's list of the MLP's weights (for ZeRO's hooks).
+    """
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
+
+    mlps = tiled_mlp_modules(model)
+    for mlp in mlps:
+        original = mlp.forward
+        params = [p for p in mlp.parameters()]
+
+        def tiled_forward(x, _original=original, _mlp=mlp, _params=params):
+            shards = tiled_mlp_shards(x.shape[-2], hidden_size)
+            return TiledMLP.apply(lambda _self, shard: _original(shard), _mlp, x, shards, _params)
+
+        mlp.forward = tiled_forward
+    return len(mlps)

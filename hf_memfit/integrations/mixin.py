@@ -121,6 +121,10 @@ class MemFitMixin(Trainer):
         self.memfit_plan = self.memfit_result.plan
         self.memfit_overrides = overridden_settings(train_args, self.memfit_plan)
         bound["args"] = apply_plan(self.memfit_plan, train_args)
+        if self.memfit_plan.tiled_mlp:
+            from hf_memfit.integrations.tiled import apply_tiled_mlp
+
+            apply_tiled_mlp(bound["model"])
         self.memfit_args = fields
         super().__init__(**bound)
         if self.memfit_result.estimate.settings.task != "causal-lm" and self.compute_loss_func is None:

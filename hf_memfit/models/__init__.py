@@ -27,7 +27,7 @@ from types import ModuleType
 
 
 # The modules here that are not families (see above).
-_SHARED_MODULES = ("build", "forward", "generic", "spec")
+_SHARED_MODULES = ("build", "forward", "generic", "spec", "tiling")
 
 
 @lru_cache(maxsize=1)

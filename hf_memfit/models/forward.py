@@ -10,7 +10,7 @@ into peak candidates. Nothing here imports torch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hf_memfit.units import cuda_block_bytes
 
@@ -33,6 +33,11 @@ _EXACT_CUDA_EMULATION = {"cpu_dropout_mask": True, "sdpa_autocast": False}
 # ---------------------------------------------------------------------------
 # Symbolic tensors and the forward recorder
 # ---------------------------------------------------------------------------
+
+
+# Hidden-sized fp32 tensors an RMSNorm's backward holds beyond the two every op is given (`rms_norm`):
+# exact mode counts five at once in LlamaRMSNorm's backward (torch 2.13 derivatives of mul, mean, pow, rsqrt).
+RMS_NORM_BACKWARD_EXTRA = 3
 
 
 class SymTensor:
@@ -111,12 +116,18 @@ class ForwardTape:
         self.scope = "emb"
         # (tape position, scope, gradient numel, param dtype, compute-dtype copy or None) per trainable weight use
         self.grad_events: list[tuple[int, str, int, str, str | None]] = []
+        self.no_grad = False  # inside torch.no_grad(): nothing saved, no gradients (TiledMLP's forward)
+        # (tape position, scope, the recompute's tape, gradient-buffer bytes) per tiled op (`tiled`), for backward
+        self.tiled_backward: list[tuple[int, str, "ForwardTape", int]] = []
+        # tape position -> bytes an op's backward keeps beyond the output-sized gradients every op is given
+        self.backward_extra: dict[int, int] = {}
 
     # -- bookkeeping ---------------------------------------------------------
 
     def new(self, numel, dtype, rg=True, layout="bshd", weight_copy=False, inputs=()) -> SymTensor:
         """A new tensor made by an op that reads `inputs`."""
         self.use(*inputs)
+        rg = rg and not self.no_grad
         t = SymTensor(numel, dtype, rg, self.scope, layout=layout, idx=len(self.tensors), weight_copy=weight_copy)
         self.tensors.append(t)
         return t
@@ -130,6 +141,8 @@ class ForwardTape:
 
     def weight_grad(self, numel: int, dtype: str, cast: str | None = None) -> None:
         """A trainable weight is used here; its gradient appears when backward gets back to this point."""
+        if self.no_grad:
+            return
         self.grad_events.append((len(self.tensors), self.scope, numel, dtype, cast))
 
     def param(self, numel, dtype, trainable) -> SymTensor:
@@ -139,6 +152,8 @@ class ForwardTape:
         return SymTensor(numel, base.dtype, base.rg, base.scope, alloc=False, base=base, layout=layout)
 
     def save(self, *ts: SymTensor | None) -> None:
+        if self.no_grad:
+            return
         for t in ts:
             if t is None:
                 continue
@@ -365,6 +380,12 @@ class ForwardTape:
         if x.rg:
             self.save(x32, rstd)
         normed = self.new(x.numel, "f32", x.rg, inputs=(x32, rstd))
+        if x.rg:
+            # Backward through x32 * rstd and rstd = rsqrt(mean(x32 ** 2)) holds more hidden-sized fp32
+            # tensors at once than the output-sized pair every op is given: the gradient through the product
+            # (grad * rstd), the one towards rstd (grad * x32), mean's expanded gradient and pow's product
+            # (2 * x32 * grad) before the two sums meet; exact mode counts five at once.
+            self.backward_extra[normed.idx] = RMS_NORM_BACKWARD_EXTRA * self.bytes_of(normed)
         if style == "gemma":
             w1 = self.new(h, "f32", trainable)  # 1 + weight.float()
             out = self.mul(normed, w1)
@@ -537,6 +558,26 @@ class FamilyForward:
         self.ctx = f.ctx
         self.h = spec.hidden_size
         self.T = f.ctx.tokens
+        if getattr(settings, "tiled_mlp", False) and hasattr(self, "_mlp"):
+            self._mlp = self._tiled_mlp
+
+    def _tiled_mlp(self, x: SymTensor) -> SymTensor:
+        """The family's `_mlp` under ALST's TiledMLP: shards of about `hidden_size` tokens (`ForwardTape.tiled`)."""
+        main, mlp = self.f, type(self)._mlp
+
+        def run(tape: ForwardTape, shard: SymTensor) -> SymTensor:
+            self.f, self.ctx = tape, tape.ctx
+            try:
+                return mlp(self, shard)
+            finally:
+                self.f, self.ctx = main, main.ctx
+
+        ctx = main.ctx
+        shards = max(1, -(-ctx.s // self.h))  # step_levers.tiled_mlp_shards: ceil(seq / hidden_size)
+        recompute = replace(ctx, ac=None, wdt=ctx.wdt)  # backward runs without autocast
+        from hf_memfit.models.tiling import tiled
+
+        return tiled(main, run, x, ctx.b, ctx.s, self.h, shards, recompute)
 
     def start_decoder(self):
         """Between an encoder-decoder's stacks: the decoder's own sequence length, where it differs."""

@@ -244,6 +244,7 @@ def describe(name: str, config: dict) -> dict:
     facts["layer_period"] = facts["tasks"][_task_key(fields["default_task"], 2)].pop("layer_period")
     fields["layer_period"] = facts["layer_period"]
     fields["learned_positions"] = facts["tasks"][_task_key(fields["default_task"], 2)].pop("learned_positions")
+    fields["tileable_mlp"] = facts["tasks"][_task_key(fields["default_task"], 2)].pop("tileable_mlp")
     write_cache("specs", key, facts)
     return facts
 
@@ -274,7 +275,19 @@ def _task_facts(config: dict, task: str, num_labels: int, fields: dict) -> dict:
         "counts": _parameter_counts(model, names, main, depth),
         "layer_period": layer_period(stack, layer_types) if stack is not None else 1,
         "learned_positions": _has_position_table(model, fields["max_position_embeddings"]),
+        "tileable_mlp": bool(stack is not None and dense_mlps(stack)),
     }
+
+
+def dense_mlps(layers) -> list:
+    """Each layer's `mlp` child that ALST's TiledMLP can shard over the sequence: a dense MLP, not a
+    mixture of experts (a router's block routes tokens across experts and returns its logits too)."""
+    found = []
+    for layer in layers:
+        mlp = getattr(layer, "mlp", None)
+        if mlp is not None and not any(hasattr(mlp, name) for name in ("experts", "router", "gate_up_proj_experts")):
+            found.append(mlp)
+    return found
 
 
 def _has_position_table(model, positions: int | None) -> bool:
@@ -309,6 +322,7 @@ def task_facts(name: str, config: dict, facts: dict, task: str, num_labels: int)
         found = _task_facts(config, task, num_labels, facts["fields"])
         found.pop("layer_period", None)
         found.pop("learned_positions", None)
+        found.pop("tileable_mlp", None)
         facts["tasks"][key] = found
         write_cache("specs", config_key(config), facts)
     return facts["tasks"][key]

@@ -293,6 +293,8 @@ class ModelSpec:
     # A learned position table (GPT-2, BERT, OPT) has `max_position_embeddings` rows: no sequence can be longer.
     # Rotary, ALiBi and relative positions have no such table, and models train past their configured length.
     learned_positions: bool = False
+    # Each layer has a dense `mlp` that ALST's TiledMLP can compute in sequence shards (`--tiled-mlp`).
+    tileable_mlp: bool = False
     # The generic path's facts (`generic.describe`): linear modules and counts per task, MoE routing.
     generic: dict | None = field(default=None, repr=False, compare=False)
 
@@ -325,6 +327,7 @@ class ModelSpec:
         except (TypeError, ValueError, ZeroDivisionError) as exc:
             raise MemFitError(f"`model` `{name}`: its config.json has a missing or invalid size "
                               f"({exc}); pass an unmodified transformers config.json") from None
+        fields.setdefault("tileable_mlp", hasattr(family.Forward, "_mlp"))  # the fast forward can tile it
         return cls(name=name, model_type=model_type, config=copy.deepcopy(config), dtype=dtype, **fields)
 
     def with_layers(self, n: int) -> dict:

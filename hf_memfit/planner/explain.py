@@ -57,7 +57,8 @@ def runners_up(best: Candidate, fitting: list[Candidate], candidates: list[Candi
 
 
 def knobs(s: TrainSettings) -> tuple:
-    return (s.gradient_checkpointing, s.optim) + layout_key(s) + (s.precision, s.use_liger_kernel, s.offload_activations)
+    return (s.gradient_checkpointing, s.optim) + layout_key(s) + (s.precision, s.use_liger_kernel, s.offload_activations,
+                                                                    s.tiled_mlp)
 
 
 def layout_key(s: TrainSettings) -> tuple:
@@ -78,6 +79,8 @@ def difference(chosen: TrainSettings, other: TrainSettings) -> str:
         parts.append("Liger " + ("on" if other.use_liger_kernel else "off"))
     if other.offload_activations != chosen.offload_activations:
         parts.append("activation offload " + ("on" if other.offload_activations else "off"))
+    if other.tiled_mlp != chosen.tiled_mlp:
+        parts.append("tiled MLP " + ("on" if other.tiled_mlp else "off"))
     if layout_key(other) != layout_key(chosen):
         parts.append(layout_text(other))
     return ", ".join(parts) or "same knobs"
@@ -159,6 +162,13 @@ def make_plan(best: Candidate, candidates, usable: int, budget: int, ideal_secon
                   if plain is not None else "")
         reasons.append("Liger fused linear cross-entropy (`use_liger_kernel=True`): the loss runs over chunks of "
                        "tokens and never materialises the logits or their fp32 copies" + detail)
+    if s.tiled_mlp:
+        plain = lookup_candidate(candidates, s.replace(tiled_mlp=False))
+        detail = (f"; without it the peak would be {format_bytes(plain.estimate.device_total_bytes)}"
+                  if plain is not None and not plain.fits else "")
+        reasons.append("tiled MLP (ALST's TiledMLP, `MemFitTrainer` applies it; elsewhere "
+                       "`hf_memfit.apply_tiled_mlp(model)`): each layer's MLP runs in sequence shards of about "
+                       "hidden_size tokens and its forward runs once more in backward" + detail)
     reasons.append(attn_reason)
     allocator_reason = expandable_segments_reason(est)
     if allocator_reason:
@@ -212,6 +222,7 @@ def make_plan(best: Candidate, candidates, usable: int, budget: int, ideal_secon
         use_liger_kernel=s.use_liger_kernel,
         offload_activations=s.offload_activations,
         optim_target_modules=list(s.optim_target_modules) if s.optim_target_modules else None,
+        tiled_mlp=s.tiled_mlp,
     )
 
 

@@ -36,6 +36,22 @@ def with_activation_offload(grid, searched: bool):
             yield settings.replace(offload_activations=True)
 
 
+def tiled_mlp_searched(spec: ModelSpec, base: TrainSettings, tiled_mlp: bool | None) -> bool:
+    """Whether to search ALST's TiledMLP: asked for, or (by default) on a GPU once a sequence spans two
+    or more shards of `hidden_size` tokens, for a model whose layers have a dense MLP to tile."""
+    if tiled_mlp is False or not spec.tileable_mlp or base.tiled_mlp:
+        return False
+    return bool(tiled_mlp) or (base.device == "cuda" and base.row_len >= 2 * spec.hidden_size)
+
+
+def with_tiled_mlp(grid, searched: bool):
+    """Each configuration, and (when searched) the same with every MLP computed in sequence shards."""
+    for settings in grid:
+        yield settings
+        if searched:
+            yield settings.replace(tiled_mlp=True)
+
+
 def with_liger(grid, liger: bool):
     """Each configuration, and (when searched) the same with Liger's fused linear cross-entropy."""
     for settings in grid:

@@ -9,6 +9,7 @@ there, with the same global batch. Only the answer is confirmed in exact mode (a
 its budget is); the probes are not, which is what keeps a cold answer to seconds.
 """
 
+import logging
 from dataclasses import dataclass, field
 
 from hf_memfit.errors import MemFitError, NothingFits
@@ -27,6 +28,8 @@ LONGEST = 2**24
 # and never under 64 tokens (so it divides by any sequence-parallel degree up to 64).
 RESOLUTION = 64
 MIN_GRANULE = 64
+# Each probe's line goes where exact mode's progress goes: on a terminal at once, in logs only if slow.
+_progress_log = logging.getLogger("hf_memfit.progress")
 
 
 @dataclass
@@ -88,8 +91,7 @@ def longest_seq_len(model: str | ModelSpec, *, progress=None, **plan_kwargs) -> 
 
     def probe(seq_len: int) -> bool:
         if seq_len not in points:
-            if progress is not None:
-                progress(f"--seq-len max: trying {seq_len:,} tokens")
+            _progress_log.info("--seq-len max: planning %s tokens", f"{seq_len:,}")
             try:
                 result = plan(spec, seq_len=seq_len, mode="fast", confirm_in_exact=False, **plan_kwargs)
             except NothingFits as refused:

@@ -37,6 +37,7 @@ class Plan:
     use_liger_kernel: bool = False
     offload_activations: bool = False  # gradient_checkpointing_kwargs={"offload": True}
     optim_target_modules: list[str] | None = None  # GaLore / APOLLO
+    tiled_mlp: bool = False  # ALST's TiledMLP: not a TrainingArguments field; MemFitTrainer applies it
 
     def to_dict(self) -> dict:
         return {
@@ -53,6 +54,7 @@ class Plan:
             "use_liger_kernel": self.use_liger_kernel,
             "offload_activations": self.offload_activations,
             "optim_target_modules": self.optim_target_modules,
+            "tiled_mlp": self.tiled_mlp,
             "attn_implementation": self.attn_implementation,
             "deepspeed": self.deepspeed,
             "fsdp": self.fsdp,

@@ -34,12 +34,14 @@ from hf_memfit.planner.grid import (
     allowed_optimizers,
     liger_searched,
     low_rank_targets,
+    tiled_mlp_searched,
     parse_target_modules,
     pure_bf16_base,
     pure_bf16_grid,
     settings_grid,
     with_activation_offload,
     with_liger,
+    with_tiled_mlp,
 )
 from hf_memfit.planner.result import PlanResult
 from hf_memfit.planner.speed import ideal_seconds
@@ -60,7 +62,7 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
          attn_implementation: str | None = None, trainer: str = "trainer", padding_free: bool = False,
          reference_model: str | None = None, decoder_seq_len: int | None = None,
          activation_offloading: bool = False, optim_target_modules=None, optim_args: str | None = None,
-         confirm_in_exact: bool = True) -> PlanResult:
+         confirm_in_exact: bool = True, tiled_mlp: bool | None = None) -> PlanResult:
     """Pick the fastest configuration that trains `model` within the memory budget.
 
     The budget is `gpu_memory` (a size such as "12GiB", or "auto" for the local
@@ -91,6 +93,9 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
     `activation_offloading` (TRL's, kept as set: it is the user's choice).
     `optim_target_modules` / `optim_args` go with a GaLore / APOLLO `optim` the run
     already has (TrainingArguments' names; "all-linear" or module names).
+    `tiled_mlp` searches ALST's TiledMLP: None (default) on a GPU once a row spans two shards of
+    `hidden_size` tokens, True always, False never (it adds an MLP forward per step, so it is chosen only
+    where it makes a plan fit or a larger micro-batch pay).
     `confirm_in_exact=False` skips the exact-mode confirmation of near-budget choices (a search over
     many plans, such as `--seq-len max`, confirms only the one it returns).
     Raises `MemFitError` when the request is invalid, `NothingFits` (a `MemFitError`) when nothing fits,
@@ -166,9 +171,11 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
     liger = liger_searched(spec, base, use_liger_kernel)
     # Offloading activation checkpoints is host offload too: searched on GPUs unless `--allow-offload none`.
     offload_acts = base.device == "cuda" and allow_offload != "none"
-    grid = with_activation_offload(with_liger(settings_grid(base, per_rank, allow_offload, keep_optimizer, world,
-                                                      fixed_layout, optims, low_rank_targets(spec, base)),
-                                                liger), offload_acts)
+    tiled = tiled_mlp_searched(spec, base, tiled_mlp)
+    grid = with_tiled_mlp(with_activation_offload(with_liger(settings_grid(base, per_rank, allow_offload,
+                                                                           keep_optimizer, world, fixed_layout, optims,
+                                                                           low_rank_targets(spec, base)),
+                                                             liger), offload_acts), tiled)
     candidates = [evaluate_candidate(spec, s, usable, host, gpu_info) for s in grid]
     fitting = fitting_last_resort_last(candidates)
     fast_total = fitting[0].estimate.device_total_bytes if fitting else 0
@@ -178,8 +185,8 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
     if not fitting and allow_pure_bf16 and pure_base is not None:
         # Only once no mixed-precision plan fits: pure bf16 changes the numerics.
         pure = [evaluate_candidate(spec, s, usable, host, gpu_info)
-                for s in with_activation_offload(with_liger(pure_bf16_grid(pure_base, per_rank), liger),
-                                                  offload_acts)]
+                for s in with_tiled_mlp(with_activation_offload(with_liger(pure_bf16_grid(pure_base, per_rank),
+                                                                           liger), offload_acts), tiled)]
         candidates += pure
         fitting = fitting_last_resort_last(pure)
         fast_total = fitting[0].estimate.device_total_bytes if fitting else 0

@@ -182,6 +182,12 @@ def micro_batch_flops(spec: ModelSpec, settings: TrainSettings, est: MemoryEstim
     layer_flops = ((2 + backward) * layer_params + attention) * tokens_micro
     if settings.gradient_checkpointing:
         layer_flops *= checkpointed_layer_factor or (4 + backward) / (2 + backward)
+    if settings.tiled_mlp:
+        # ALST's TiledMLP runs each MLP's forward once more: under no_grad in forward, then again with grad
+        # in backward (DeepSpeed ulysses_sp.TiledMLP: "the forward occurs twice each iteration").
+        attention_params = spec.hidden_size * spec.head_dim * 2 * (spec.num_attention_heads + spec.num_key_value_heads)
+        mlp_params = max(0, layer_params - layers * attention_params)
+        layer_flops += 2 * mlp_params * tokens_micro
     return layer_flops + (2 + backward) * other_params * tokens_micro
 
 

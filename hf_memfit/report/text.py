@@ -109,6 +109,7 @@ def format_plan(result) -> str:
         ("attn_implementation", p.attn_implementation),
         *([("use_liger_kernel", "True")] if p.use_liger_kernel else []),
         *([("activation checkpoints", "offloaded to the host")] if p.offload_activations else []),
+        *([("tiled MLP", "on (hf_memfit.apply_tiled_mlp; MemFitTrainer applies it)")] if p.tiled_mlp else []),
         ("sharding", layout_text(s)),
         (f"predicted peak per GPU ({'nvidia-smi' if s.device == 'cuda' else 'allocator'}, {est.settings.mode} mode)",
          format_bytes(est.device_total_bytes)),
@@ -168,7 +169,7 @@ def step_command(command: str, model: str, s) -> str:
     if s.optim_target_modules:
         flags.append(f"--optim-target-modules {','.join(s.optim_target_modules)}")
     for name in ("gradient_checkpointing", "offload_activations", "load_in_4bit", "use_liger_kernel",
-                 "expandable_segments", "padding_free", "activation_offloading"):
+                 "expandable_segments", "padding_free", "activation_offloading", "tiled_mlp"):
         if getattr(s, name):
             flags.append(f"--{name.replace('_', '-')}")
     names = ("num_gpus", "num_nodes", "zero_stage", "offload_optimizer", "offload_param", "fsdp", "device")

@@ -1,0 +1,42 @@
+"""ALST's TiledMLP on the fast mode's forward tape (`FamilyForward._tiled_mlp` calls it).
+
+`estimator/step_levers.tile_mlps` installs the real one (DeepSpeed's `TiledMLP`) for exact mode and
+the CPU measurement; this module writes what it does to memory in `ForwardTape` terms, and
+`estimator/fast.py` replays its backward.
+"""
+
+from __future__ import annotations
+
+# `ForwardTape`, `StepContext` and `SymTensor` are models/forward.py's; named in annotations only (no import:
+# forward.py calls this module).
+
+
+def tiled(tape: ForwardTape, run, x: SymTensor, rows: int, seq: int, out_width: int, shards: int,
+          recompute: StepContext) -> SymTensor:
+    """DeepSpeed's `TiledMLP` (ALST) around `run(tape, x)`; `estimator/step_levers.tile_mlps` runs the real one.
+
+    Forward: it saves `x` and runs `run` on `torch.chunk(x, shards, dim=-2)` under no_grad,
+    one shard's intermediates alive at a time beside the outputs of the shards before it,
+    then concatenates the outputs. Its backward (replayed in `estimator/fast.py`) makes a
+    zero gradient the size of `x`, then recomputes each shard with grad and backpropagates
+    it; autocast is not active in backward, so the recompute runs in `recompute`'s dtypes.
+    """
+    tape.save(x)
+    shard_seq = -(-seq // shards)
+    width = x.numel // (rows * seq)
+    shard = tape.view(x, rows * shard_seq * width)
+    before = tape.new(0, x.dtype, False)  # the outputs of the other shards, sized below
+    tape.no_grad = True
+    try:
+        out = run(tape, shard)
+    finally:
+        tape.no_grad = False
+    before.numel, before.dtype = rows * (seq - shard_seq) * out_width, out.dtype
+    full = tape.new(rows * seq * out_width, out.dtype, True, inputs=(before, out))
+    sub = type(tape)(recompute)
+    sub.scope = tape.scope
+    run(sub, sub.new(shard.numel, x.dtype, x.rg))
+    for _, _, numel, dtype, _ in sub.grad_events:  # the weights' gradients, made in the recompute
+        tape.grad_events.append((full.idx, tape.scope, numel, dtype, None))
+    tape.tiled_backward.append((full.idx, tape.scope, sub, tape.bytes_of(x)))
+    return full

@@ -1,0 +1,121 @@
+"""Long context: ALST's TiledMLP (real DeepSpeed code on the CPU, against the profiler) and `plan --seq-len max`."""
+
+import json
+
+import pytest
+import torch
+
+from conftest import TINY_GPT2, TINY_LLAMA, TINY_QWEN3_MOE
+from hf_memfit.cli.main import main
+from hf_memfit.errors import MemFitError, NothingFits
+from hf_memfit.estimator.assemble import estimate_settings
+from hf_memfit.estimator.measure import measure_cpu_peak
+from hf_memfit.models.spec import ModelSpec
+from hf_memfit.planner.longest import longest_seq_len
+from hf_memfit.planner.search import plan
+from hf_memfit.settings import TrainSettings
+
+LONG_LLAMA = dict(TINY_LLAMA, max_position_embeddings=2048)
+
+
+def run_cli(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return ModelSpec.from_config("tiny-llama", dict(LONG_LLAMA))
+
+
+@pytest.mark.parametrize("changes", [
+    dict(batch_size=2, seq_len=256),
+    dict(batch_size=1, seq_len=200, precision="bf16-mixed", gradient_checkpointing=True, lora_r=8),
+], ids=["fp32-b2", "bf16-mixed-checkpointing-lora-uneven-shards"])
+def test_tiled_mlp_matches_the_cpu_allocator_in_both_modes(llama, changes):
+    """DeepSpeed's TiledMLP really runs in the measured step, and both modes follow it."""
+    tiled = TrainSettings(device="cpu", tiled_mlp=True, **changes).validate(llama)
+    measured = measure_cpu_peak(llama.config, tiled)
+    exact = estimate_settings(llama, tiled.replace(mode="exact")).peak_allocated_bytes
+    fast = estimate_settings(llama, tiled).peak_allocated_bytes
+    assert abs(exact - measured) / measured < 0.01, (exact, measured)
+    assert abs(fast - measured) / measured < 0.02, (fast, measured)
+    if not tiled.gradient_checkpointing:  # four shards of 64 tokens: the MLP's intermediates a quarter as large
+        assert measured < 0.8 * measure_cpu_peak(llama.config, tiled.replace(tiled_mlp=False))
+
+
+def test_apply_tiled_mlp_keeps_the_gradients(llama):
+    """The lever changes memory, not the training: the same loss and gradients as the plain MLP."""
+    from hf_memfit import apply_tiled_mlp
+    from hf_memfit.models.build import instantiate
+
+    torch.manual_seed(0)
+    plain = instantiate(llama.config, "causal-lm", 2, dtype=torch.float32, attn_implementation="sdpa")
+    tiled = instantiate(llama.config, "causal-lm", 2, dtype=torch.float32, attn_implementation="sdpa")
+    tiled.load_state_dict(plain.state_dict())
+    assert apply_tiled_mlp(tiled) == LONG_LLAMA["num_hidden_layers"]
+    ids = torch.randint(0, LONG_LLAMA["vocab_size"], (1, 256))
+    for model in (plain, tiled):
+        model(input_ids=ids, labels=ids).loss.backward()
+    for (name, a), (_, b) in zip(plain.named_parameters(), tiled.named_parameters()):
+        assert torch.allclose(a.grad, b.grad, atol=1e-5, rtol=1e-4), name
+
+
+def test_tiled_mlp_is_refused_for_a_mixture_of_experts(capsys, tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(TINY_QWEN3_MOE))
+    code, out, err = run_cli(capsys, "estimate", str(config), "--batch-size", "1", "--seq-len", "128", "--tiled-mlp")
+    assert code == 2 and out == ""
+    assert "`--tiled-mlp`" in err and "mixture of experts" in err and len(err.strip().splitlines()) == 1
+
+
+def test_seq_len_max_is_the_longest_length_the_planner_fits(llama):
+    kwargs = dict(global_batch_size=2, gpu_memory="1100MiB", gpu="h100", tiled_mlp=False)
+    longest = longest_seq_len(llama, **kwargs)
+    # The answer is a plan, and a plan at the next length the search tried is refused.
+    assert plan(llama, seq_len=longest.seq_len, **kwargs).plan.settings.seq_len == longest.seq_len
+    refused = min(p.seq_len for p in longest.points if not p.fits and p.seq_len > longest.seq_len)
+    with pytest.raises(NothingFits):
+        plan(llama, seq_len=refused, **kwargs)
+    assert refused - longest.seq_len <= max(64, longest.seq_len // 64)
+    table = longest.scaling()
+    fits = [p for p in table if p.fits]
+    assert fits[-1].seq_len == longest.seq_len and [p.seq_len for p in fits] == sorted(p.seq_len for p in fits)
+    assert all(p.device_total_bytes <= 1100 * 2**20 for p in fits)
+    assert "budget" in longest.bound
+
+
+def test_seq_len_max_stops_at_a_learned_position_table():
+    gpt2 = ModelSpec.from_config("tiny-gpt2", dict(TINY_GPT2))
+    longest = longest_seq_len(gpt2, global_batch_size=1, gpu_memory="40GiB", gpu="a100")
+    assert longest.seq_len == TINY_GPT2["n_positions"] and "learned positions" in longest.bound
+
+
+def test_seq_len_max_from_the_command_line(capsys, tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(LONG_LLAMA))
+    code, out, _ = run_cli(capsys, "plan", str(config), "--seq-len", "max", "--global-batch-size", "2",
+                           "--gpu-memory", "1100MiB", "--gpu", "h100", "--json")
+    assert code == 0
+    data = json.loads(out)
+    assert data["longest_seq_len"] == data["estimate"]["settings"]["seq_len"]
+    assert data["scaling"][-1]["fits"] is False or data["bound"].startswith("the search")
+    code, out, _ = run_cli(capsys, "plan", str(config), "--seq-len", "max", "--global-batch-size", "2",
+                           "--gpu-memory", "1100MiB", "--gpu", "h100", "--explain")
+    assert code == 0 and out.startswith("Longest sequence that fits: ") and "How memory and step time grow" in out
+
+
+def test_seq_len_max_refusals_are_one_line(capsys, tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(LONG_LLAMA))
+    code, out, err = run_cli(capsys, "plan", str(config), "--seq-len", "max", "--global-batch-size", "2",
+                             "--gpu-memory", "1MiB", "--gpu", "h100")
+    errors = [line for line in err.splitlines() if not line.startswith("hf-memfit: [")]  # progress lines aside
+    assert code == 2 and out == "" and len(errors) == 1 and "nothing fits even at 128 tokens" in errors[0]
+    code, out, err = run_cli(capsys, "estimate", str(config), "--batch-size", "1", "--seq-len", "max")
+    assert code == 2 and "--seq-len" in err and len(err.strip().splitlines()) == 1
+    with pytest.raises(MemFitError, match="decoder-seq-len"):
+        from hf_memfit.planner.longest import check_seq_len_max_request
+
+        check_seq_len_max_request({"decoder_seq_len": 64})
