@@ -341,8 +341,9 @@ class MemoryCheckCallback(TrainerCallback):
             predicted = estimate.peak_allocated_bytes + estimate.cpu_bytes
         self.tracker = "done"
         error = (predicted - measured) / measured if measured else 0.0
-        # A step that recovered from an OOM ran another plan (and the failed attempt): not comparable.
-        recovered = self.trainer._memfit_recoveries > self.recoveries_before
+        # A step that recovered from an OOM ran another plan (and the failed attempt), and a run resumed
+        # with chunked micro-batches runs smaller steps than the plan's: not comparable.
+        recovered = self.trainer._memfit_recoveries > self.recoveries_before or self.trainer._memfit_chunk is not None
         self.trainer.memfit_log({"memfit/predicted_peak_bytes": predicted, "memfit/measured_peak_bytes": measured,
                                  "memfit/relative_error": round(error, 4), "memfit/recovered_during_check": recovered})
         if abs(error) > 0.10 and not recovered:

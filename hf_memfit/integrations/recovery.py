@@ -92,6 +92,7 @@ class OomRecoveryMixin(Trainer):
         self.memfit_backward_syncs = False  # whether the backward running now reduces gradients across ranks
         self._memfit_forward_agreed = False  # the running forward reached its end (and, on ranks, the agreement)
         self._memfit_hooked = False
+        self._memfit_done = 0  # samples of the running micro-batch whose backward has finished
 
     @property
     def memfit_layout(self) -> str:
@@ -99,7 +100,8 @@ class OomRecoveryMixin(Trainer):
         if self.is_deepspeed_enabled:
             return "deepspeed"
         if self.is_fsdp_enabled:
-            return "fsdp2" if getattr(self.accelerator, "is_fsdp2", False) else "fsdp1"
+            plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
+            return "fsdp2" if getattr(plugin, "fsdp_version", 1) == 2 else "fsdp1"
         return "replicated"
 
     def training_step(self, model, inputs, num_items_in_batch=None):
@@ -114,11 +116,12 @@ class OomRecoveryMixin(Trainer):
             self._memfit_step_id, self._memfit_step_inputs = self.state.global_step, []
         self._memfit_step_inputs.append(inputs)
         replay: list = []
+        start = 0  # samples of `inputs` whose gradients DeepSpeed already holds; only the rest is redone
         while True:
             try:
                 for earlier in replay:
                     self._micro_batch(model, earlier, num_items_in_batch)
-                return self._micro_batch(model, inputs, num_items_in_batch)
+                return self._micro_batch(model, inputs, num_items_in_batch, start)
             except Exception as error:
                 if not is_out_of_memory(error):
                     raise
@@ -128,12 +131,14 @@ class OomRecoveryMixin(Trainer):
                     self._stop_to_resume(model, inputs, error)
                 self._step_down_the_ladder(model, inputs, error)
                 if self.memfit_layout == "deepspeed":
-                    replay = []  # the earlier micro-batches' gradients are in DeepSpeed's partitions: keep them
+                    # The gradients of the earlier micro-batches, and of this one's finished chunks, are
+                    # already reduced into DeepSpeed's partitions: keep them and redo only the rest.
+                    replay, start = [], self._memfit_done
                 else:
                     model.zero_grad(set_to_none=True)
-                    replay = self._memfit_step_inputs[:-1]
+                    replay, start = self._memfit_step_inputs[:-1], 0
 
-    def _micro_batch(self, model, inputs, num_items_in_batch):
+    def _micro_batch(self, model, inputs, num_items_in_batch, start: int = 0):
         """One micro-batch (in chunks after an OOM), with the ranks agreeing on any OOM.
 
         In a distributed run every rank takes part in one agreement (a MAX all-reduce
@@ -148,7 +153,7 @@ class OomRecoveryMixin(Trainer):
             self.accelerator.unwrap_model(model).register_forward_hook(self._agree_after_forward)
             self._memfit_hooked = True
         try:
-            loss = self._chunked_step(model, inputs, num_items_in_batch)
+            loss = self._chunked_step(model, inputs, num_items_in_batch, start)
         except Exception as error:
             if is_out_of_memory(error) and self._distributed and not self._memfit_ranks_told:
                 if self._memfit_forward_agreed and (self.memfit_backward_syncs or self.memfit_layout != "replicated"):
@@ -186,31 +191,38 @@ class OomRecoveryMixin(Trainer):
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
         return bool(flag.item())
 
-    def _chunked_step(self, model, inputs, num_items_in_batch):
+    def _chunked_step(self, model, inputs, num_items_in_batch, start: int = 0):
         """The micro-batch whole, or after an OOM in chunks whose gradients add up to the same.
 
         Only the last chunk of a synchronising micro-batch reduces gradients: the
         others run under `no_sync` (DDP, FSDP2), or as DeepSpeed micro-steps that
         are not an accumulation boundary, like the Trainer's own accumulation steps.
+        `start` skips the samples whose gradients are already kept (DeepSpeed);
+        `_memfit_done` counts the samples whose backward has finished.
         """
         size = _batch_size(inputs)
         syncs = self.accelerator.sync_gradients
-        if self._memfit_chunk is None or self._memfit_chunk >= size:
+        self._memfit_done = start
+        if start == 0 and (self._memfit_chunk is None or self._memfit_chunk >= size):
             self.memfit_backward_syncs, self._memfit_forward_agreed = syncs, False
-            return super().training_step(model, inputs, num_items_in_batch)
-        chunks = [_slice(inputs, start, min(start + self._memfit_chunk, size)) for start in range(0, size, self._memfit_chunk)]
+            loss = super().training_step(model, inputs, num_items_in_batch)
+            self._memfit_done = size
+            return loss
+        step = self._memfit_chunk or size
+        bounds = [(first, min(first + step, size)) for first in range(start, size, step)]
         saved = self.current_gradient_accumulation_steps
         # The Trainer's own test: is the loss normalised by the token count of the whole batch?
         normalised = (self.model_accepts_loss_kwargs and num_items_in_batch is not None) or \
             self.compute_loss_func is not None
         total = None
         try:
-            for index, chunk in enumerate(chunks):
+            for index, (first, end) in enumerate(bounds):
+                chunk = _slice(inputs, first, end)
                 if not normalised:
                     # A mean over the micro-batch, divided by the accumulation steps: weight each
                     # chunk's mean by its share of the micro-batch, so that the sum is the same.
-                    self.current_gradient_accumulation_steps = saved * size / _batch_size(chunk)
-                last = index == len(chunks) - 1
+                    self.current_gradient_accumulation_steps = saved * size / (end - first)
+                last = index == len(bounds) - 1
                 self.memfit_backward_syncs, self._memfit_forward_agreed = syncs and last, False
                 # DeepSpeed's engine takes the boundary from accelerate's flag (DeepSpeedEngineWrapper.backward)
                 self.accelerator.gradient_state._set_sync_gradients(syncs and last)
@@ -219,6 +231,7 @@ class OomRecoveryMixin(Trainer):
                     hold = self.accelerator.no_sync(model)
                 with hold:
                     loss = super().training_step(model, chunk, num_items_in_batch)
+                self._memfit_done = end
                 total = loss if total is None else total + loss
         finally:
             self.current_gradient_accumulation_steps = saved
