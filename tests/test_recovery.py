@@ -85,6 +85,19 @@ def test_fsdp2_ranks_agree_on_one_ranks_oom_and_redo_the_step(tmp_path):
     _assert_same_training(weights[0], clean)
 
 
+@pytest.mark.slow
+def test_fsdp2_a_rank_that_cannot_be_joined_stops_and_takes_the_others_with_it(tmp_path):
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+               "--main_process_port", str(_free_port()), str(SCRIPTS / "train_fsdp2_oom.py"), str(tmp_path), "alone"]
+    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0  # the launch fails: no rank trained on
+    error = (tmp_path / "alone-rank1-error.txt").read_text()
+    assert "backward pass under fsdp2" in error and "cannot be redone in place" in error
+    assert "train_fsdp2_oom.py" in error and "--nproc_per_node 2" in error  # the command that resumes
+    assert not list(tmp_path.glob("alone-rank*.json"))  # neither rank finished training
+
+
 def test_resume_command_replaces_the_checkpoint_and_names_the_launcher(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["train.py", "--memory_budget", "24GiB", "--resume_from_checkpoint", "old"])
     monkeypatch.setenv("WORLD_SIZE", "4")

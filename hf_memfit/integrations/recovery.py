@@ -126,8 +126,11 @@ class OomRecoveryMixin(Trainer):
                 if not is_out_of_memory(error):
                     raise
                 in_backward = self._memfit_forward_agreed
+                if self.memfit_layout == "fsdp1":
+                    self._stop_at_last_checkpoint(error, "FSDP1 has no reset of its flat parameters' state after an "
+                                                         "interrupted step, so the step cannot be redone in place")
                 self._reset_layout(model)
-                if self.memfit_layout == "fsdp1" or (self.memfit_layout == "deepspeed" and in_backward):
+                if self.memfit_layout == "deepspeed" and in_backward:
                     self._stop_to_resume(model, inputs, error)
                 self._step_down_the_ladder(model, inputs, error)
                 if self.memfit_layout == "deepspeed":
@@ -159,9 +162,9 @@ class OomRecoveryMixin(Trainer):
                 if self._memfit_forward_agreed and (self.memfit_backward_syncs or self.memfit_layout != "replicated"):
                     # The others are inside this backward's collectives (DDP's all-reduce; a sharded layout
                     # gathers and reduces in every backward) and wait for this rank: none is left to join.
-                    self._stop_alone(error, "the backward pass")
+                    self._stop_at_last_checkpoint(error, self._alone("the backward pass"))
                 if self.memfit_layout == "fsdp1":
-                    self._stop_alone(error, "the forward pass")
+                    self._stop_at_last_checkpoint(error, self._alone("the forward pass"))
                 self._any_rank_out_of_memory(True)  # joins the others' forward or end-of-micro-batch agreement
             raise
         if self._any_rank_out_of_memory(False):
@@ -345,21 +348,23 @@ class OomRecoveryMixin(Trainer):
                            "step": self.state.global_step, "next": self.memfit_state(), "command": command},
                           handle, indent=2)
         raise MemFitError(
-            f"out of memory in the backward pass under {self.memfit_layout} at step {self.state.global_step}; "
-            f"DeepSpeed has already reduced part of it and cannot redo it in place. Saved {folder} with the next "
+            f"out of memory in the backward pass under DeepSpeed at step {self.state.global_step}; DeepSpeed has "
+            "already reduced part of it and cannot redo it in place. Saved {folder} with the next "
             f"rung ({self._memfit_log_change()}); resume with: {command}") from error
 
-    def _stop_alone(self, error, where: str):
-        """This rank cannot reach an agreement the others will join: name the last checkpoint and stop."""
+    def _alone(self, where: str) -> str:
+        return (f"the other ranks are inside the collectives of {where} under {self.memfit_layout} and wait for rank "
+                f"{self.args.process_index}, so the step cannot be redone in place and no new checkpoint can be saved")
+
+    def _stop_at_last_checkpoint(self, error, why: str):
+        """Stop without a new checkpoint (none can be saved consistently): name the last one and the command."""
         from transformers.trainer_utils import get_last_checkpoint
 
         last = get_last_checkpoint(self.args.output_dir) if os.path.isdir(self.args.output_dir) else None
-        command = resume_command(last) if last else resume_command(None)
         raise MemFitError(
-            f"out of memory on rank {self.args.process_index} in {where} under {self.memfit_layout}; the other ranks "
-            "are inside its collectives and wait for this one, so the step cannot be redone in place and no new "
-            f"checkpoint can be saved. Resume from {last or 'the start'} with a lower `memory_budget` (the plan "
-            f"predicted {self.memfit_result.estimate.device_total_bytes / 2**30:.1f} GiB): {command}") from error
+            f"out of memory on rank {self.args.process_index} at step {self.state.global_step}; {why}. Resume from "
+            f"{last or 'the start'} with a lower `memory_budget` (the plan predicted "
+            f"{self.memfit_result.estimate.device_total_bytes / 2**30:.1f} GiB): {resume_command(last)}") from error
 
     def _memfit_log_change(self) -> str:
         chunk = f"chunks of {self._memfit_chunk}" if self._memfit_chunk else "whole micro-batches"

@@ -17,6 +17,8 @@ final norm, the LM head and the root FSDP units:
   the agreement at the end of the forward, which rank 1 joins. An OOM before a later all-gather
   (in a block) cannot be joined: rank 1 then stops alone and the launcher ends rank 0, blocked
   in that all-gather (see `hf_memfit/integrations/recovery.py`).
+- alone (`... OUT_DIR alone`, its own launch): rank 1 runs out of memory in a backward of step 1, where rank 0
+  is inside FSDP's collectives: rank 1 stops with the command that resumes, and the launch ends rank 0.
 Each rank saves the gathered final weights to OUT_DIR/<run>-rank<r>.pt and its result to OUT_DIR/<run>-rank<r>.json.
 """
 
@@ -27,6 +29,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from hf_memfit import MemFitArguments, MemFitTrainer
+from hf_memfit.errors import MemFitError
 
 SEQ, VOCAB = 32, 128
 
@@ -88,7 +91,18 @@ def run(name: str, out_dir: str) -> dict:
                 raise oom()
 
         model.lm_head.register_forward_pre_hook(fail_forward)  # runs after FSDP's own pre-forward: gathered
-    trainer.train()
+    if name == "alone" and rank == 1:
+        def fail_backward(module, grad_output):
+            if trainer.state.global_step == 1:
+                raise oom()
+
+        model.transformer.h[0].register_full_backward_pre_hook(fail_backward)
+    try:
+        trainer.train()
+    except MemFitError as error:  # recorded for the test, then the rank stops as it would
+        with open(f"{out_dir}/{name}-rank{rank}-error.txt", "w") as handle:
+            handle.write(str(error))
+        raise
     from torch.distributed.fsdp import FSDPModule
 
     sharded = any(isinstance(m, FSDPModule) for m in trainer.model.modules())
@@ -105,7 +119,7 @@ def run(name: str, out_dir: str) -> dict:
 
 
 def main() -> None:
-    for name in ("clean", "forward"):
+    for name in sys.argv[2:] or ("clean", "forward"):
         run(name, sys.argv[1])
 
 
