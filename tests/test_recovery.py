@@ -53,6 +53,7 @@ def test_deepspeed_stops_to_resume_after_a_backward_oom_and_redoes_a_forward_oom
     stopped = result["backward"]
     checkpoint = tmp_path / "backward" / "checkpoint-1"
     assert stopped["switches"] == ["micro-batch split into chunks of 4"] and stopped["global_step"] == 1
+    assert f"Saved {checkpoint} with the next rung (chunks of 2" in stopped["error"]
     assert f"--resume_from_checkpoint {checkpoint}" in stopped["error"]
     saved = json.loads((checkpoint / "memfit_resume.json").read_text())
     assert saved["next"]["micro_batch_chunk"] == 2 and saved["command"].endswith(str(checkpoint))

@@ -349,7 +349,7 @@ class OomRecoveryMixin(Trainer):
                           handle, indent=2)
         raise MemFitError(
             f"out of memory in the backward pass under DeepSpeed at step {self.state.global_step}; DeepSpeed has "
-            "already reduced part of it and cannot redo it in place. Saved {folder} with the next "
+            f"already reduced part of it and cannot redo it in place. Saved {folder} with the next "
             f"rung ({self._memfit_log_change()}); resume with: {command}") from error
 
     def _alone(self, where: str) -> str:
