@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_memfit.integrations.recovery import resume_command
+from hf_memfit.integrations.recovery import largest_fitting_chunk, resume_command
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 ROOT = SCRIPTS.parent.parent
@@ -108,3 +108,16 @@ def test_resume_command_replaces_the_checkpoint_and_names_the_launcher(monkeypat
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setattr(sys, "argv", ["my script.py", "--resume_from_checkpoint=old"])
     assert resume_command(None).endswith("'my script.py'")
+
+
+def test_the_next_chunk_is_replanned_from_the_measured_overshoot():
+    from hf_memfit.estimator.assemble import estimate
+
+    def total(chunk):
+        return estimate("gpt2", batch_size=chunk, seq_len=512, gpu="a100").device_total_bytes
+
+    usable = total(8)  # the plan's micro-batch of 8 filled the budget, and the step needed 1.5x its estimate
+    chunk = largest_fitting_chunk(8, 1.5, total, usable)
+    assert 1 < chunk < 8 and total(chunk) * 1.5 <= usable < total(chunk + 1) * 1.5
+    assert largest_fitting_chunk(8, 1.0, total, usable) == 7  # no overshoot: the next smaller chunk fits
+    assert largest_fitting_chunk(8, 100.0, total, usable) == 1  # nothing fits: the ladder's last chunk

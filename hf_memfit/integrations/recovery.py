@@ -288,10 +288,9 @@ class OomRecoveryMixin(Trainer):
 
             spec, settings = self.memfit_inputs["model"], self.memfit_result.estimate.settings
             at = lambda c: estimate_settings(spec, settings.replace(batch_size=c))
-            predicted = at(chunk).peak_allocated_bytes
-            overshoot = max(1.0, measured_peak_bytes(error) / predicted)
+            overshoot = max(1.0, measured_peak_bytes(error) / at(chunk).peak_allocated_bytes)
             usable = self.memfit_result.plan.budget_bytes * (1 - self.memfit_args.headroom)
-            return next((c for c in range(chunk - 1, 1, -1) if at(c).device_total_bytes * overshoot <= usable), 1)
+            return largest_fitting_chunk(chunk, overshoot, lambda c: at(c).device_total_bytes, usable)
         except Exception as problem:  # noqa: BLE001 - the ladder must not fail on a planning problem
             logger.warning("hf-memfit: could not re-plan the chunk (%s); halving it", problem)
             return halved
@@ -369,6 +368,11 @@ class OomRecoveryMixin(Trainer):
     def _memfit_log_change(self) -> str:
         chunk = f"chunks of {self._memfit_chunk}" if self._memfit_chunk else "whole micro-batches"
         return f"{chunk}, gradient checkpointing {'on' if self.args.gradient_checkpointing else 'off'}"
+
+
+def largest_fitting_chunk(chunk: int, overshoot: float, device_total_at, usable: float) -> int:
+    """The largest chunk below `chunk` whose predicted device total, times `overshoot`, is within `usable`; else 1."""
+    return next((c for c in range(chunk - 1, 1, -1) if device_total_at(c) * overshoot <= usable), 1)
 
 
 _UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
