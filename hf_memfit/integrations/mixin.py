@@ -14,14 +14,14 @@ plan to the arguments it passes on, and then:
 - `train` writes the plan, restores the plan of a checkpoint it resumes, and
   always uninstalls its memory check;
 - `training_step` recovers from an OOM (smaller chunks, then checkpointing),
-  agreed across ranks;
+  agreed across ranks, in place or by stopping at a checkpoint it can resume
+  from (`recovery.py`, per layout);
 - `log` adds the `memfit/*` metrics to the Trainer's own logs, so they reach
   every reporting integration (W&B, TensorBoard, ...).
 
 The rest is the stock trainer, so everything else behaves as users know it.
 """
 
-import contextlib
 import dataclasses
 import inspect
 import json
@@ -36,6 +36,8 @@ from hf_memfit.integrations.args import memfit_fields
 from hf_memfit.errors import MemFitError
 from hf_memfit.integrations.introspect import on_cuda as _on_cuda
 from hf_memfit.integrations.introspect import uses_fsdp
+from hf_memfit.integrations.recovery import (PeerOutOfMemoryError, OomRecoveryMixin,  # noqa: F401
+                                             is_out_of_memory, with_checkpointing_aliases)
 from hf_memfit.units import format_bytes
 
 logger = logging.getLogger(__name__)
@@ -50,34 +52,7 @@ _PLAN_KNOBS = ("per_device_train_batch_size", "gradient_accumulation_steps", "gr
                "optim_args", "optim_target_modules", "gradient_checkpointing_kwargs")
 
 
-# transformers 5 renamed `gradient_checkpointing*` to `activation_checkpointing*`; the old names are
-# deprecated aliases that `__post_init__` overwrites from the new ones, so setting only the old
-# name (directly, or through `dataclasses.replace`) is silently undone. Set both.
-_CHECKPOINTING_ALIASES = (("gradient_checkpointing", "activation_checkpointing"),
-                          ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs"))
-
-
-def _with_checkpointing_aliases(args, changes: dict) -> dict:
-    """`changes` with every checkpointing knob under both its old and its new name (where the field exists)."""
-    changes = dict(changes)
-    for old, new in _CHECKPOINTING_ALIASES:
-        for name, twin in ((old, new), (new, old)):
-            if name in changes and hasattr(args, twin):
-                changes[twin] = changes[name]
-    return changes
-
-
-class PeerOutOfMemoryError(torch.OutOfMemoryError):
-    """Another rank ran out of memory in this micro-batch; every rank steps down the ladder with it."""
-
-
-def is_out_of_memory(error: BaseException) -> bool:
-    """torch.OutOfMemoryError, or a RuntimeError that says out of memory (older torch, cuBLAS, DeepSpeed)."""
-    return isinstance(error, torch.OutOfMemoryError) or (
-        isinstance(error, RuntimeError) and "out of memory" in str(error).lower())
-
-
-class MemFitMixin(Trainer):
+class MemFitMixin(OomRecoveryMixin):
     """Fits a Trainer subclass to `args.memory_budget`: `class MyTrainer(SomeTrainer, MemFitMixin)`.
 
     The arguments may be any TrainingArguments subclass; the memfit fields
@@ -99,7 +74,7 @@ class MemFitMixin(Trainer):
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         mro = cls.__mro__
-        following = mro[mro.index(MemFitMixin) + 1]
+        following = mro[mro.index(MemFitMixin) + 2]  # after MemFitMixin comes its OomRecoveryMixin
         if following is not Trainer:
             raise TypeError(f"{cls.__name__}: put MemFitMixin last among the bases, e.g. "
                             f"`class {cls.__name__}({following.__name__}, MemFitMixin)`, so that it plans when "
@@ -136,14 +111,7 @@ class MemFitMixin(Trainer):
         self._memfit_check = MemoryCheckCallback(self)
         self.add_callback(self._memfit_check)
         self.add_callback(PlanCheckpointCallback(self))
-        self._memfit_chunk: int | None = None  # micro-batch split after an OOM; None = whole micro-batch
-        self._memfit_recoveries = 0
-        self._memfit_step_inputs: list = []
-        self._memfit_step_id = -1
-        self._memfit_ranks_told = False  # this micro-batch's OOM was already shared with the other ranks
-        self.memfit_backward_syncs = False  # whether the backward running now all-reduces gradients (DDP)
-        self._memfit_forward_agreed = False  # the running forward reached the ranks' agreement
-        self._memfit_hooked = False
+        self._init_recovery()
         self._memfit_pending_logs: dict = {}
         if self.args.process_index == 0:
             logger.warning("%s", self.memfit_summary())
@@ -233,7 +201,7 @@ class MemFitMixin(Trainer):
                               "with the same precision support or start a new run")
         current = self.memfit_state()["knobs"]
         changed = {name: value for name, value in knobs.items() if name in current and value != current[name]}
-        for name, value in _with_checkpointing_aliases(self.args, changed).items():
+        for name, value in with_checkpointing_aliases(self.args, changed).items():
             setattr(self.args, name, OptimizerNames(value) if name == "optim" else value)
         self._train_batch_size = self.args.train_batch_size
         self._memfit_chunk = saved.get("micro_batch_chunk")
@@ -275,192 +243,6 @@ class MemFitMixin(Trainer):
         logger.warning("\n".join(lines))
         return path
 
-    # --- OOM recovery ------------------------------------------------------------
-
-    def training_step(self, model, inputs, num_items_in_batch=None):
-        """One micro-batch; on OOM, move down the ladder and redo this optimizer step's micro-batches.
-
-        The micro-batches already run for the current optimizer step are kept,
-        so after an OOM the step's gradients are rebuilt from the same samples
-        with the same global batch: nothing is skipped, nothing is counted twice.
-        In a distributed run every rank learns of an OOM on any rank and steps
-        down with it, so the ranks never disagree on the plan.
-        """
-        if self.state.global_step != self._memfit_step_id:
-            self._memfit_step_id, self._memfit_step_inputs = self.state.global_step, []
-        self._memfit_step_inputs.append(inputs)
-        replay: list = []
-        while True:
-            try:
-                for earlier in replay:
-                    self._micro_batch(model, earlier, num_items_in_batch)
-                return self._micro_batch(model, inputs, num_items_in_batch)
-            except Exception as error:
-                if not is_out_of_memory(error):
-                    raise
-                self._step_down_the_ladder(model, inputs, error)
-                model.zero_grad(set_to_none=True)
-                replay = self._memfit_step_inputs[:-1]
-
-    def _micro_batch(self, model, inputs, num_items_in_batch):
-        """One micro-batch (in chunks after an OOM), with the ranks agreeing on any OOM.
-
-        In a distributed run every rank takes part in one agreement (a MAX all-reduce
-        of an OOM flag) at the end of each forward and one after each micro-batch, and
-        a rank that runs out of memory joins the agreement the others are waiting in.
-        The forward's agreement runs in a hook at the end of the model's own forward,
-        before DDP prepares its gradient reduction, so a forward abandoned because of
-        another rank's OOM leaves DDP's reducer untouched.
-        """
-        self._memfit_ranks_told = False
-        if self._distributed and not self._memfit_hooked:
-            self.accelerator.unwrap_model(model).register_forward_hook(self._agree_after_forward)
-            self._memfit_hooked = True
-        try:
-            loss = self._chunked_step(model, inputs, num_items_in_batch)
-        except Exception as error:
-            if is_out_of_memory(error) and self._distributed and not self._memfit_ranks_told:
-                if self._memfit_forward_agreed and self.memfit_backward_syncs:
-                    # DDP's all-reduce of this backward is already under way on the other ranks,
-                    # which wait for this one: there is no collective left that all ranks can join.
-                    raise MemFitError(
-                        f"out of memory on rank {self.args.process_index} in the backward pass of a micro-batch that "
-                        "synchronises gradients; the other ranks are inside DDP's all-reduce, so the step cannot be "
-                        "redone in place. Resume from the last checkpoint with a lower `memory_budget` (the plan "
-                        f"predicted {self.memfit_result.estimate.device_total_bytes / 2**30:.1f} GiB)") from error
-                self._any_rank_out_of_memory(True)  # joins the others' forward or end-of-micro-batch agreement
-            raise
-        if self._any_rank_out_of_memory(False):
-            raise PeerOutOfMemoryError("another rank ran out of memory in this micro-batch's backward")
-        return loss
-
-    def _agree_after_forward(self, module, args, output):
-        """Forward hook on the unwrapped model: every rank learns whether any ran out of memory in its forward."""
-        if not (module.training and torch.is_grad_enabled()):
-            return None
-        self._memfit_forward_agreed = True
-        if self._any_rank_out_of_memory(False):
-            self._memfit_ranks_told = True
-            raise PeerOutOfMemoryError("another rank ran out of memory in this micro-batch's forward")
-        return None
-
-    @property
-    def _distributed(self) -> bool:
-        return self.args.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized()
-
-    def _any_rank_out_of_memory(self, here: bool) -> bool:
-        """Whether any rank ran out of memory: a MAX all-reduce of one flag (just `here` on one process)."""
-        if not self._distributed:
-            return here
-        flag = torch.tensor([1.0 if here else 0.0], device=self.args.device)
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        return bool(flag.item())
-
-    def _chunked_step(self, model, inputs, num_items_in_batch):
-        """The micro-batch whole, or after an OOM in chunks whose gradients add up to the same.
-
-        Under DDP only the last chunk of a synchronising micro-batch all-reduces; the
-        others run under `no_sync`, like the Trainer's own accumulation steps, so an
-        OOM in their backward can still be redone on every rank.
-        """
-        size = _batch_size(inputs)
-        syncs = self.accelerator.sync_gradients
-        if self._memfit_chunk is None or self._memfit_chunk >= size:
-            self.memfit_backward_syncs, self._memfit_forward_agreed = syncs, False
-            return super().training_step(model, inputs, num_items_in_batch)
-        chunks = [_slice(inputs, start, min(start + self._memfit_chunk, size)) for start in range(0, size, self._memfit_chunk)]
-        saved = self.current_gradient_accumulation_steps
-        # The Trainer's own test: is the loss normalised by the token count of the whole batch?
-        normalised = (self.model_accepts_loss_kwargs and num_items_in_batch is not None) or \
-            self.compute_loss_func is not None
-        total = None
-        try:
-            for index, chunk in enumerate(chunks):
-                if not normalised:
-                    # A mean over the micro-batch, divided by the accumulation steps: weight each
-                    # chunk's mean by its share of the micro-batch, so that the sum is the same.
-                    self.current_gradient_accumulation_steps = saved * size / _batch_size(chunk)
-                last = index == len(chunks) - 1
-                self.memfit_backward_syncs, self._memfit_forward_agreed = syncs and last, False
-                hold = contextlib.nullcontext() if last or not self._distributed else self.accelerator.no_sync(model)
-                with hold:
-                    loss = super().training_step(model, chunk, num_items_in_batch)
-                total = loss if total is None else total + loss
-        finally:
-            self.current_gradient_accumulation_steps = saved
-        return total
-
-    def _step_down_the_ladder(self, model, inputs, error):
-        optim = str(getattr(self.args.optim, "value", self.args.optim))
-        if optim.endswith("_layerwise"):
-            # Each parameter was stepped by its hook as soon as its gradient was made: an OOM in backward
-            # leaves part of this step's update applied, and chunks would each step every parameter.
-            raise MemFitError(f"out of memory with `optim={optim}`, which updates each parameter inside backward: "
-                              "part of this step is already applied, so it cannot be redone in place or in chunks; "
-                              "lower `memory_budget` and plan again, resuming from the last checkpoint") from error
-        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
-            engine = "DeepSpeed" if self.is_deepspeed_enabled else "FSDP"
-            raise MemFitError(f"out of memory under {engine}, whose forward and backward run collectives that cannot "
-                              "be redone in place; lower `memory_budget` and plan again, resuming from the last "
-                              "checkpoint") from error
-        self._memfit_recoveries += 1
-        size = _batch_size(inputs)
-        chunk = self._memfit_chunk or size
-        if self._memfit_recoveries > self.memfit_args.memfit_max_recoveries:
-            self._give_up(error)
-        if chunk > 1:
-            self._memfit_chunk = max(1, chunk // 2)
-            change = f"micro-batch split into chunks of {self._memfit_chunk}"
-        elif not self.args.gradient_checkpointing:
-            kwargs = {"use_reentrant": False}
-            for name, value in _with_checkpointing_aliases(self.args, {"gradient_checkpointing": True,
-                                                                     "gradient_checkpointing_kwargs": kwargs}).items():
-                setattr(self.args, name, value)
-            self.accelerator.unwrap_model(model).gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-            change = "gradient checkpointing enabled"
-        else:
-            self._give_up(error)
-        _free_cached_memory()
-        where = "another rank" if isinstance(error, PeerOutOfMemoryError) else f"rank {self.args.process_index}"
-        if self.args.process_index == 0 or not isinstance(error, PeerOutOfMemoryError):
-            logger.warning("hf-memfit: out of memory on %s at step %d; %s; redoing this step's micro-batches",
-                           where, self.state.global_step, change)
-        self.memfit_log({"memfit/oom_recovery": self._memfit_recoveries, "memfit/change": change})
-
-    def _give_up(self, error):
-        if self.args.should_save:
-            self._save_checkpoint(self.model, trial=None)  # no on_save callback fires here: write the state too
-            self.write_memfit_state(self.state.global_step)
-        raise MemFitError(
-            f"out of memory at step {self.state.global_step} after {self._memfit_recoveries - 1} recoveries; a checkpoint "
-            f"was saved in {self.args.output_dir}. Lower `memory_budget` (the plan predicted "
-            f"{self.memfit_result.estimate.device_total_bytes / 2**30:.1f} GiB) or allow offload with "
-            "`allow_offload='cpu'`, and resume") from error
-
-
-
-def _batch_size(inputs) -> int:
-    for value in inputs.values():
-        if isinstance(value, torch.Tensor) and value.dim() > 0:
-            return value.shape[0]
-    return 1
-
-
-def _slice(inputs, start: int, end: int):
-    size = _batch_size(inputs)
-    return type(inputs)({k: v[start:end] if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == size else v
-                         for k, v in inputs.items()})
-
-
-def _free_cached_memory():
-    import gc
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-
 
 # --- applying the plan ------------------------------------------------------------------
 
@@ -472,7 +254,7 @@ def apply_plan(plan, args):
     plan uses DeepSpeed, fills the config's "auto" values from the new batch
     sizes and prepares accelerate for it. The arguments keep their class.
     """
-    changes = _with_checkpointing_aliases(args, plan.training_arguments())
+    changes = with_checkpointing_aliases(args, plan.training_arguments())
     changes.pop("deepspeed", None)
     for name in plan.fsdp or {}:
         changes.pop(name, None)
@@ -563,8 +345,9 @@ class MemoryCheckCallback(TrainerCallback):
             predicted = estimate.peak_allocated_bytes + estimate.cpu_bytes
         self.tracker = "done"
         error = (predicted - measured) / measured if measured else 0.0
-        # A step that recovered from an OOM ran another plan (and the failed attempt): not comparable.
-        recovered = self.trainer._memfit_recoveries > self.recoveries_before
+        # A step that recovered from an OOM ran another plan (and the failed attempt), and a run resumed
+        # with chunked micro-batches runs smaller steps than the plan's: not comparable.
+        recovered = self.trainer._memfit_recoveries > self.recoveries_before or self.trainer._memfit_chunk is not None
         self.trainer.memfit_log({"memfit/predicted_peak_bytes": predicted, "memfit/measured_peak_bytes": measured,
                                  "memfit/relative_error": round(error, 4), "memfit/recovered_during_check": recovered})
         if abs(error) > 0.10 and not recovered:
