@@ -94,6 +94,11 @@ def with_sequence_terms(spec, settings: TrainSettings, step: StepMemory) -> Step
     if settings.seq_shards == 1:
         return step
     terms = ulysses_terms(spec, settings) if settings.sp_size > 1 else ring_terms(spec, settings)
+    # DeepSpeed reduces gradients in `seq_parallel_communication_data_type` under SP, fp32 by default
+    # (runtime/constants.py, engine.py `communication_data_type`): a half-precision reduce bucket ("auto" = h^2
+    # elements, deepspeed.py) is copied to fp32 and reduced in a second fp32 buffer (ALST's USAGE.md).
+    half = settings.compute_dtype != "float32"
+    reduce_fp32 = 2 * 4 * spec.hidden_size * spec.hidden_size if settings.sp_size > 1 and half else 0
     layers = spec.num_layers + (spec.num_decoder_layers or 0)
     saved_layers = 1 if settings.gradient_checkpointing else layers
     candidates = {}
@@ -101,7 +106,7 @@ def with_sequence_terms(spec, settings: TrainSettings, step: StepMemory) -> Step
         row = dict(row)
         if _layer_region(region):
             phase = region.split("|")[1]
-            row["temporary"] += terms["forward" if phase == "fwd" else "backward"]
+            row["temporary"] += terms["forward"] if phase == "fwd" else terms["backward"] + reduce_fp32
             row["activations"] += terms["saved_per_layer"] * saved_layers
         candidates[region] = row
     if settings.sp_size > 1:

@@ -163,13 +163,13 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
         fixed_layout = dict(zip(("zero_stage", "offload_optimizer", "offload_param"), deepspeed_layout))
     elif fsdp_layout is not None:
         fixed_layout = dict(zip(("fsdp", "fsdp_version", "fsdp_offload"), fsdp_layout))
-    if fixed_layout is not None:
-        base.replace(**fixed_layout).validate(spec)  # one line naming the problem, before any search
     if fixed_shards > 1:
         base = base.replace(sp_size=int(sp_size) if str(sp_size) != "auto" else 1,
                             cp_size=int(cp_size) if str(cp_size) != "auto" else 1)
-        if fixed_layout is None:  # the sequence checks of a layout it can run under, named in one line
-            base.replace(**sequence_layout_variants(base, "none", {})[0]).validate(spec)
+    if fixed_layout is not None:
+        base.replace(**fixed_layout).validate(spec)  # one line naming the problem, before any search
+    elif fixed_shards > 1:  # the sequence checks of a layout it can run under, named in one line
+        base.replace(**sequence_layout_variants(base, "none", {})[0]).validate(spec)
 
     per_rank = global_batch_size // base.dp_size
     optims = allowed_optimizers(base, allow_optimizers, keep_optimizer)
