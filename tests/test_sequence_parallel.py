@@ -179,9 +179,10 @@ def test_memfit_trainer_plans_and_checks_a_two_rank_ulysses_run(tmp_path):
     files = sorted(tmp_path.glob("rank*.json"))
     assert proc.returncode == 0 and len(files) == 2, (proc.stdout + proc.stderr)[-4000:]
     for result in (json.loads(path.read_text()) for path in files):
-        # per-device batch 2 x 1 data-parallel replica: the global batch the run asked for
+        # per-device batch 2 x 1 data-parallel replica is the global batch the run asked for; on the CPU the plan
+        # runs it as micro-batches of 1 (2+ rows fail in the CPU launch of DeepSpeed's SP data loader)
         assert (result["sp_size"], result["dp_size"], result["zero_stage"]) == (2, 1, 1)
-        assert result["batch_size"] * result["accumulation"] == 2 and result["seq_len"] == 512
+        assert (result["batch_size"], result["accumulation"], result["seq_len"]) == (1, 2, 512)
         assert result["memfit/predicted_peak_bytes"] > 0 and result["loss"] is not None
         # the trainer's own CPU measurement of the steady step, beside the plan's prediction
         assert abs(result["memfit/relative_error"]) < 0.10, result

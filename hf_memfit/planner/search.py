@@ -190,6 +190,10 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
                                                                     allow_offload, keep_optimizer, world, fixed_layout,
                                                                     optims, low_rank_targets(spec, base)),
                                                       liger), offload_acts)
+            if split.sp_size > 1 and split.device == "cpu":
+                # On the CPU, DeepSpeed's UlyssesSPDataLoaderAdapter leaves each rank's shard a non-contiguous slice
+                # (its `.cpu()` copies only device tensors) and transformers' ForCausalLMLoss `.view`s it: 2+ rows fail
+                grid = (s for s in grid if s.batch_size == 1)
             found += [evaluate_candidate(spec, s, usable, host, gpu_info) for s in grid]
         return found
 

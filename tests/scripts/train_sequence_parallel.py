@@ -44,6 +44,7 @@ config = AutoConfig.for_model("llama", num_hidden_layers=2, hidden_size=128, int
                               max_position_embeddings=SEQ, tie_word_embeddings=False)
 model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
 args = MemFitArguments(
+    # a global batch of 2; on the CPU the plan runs it as 2 micro-batches of 1 under SP (planner/search.py)
     output_dir=os.path.join(out, "run"), per_device_train_batch_size=2, max_steps=2, report_to=[],
     ddp_backend="gloo", logging_steps=1, save_strategy="no", optim="adamw_torch", memory_budget="4GiB",
     keep_optimizer=True, dataloader_num_workers=0,
