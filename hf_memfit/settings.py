@@ -286,8 +286,8 @@ class TrainSettings:
             return []
         problems = []
         if sp > 1 and cp > 1:  # accelerate ParallelismConfig.__post_init__
-            problems.append("`--sp-size` and `--cp-size` are two ways to split the sequence (accelerate refuses both "
-                            "at once): pick one")
+            return ["`--sp-size` and `--cp-size` are two ways to split the sequence (accelerate refuses both at once): "
+                    "pick one"]
         if self.world_size % (sp * cp):
             flag = "--sp-size" if sp > 1 else "--cp-size"
             problems.append(f"`{flag} {sp * cp}` must divide the {self.world_size} GPU(s): use a divisor of "

@@ -186,3 +186,23 @@ def test_memfit_trainer_plans_and_checks_a_two_rank_ulysses_run(tmp_path):
         assert result["memfit/predicted_peak_bytes"] > 0 and result["loss"] is not None
         # the trainer's own CPU measurement of the steady step, beside the plan's prediction
         assert abs(result["memfit/relative_error"]) < 0.10, result
+
+
+def test_the_speed_model_pays_for_the_exchange_over_the_slowest_link():
+    from hf_memfit.hardware import find_gpu
+    from hf_memfit.planner.speed import sequence_exchange_bytes, step_seconds
+
+    spec = ModelSpec.from_config("meta-llama/Llama-3.1-8B", _llama8b_config())
+    kwargs = dict(batch_size=1, seq_len=131072, gradient_checkpointing=True, zero_stage=3, **GPU)
+    one_node = estimate(spec, num_gpus=8, sp_size=8, **kwargs)
+    two_nodes = estimate(spec, num_gpus=4, num_nodes=2, sp_size=8, **kwargs)  # the group spans InfiniBand
+    assert sequence_exchange_bytes(spec, one_node.settings) == sequence_exchange_bytes(spec, two_nodes.settings) > 0
+    gpu = find_gpu("h100")
+    assert step_seconds(spec, two_nodes.settings, two_nodes, gpu) > step_seconds(spec, one_node.settings, one_node, gpu)
+    assert sequence_exchange_bytes(spec, one_node.settings.replace(sp_size=1, zero_stage=3)) == 0
+
+
+def _llama8b_config():
+    from hf_memfit.models.spec import load_model_config
+
+    return load_model_config("meta-llama/Llama-3.1-8B")[1]

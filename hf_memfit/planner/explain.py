@@ -432,7 +432,7 @@ def nothing_fits(spec, base: TrainSettings, candidates, usable: int, budget: int
         remedies.append(("`--allow-offload cpu`", offload))
     if on_gpu and base.num_nodes == 1 and not base.load_in_4bit:  # 4-bit weights are not partitioned by ZeRO-3
         for gpus in (2 * world, 4 * world, 8 * world):
-            if gpus <= 8 and per_rank * world % gpus == 0:
+            if gpus <= 8 and per_rank * base.dp_size % max(1, gpus // base.seq_shards) == 0:
                 layout = offload if allow_offload != "none" else dict(zero_stage=3, optim="adamw_torch_fused")
                 remedies.append((f"`--num-gpus {gpus}` with ZeRO-3", dict(layout, num_gpus=gpus)))
     if on_gpu and base.seq_shards == 1 and not base.load_in_4bit:  # Ulysses SP: activations / sp per rank

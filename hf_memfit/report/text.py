@@ -100,7 +100,7 @@ def format_plan(result) -> str:
 
     p, est, s = result.plan, result.estimate, result.plan.settings
     lines = [f"Plan for {est.model}: {s.seq_len} tokens x global batch "
-             f"{p.per_device_train_batch_size * p.gradient_accumulation_steps * s.world_size}, "
+             f"{p.per_device_train_batch_size * p.gradient_accumulation_steps * s.dp_size}, "
              f"budget {format_bytes(p.budget_bytes)} per GPU ({result.candidates_tried} configurations estimated)", ""]
     rows = [
         ("per_device_train_batch_size", str(p.per_device_train_batch_size)),
