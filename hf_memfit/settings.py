@@ -84,10 +84,31 @@ class TrainSettings:
     # ALST's TiledMLP (DeepSpeed ulysses_sp.TiledMLP, as Arctic Long Sequence Training, axolotl's `tiled_mlp`
     # and Liger's tiled MLPs apply it): each layer's MLP computed in sequence shards of about hidden_size tokens
     tiled_mlp: bool = False
+    # Sequence parallelism (`estimator/sequence.py`): each of sp_size (or cp_size) ranks holds 1/sp of every
+    # sequence. sp_size: Ulysses, DeepSpeed's all-to-all around attention (accelerate's
+    # `ParallelismConfig(sp_size, sp_backend="deepspeed")`); cp_size: context parallelism, FSDP2 with torch's
+    # ring attention (`ParallelismConfig(cp_size)`). accelerate 1.15 refuses both at once.
+    sp_size: int = 1
+    cp_size: int = 1
 
     @property
     def world_size(self) -> int:
         return self.num_gpus * self.num_nodes
+
+    @property
+    def seq_shards(self) -> int:
+        """Ranks one sequence is split over: sp_size x cp_size (at most one of them is above 1)."""
+        return self.sp_size * self.cp_size
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel replicas: the world over the sequence shards. The global batch is micro x dp x accumulation."""
+        return max(1, self.world_size // self.seq_shards)
+
+    @property
+    def local_seq_len(self) -> int:
+        """Tokens of each row one rank computes outside attention: seq_len / (sp x cp)."""
+        return self.seq_len // self.seq_shards
 
     @property
     def uses_lora(self) -> bool:
@@ -158,7 +179,8 @@ class TrainSettings:
         Returns the settings with `task` resolved to the model's default when it was None.
         """
         problems = []
-        for name in ("batch_size", "seq_len", "num_labels", "gradient_accumulation_steps", "num_gpus", "num_nodes"):
+        for name in ("batch_size", "seq_len", "num_labels", "gradient_accumulation_steps", "num_gpus", "num_nodes",
+                     "sp_size", "cp_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 problems.append(f"`--{name.replace('_', '-')}` must be a positive integer, got {value!r}")
@@ -230,7 +252,8 @@ class TrainSettings:
         if self.load_in_4bit and self.precision in ("fp32",):
             problems.append("`--load-in-4bit` computes in half precision: add `--precision bf16-mixed` or `--precision fp16-mixed`")
         problems += self._fsdp_problems()
-        if self.device == "cpu" and self.zero_stage and self.world_size > 1:
+        problems += self._sequence_problems()
+        if self.device == "cpu" and self.zero_stage and self.world_size > 1 and self.sp_size == 1:
             # DeepSpeed runs on the CPU in one process (its multi-process CPU launch is not supported
             # by the Trainer); DDP over CPU processes (gloo) is modelled per process.
             problems.append("`--device cpu` with `--zero-stage` estimates one DeepSpeed process: drop `--num-gpus/--num-nodes`")
@@ -261,6 +284,54 @@ class TrainSettings:
             problems += model_problems
         check_all(problems)
         return settings
+
+    def _sequence_problems(self) -> list[str]:
+        """What accelerate 1.15, DeepSpeed 0.19 and torch refuse about sp_size / cp_size (model-free checks)."""
+        sp, cp = self.sp_size, self.cp_size
+        if not all(isinstance(v, int) and v > 0 for v in (sp, cp)) or sp == cp == 1:
+            return []
+        problems = []
+        if sp > 1 and cp > 1:  # accelerate ParallelismConfig.__post_init__
+            return ["`--sp-size` and `--cp-size` are two ways to split the sequence (accelerate refuses both at once): "
+                    "pick one"]
+        if self.world_size % (sp * cp):
+            flag = "--sp-size" if sp > 1 else "--cp-size"
+            problems.append(f"`{flag} {sp * cp}` must divide the {self.world_size} GPU(s): use a divisor of "
+                            f"{self.world_size} or `--num-gpus` a multiple of {sp * cp}")
+        if sp > 1 and not self.zero_stage:
+            # accelerate wraps attention for Ulysses only in its DeepSpeed prepare path (accelerator.py,
+            # `_prepare_deepspeed`: UlyssesSPAttentionHF.register_with_transformers), and DeepSpeed's engine
+            # is what averages gradients over the sequence-data-parallel group.
+            problems.append(f"`--sp-size {sp}` is DeepSpeed's Ulysses: add `--zero-stage 1` (or 2, 3)")
+        if sp > 1 and self.fsdp is not None:
+            problems.append(f"`--sp-size {sp}` runs under DeepSpeed, not FSDP: drop `--fsdp`, or use `--cp-size`")
+        if cp > 1 and (self.fsdp is None or self.fsdp_version != 2 or self.zero_stage):
+            # accelerate builds context parallelism on FSDP2's device mesh (`dp_shard_cp`), and refuses it with
+            # pure replication (ParallelismConfig: cp with dp_replicate > 1 and dp_shard == 1).
+            problems.append(f"`--cp-size {cp}` is accelerate's FSDP2 context parallelism: use `--fsdp full_shard` "
+                            "(FSDP2) and no `--zero-stage`")
+        if self.seq_len % (sp * cp):
+            # DeepSpeed's UlyssesSPDataLoaderAdapter: "batch's seqlen isn't divisible by sp-size"; torch's
+            # context_parallel shards each buffer into cp equal chunks.
+            flag = "--sp-size" if sp > 1 else "--cp-size"
+            low = self.seq_len // (sp * cp) * sp * cp
+            problems.append(f"`--seq-len {self.seq_len}` must be divisible by `{flag} {sp * cp}`: use "
+                            f"{low or sp * cp} or {low + sp * cp}")
+        if sp > 1 and self.attn_implementation == "eager":
+            # accelerate DeepSpeedSequenceParallelConfig: 'eager' and 'flex_attention' are not supported
+            problems.append(f"`--sp-size {sp}` wraps attention through transformers' attention interface, which "
+                            "Ulysses supports for sdpa and flash_attention_2, not eager: use `--attn-implementation sdpa`")
+        if cp > 1 and self.attn_implementation not in (None, "sdpa"):
+            # transformers Trainer._prepare_context_parallel_inputs: "Context parallelism is supported only with SDPA"
+            problems.append(f"`--cp-size {cp}` patches SDPA with ring attention (torch context_parallel): use "
+                            "`--attn-implementation sdpa`")
+        if self.padding_free:
+            problems.append("`--padding-free` packs rows with their own position ids; hf-memfit plans sequence "
+                            "parallelism for whole rows only: drop `--padding-free`")
+        if self.device == "cpu" and cp > 1:
+            problems.append(f"`--cp-size {cp}` needs `--device cuda`: torch's context parallel SDPA dispatches to "
+                            "CUDA flash / efficient kernels (see docs/benchmarks.md, section 14)")
+        return problems
 
     def _fsdp_problems(self) -> list[str]:
         problems = []
@@ -330,6 +401,7 @@ def _validate_against_model(settings: TrainSettings, spec) -> tuple[TrainSetting
     # (padding-free rows restart their position ids at every packed sequence: the limit is per sequence)
     if limit is not None and spec.learned_positions and settings.seq_len > limit:
         problems.append(f"`--seq-len {settings.seq_len}` is over {spec.name}'s maximum of {limit} positions; use `--seq-len {limit}` or less")
+    problems += _sequence_model_problems(settings, spec, task)
     if settings.optim_target_modules and settings.optim_target_modules != ("all-linear",):
         known = sorted({m.name for m in spec.linear_modules()})
         missing = [m for m in settings.optim_target_modules if m not in known]
@@ -342,6 +414,31 @@ def _validate_against_model(settings: TrainSettings, spec) -> tuple[TrainSetting
         if missing:
             problems.append(f"`--lora-target-modules` {', '.join(missing)} not found in {spec.name}; its linear modules are {', '.join(known)}")
     return settings.replace(task=task), problems
+
+
+def _sequence_model_problems(settings: TrainSettings, spec, task: str) -> list[str]:
+    """What sp_size / cp_size need of the model: heads that split, and a model the libraries can shard."""
+    sp, cp = settings.sp_size, settings.cp_size
+    if sp == 1 and cp == 1:
+        return []
+    flag = f"--sp-size {sp}" if sp > 1 else f"--cp-size {cp}"
+    problem = spec.sequence_shard_problem("ulysses" if sp > 1 else "ring")
+    if problem is None and task != "causal-lm":
+        problem = f"it is planned as {task}; sequence parallelism trains causal LMs (its loss reads `shift_labels`)"
+    if problem is not None:
+        return [f"`{flag}`: the installed libraries cannot shard {spec.name}'s sequence: {problem}; drop `{flag.split()[0]}`"]
+    problems = []
+    heads, kv = spec.num_attention_heads, spec.num_key_value_heads
+    if sp > 1 and heads % sp:
+        # deepspeed ulysses_sp.py UlyssesSPAttentionHF: "Attention head count ... is not divisible by SP size"
+        fits = [d for d in range(2, sp) if heads % d == 0 and settings.world_size % d == 0]
+        problems.append(f"`--sp-size {sp}` must divide {spec.name}'s {heads} attention heads"
+                        + (f": use `--sp-size {fits[-1]}`" if fits else ""))
+    elif sp > 1 and kv % sp and sp % kv:
+        # UlyssesSPAttentionHF: KV heads divisible by sp, or sp by the KV heads (then they are replicated)
+        problems.append(f"`--sp-size {sp}` and {spec.name}'s {kv} KV heads must divide one another (DeepSpeed "
+                        "replicates KV heads only when sp is a multiple of them)")
+    return problems
 
 
 def beyond_positions_note(settings: TrainSettings, spec) -> str | None:

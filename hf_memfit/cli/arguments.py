@@ -109,6 +109,12 @@ def add_step_arguments(parser: argparse.ArgumentParser, *, with_batch: bool = Tr
                             help="2: fully_shard (the Trainer's default); 1: FullyShardedDataParallel")
         parser.add_argument("--fsdp-offload", action="store_true",
                             help="FSDP CPU offload: parameters, gradients and the optimizer step on the host")
+        parser.add_argument("--sp-size", type=positive_int, default=1,
+                            help="Ulysses sequence parallelism (DeepSpeed, with --zero-stage): each sequence split "
+                                 "over this many GPUs, attention heads split among them")
+        parser.add_argument("--cp-size", type=positive_int, default=1,
+                            help="context parallelism (FSDP2 ring attention, with --fsdp full_shard): each sequence "
+                                 "split over this many GPUs")
 
 
 def step_shape(args: argparse.Namespace) -> dict:
@@ -148,6 +154,7 @@ def settings_from_args(args: argparse.Namespace):
         load_in_4bit=args.load_in_4bit, num_gpus=args.num_gpus, num_nodes=args.num_nodes,
         zero_stage=args.zero_stage, offload_optimizer=args.offload_optimizer, offload_param=args.offload_param,
         fsdp=args.fsdp, fsdp_version=args.fsdp_version, fsdp_offload=args.fsdp_offload,
+        sp_size=args.sp_size, cp_size=args.cp_size,
         bnb_4bit_use_double_quant=args.bnb_4bit_use_double_quant, bnb_4bit_quant_storage=args.bnb_4bit_quant_storage,
         device=args.device, gpu=args.gpu, mode=args.mode, expandable_segments=args.expandable_segments,
     )

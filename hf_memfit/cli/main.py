@@ -85,6 +85,13 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--optim-target-modules",
                         help="with a GaLore / APOLLO --optim: comma-separated linear module names, or all-linear")
     parser.add_argument("--optim-args", help='with a GaLore / APOLLO --optim: TrainingArguments.optim_args, e.g. "rank=64"')
+    parser.add_argument("--sp-size", default="auto", metavar="auto|N",
+                        help="Ulysses sequence parallelism (DeepSpeed): split each sequence over N GPUs; auto "
+                             "(default) searches it on 2+ GPUs when the sequence is 32K+ tokens or nothing fits "
+                             "whole; 1 never splits")
+    parser.add_argument("--cp-size", default="1", metavar="auto|N",
+                        help="context parallelism (FSDP2 ring attention): split each sequence over N GPUs; auto "
+                             "searches it like --sp-size; default 1 (off)")
     parser.add_argument("--deepspeed-config-out", help="write the plan's DeepSpeed config (JSON) here")
     parser.add_argument("--accelerate-config-out",
                         help="write the plan's accelerate config (YAML, for `accelerate launch --config_file`) here, "
@@ -122,6 +129,7 @@ def _plan_kwargs(args: argparse.Namespace) -> dict:
         use_liger_kernel={"auto": None, "yes": True, "no": False}[args.use_liger_kernel],
         tiled_mlp={"auto": None, "yes": True, "no": False}[args.tiled_mlp],
         optim_target_modules=args.optim_target_modules, optim_args=args.optim_args,
+        sp_size=args.sp_size, cp_size=args.cp_size,
     )
 
 

@@ -84,9 +84,19 @@ def estimate_settings(spec: ModelSpec, settings: TrainSettings) -> MemoryEstimat
 
 
 def step_memory(spec: ModelSpec, settings: TrainSettings) -> StepMemory:
-    """Single-device peak candidates from the mode the settings ask for."""
-    traced = traced_settings(settings)
-    if settings.mode == "exact":
+    """Single-device peak candidates from the mode the settings ask for.
+
+    Under sequence or context parallelism the step is one rank's: the model at seq_len / (sp x cp) tokens
+    (traced so in exact mode), plus what the attention exchange adds (`sequence.with_sequence_terms`).
+    """
+    from hf_memfit.estimator.sequence import local_step_settings, with_sequence_terms
+
+    traced = local_step_settings(traced_settings(settings))
+    return with_sequence_terms(spec, traced_settings(settings), _mode_step_memory(spec, settings.mode, traced))
+
+
+def _mode_step_memory(spec: ModelSpec, mode: str, traced: TrainSettings) -> StepMemory:
+    if mode == "exact":
         from hf_memfit.estimator.trace import exact_candidates  # imports torch; fast mode never does
 
         return exact_candidates(spec, traced)

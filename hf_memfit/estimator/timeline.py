@@ -52,12 +52,14 @@ def trace_timeline(spec, settings: TrainSettings, label: str = "", samples: int 
     the same trace, and `device_total_bytes` its nvidia-smi total.
     """
     from hf_memfit.estimator.assemble import assemble, traced_settings
+    from hf_memfit.estimator.sequence import local_step_settings, with_sequence_terms
     from hf_memfit.estimator.trace import _config_with_depths, _real_depths, full_depth_step_memory, trace_step
 
     depths = _real_depths(spec)
-    trace = trace_step(_config_with_depths(spec, depths), traced_settings(settings), depths)
-    step = full_depth_step_memory(trace, traced_settings(settings))
-    estimate = assemble(spec, settings, step)
+    local = local_step_settings(traced_settings(settings))  # a sequence-parallel rank's share of each row
+    trace = trace_step(_config_with_depths(spec, depths), local, depths)
+    step = full_depth_step_memory(trace, local)
+    estimate = assemble(spec, settings, with_sequence_terms(spec, traced_settings(settings), step))
     rank = _RankLayout(spec, settings, step)
     timeline = build_timeline(trace.tracker, label or spec.name, samples, per_rank=rank)
     timeline.device_total_bytes = estimate.device_total_bytes
@@ -104,6 +106,10 @@ class _RankLayout:
             parts += offload
         elif s.world_size > 1:
             parts.append(f"DDP over {s.world_size} GPUs, gradient buckets")
+        if s.seq_shards > 1:
+            parts.append(f"{'Ulysses SP' if s.sp_size > 1 else 'context parallel'} {s.seq_shards}: the traced step is "
+                         f"{s.local_seq_len} tokens per row; the attention exchange buffers are in the estimate, "
+                         "not drawn")
         if s.load_in_4bit:
             parts.append("4-bit base")
         if s.optim.startswith("paged_") and s.device == "cuda":

@@ -389,8 +389,9 @@ def plan_inputs(trainer, model, args, fields, train_dataset, collator, tokenizer
     on_gpu = on_cuda(args)
     per_node, nodes = processes(args)
     world = max(1, args.world_size)
+    sp, cp = sequence_split(args)
     global_batch = fields.global_batch_size or \
-        args.per_device_train_batch_size * args.gradient_accumulation_steps * world
+        args.per_device_train_batch_size * args.gradient_accumulation_steps * max(1, world // (sp * cp))
     if str(fields.memory_budget).strip().lower() == "auto" and not on_gpu:
         raise MemFitError("`memory_budget='auto'` needs a CUDA GPU and none is in use; give a size such as "
                           "memory_budget='16GiB'")
@@ -437,8 +438,24 @@ def plan_inputs(trainer, model, args, fields, train_dataset, collator, tokenizer
         allow_optimizers=fields.allow_optimizers, attn_implementation=attention or "sdpa",
         trainer=step.get("trainer", "trainer"), padding_free=padding_free,
         reference_model=step.get("reference_model"), decoder_seq_len=decoder, notes=notes,
-        activation_offloading=activation_offloading, **low_rank_arguments(args),
+        activation_offloading=activation_offloading, sp_size=sp, cp_size=cp, **low_rank_arguments(args),
     )
+
+
+def sequence_split(args) -> tuple[int, int]:
+    """(sp_size, cp_size) of the run: `TrainingArguments.parallelism_config`, else what `accelerate launch` exported.
+
+    The ranks of one sequence-parallel group see the same rows (the Trainer's data-parallel world is
+    world / (tp x cp x sp)), so they are not data parallel; the plan keeps the run's split as it is, since
+    the process groups already exist when the trainer plans.
+    """
+    config = getattr(args, "parallelism_config", None)
+    if config is not None:
+        return max(1, int(getattr(config, "sp_size", 1) or 1)), max(1, int(getattr(config, "cp_size", 1) or 1))
+    if env_true("ACCELERATE_USE_PARALLELISM_CONFIG"):
+        return (max(1, int(os.environ.get("PARALLELISM_CONFIG_SP_SIZE", "1") or 1)),
+                max(1, int(os.environ.get("PARALLELISM_CONFIG_CP_SIZE", "1") or 1)))
+    return 1, 1
 
 
 def low_rank_arguments(args) -> dict:

@@ -359,6 +359,37 @@ class ModelSpec:
         """Whether the family has hand-written fast formulas (else fast mode is a parametric fit to traces)."""
         return self.generic is None
 
+    def sequence_shard_problem(self, backend: str) -> str | None:
+        """Why the installed transformers / accelerate / DeepSpeed cannot split this model's sequence, else None.
+
+        backend "ulysses": DeepSpeed's `UlyssesSPAttentionHF.register_with_transformers` reads
+        `num_key_value_heads` from the text config (GPT-2, OPT, GPT-NeoX, BERT, T5 configs have no such
+        attribute), its wrapper drops the attention mask (causal self-attention only: no encoder, no cross
+        attention), and accelerate refuses linear-attention layer types (`_refuse_recurrent_layers_under_
+        sequence_parallelism`). backend "ring": accelerate's `_attach_context_parallel_hooks` replaces the mask
+        with `is_causal=True`, and refuses sliding-window or chunked layers.
+        """
+        text = self.config.get("text_config") if isinstance(self.config.get("text_config"), dict) else self.config
+        layer_types = set(text.get("layer_types") or self.config.get("layer_types") or ())
+        if self.is_encoder_decoder or self.default_task not in ("causal-lm", "image-text-to-text"):
+            return f"{self.name} is not a decoder-only causal LM (sequence parallelism shards causal self-attention)"
+        if backend == "ulysses":
+            family = models.family(self.model_type)
+            named = "num_key_value_heads" in text or (family is not None and
+                                                      "num_key_value_heads" in family.DEFAULTS[self.model_type])
+            if not named:
+                return (f"DeepSpeed's Ulysses reads `num_key_value_heads` from the config, which {self.model_type} "
+                        "configs do not have")
+            recurrent = sorted(t for t in layer_types if "linear_attention" in t)
+            if recurrent:
+                return f"its {', '.join(recurrent)} layers carry a state along the sequence (accelerate refuses them)"
+        elif backend == "ring":
+            other = sorted(t for t in layer_types if t != "full_attention")
+            if other or (not layer_types and self.sliding_window):
+                return (f"its {', '.join(other) or 'sliding-window'} layers need a mask that context parallelism "
+                        "drops (accelerate refuses them)")
+        return None
+
     @property
     def moe(self) -> dict | None:
         """{"experts", "top_k"} when the model routes tokens to experts, else None."""

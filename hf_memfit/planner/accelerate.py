@@ -86,7 +86,10 @@ def accelerate_config(settings: TrainSettings, deepspeed_config_file: str | os.P
             # "standard": each node runs `accelerate launch --machine_rank R`, no pdsh hostfile needed
             # (accelerate's DEEPSPEED_MULTINODE_LAUNCHERS; its default pdsh needs passwordless ssh)
             ds["deepspeed_multinode_launcher"] = "standard"
-        return {**config, "distributed_type": "DEEPSPEED", "deepspeed_config": ds}
+        config = {**config, "distributed_type": "DEEPSPEED", "deepspeed_config": ds}
+        if settings.sp_size > 1:
+            config["parallelism_config"] = launch_parallelism_config(settings)
+        return config
     if settings.world_size > 1:
         return {**config, "distributed_type": "MULTI_CPU" if settings.device == "cpu" else "MULTI_GPU"}
     return {**config, "distributed_type": "NO"}
@@ -117,7 +120,42 @@ def accelerate_fsdp_config(settings: TrainSettings) -> dict:
         fsdp["fsdp_forward_prefetch"] = False
         fsdp["fsdp_use_orig_params"] = True  # required for LoRA's frozen/trainable mix in one unit
         fsdp["fsdp_sync_module_states"] = True  # cpu_ram_efficient_loading needs it with FSDP1
-    return {**_launch_fields(settings), "distributed_type": "FSDP", "fsdp_config": fsdp}
+    config = {**_launch_fields(settings), "distributed_type": "FSDP", "fsdp_config": fsdp}
+    if settings.cp_size > 1:
+        config["parallelism_config"] = launch_parallelism_config(settings)
+    return config
+
+
+def parallelism_config_kwargs(settings: TrainSettings) -> dict:
+    """`accelerate.ParallelismConfig` keyword arguments for the plan's sequence split ({} without one).
+
+    Ulysses: sp_size with the DeepSpeed backend and `DeepSpeedSequenceParallelConfig(sp_attn_implementation=...)`
+    under "sp_handler" (variable sequence lengths, accelerate's default); context parallelism: cp_size over
+    FSDP2's dp_shard dimension (the rest of the world), ring attention all-gathering K/V ("allgather",
+    accelerate's default `cp_comm_strategy`).
+    """
+    if settings.sp_size > 1:
+        return {"sp_size": settings.sp_size, "sp_backend": "deepspeed",
+                "sp_handler": {"sp_attn_implementation": settings.attn_implementation or "sdpa",
+                               "sp_seq_length_is_variable": True}}
+    if settings.cp_size > 1:
+        return {"cp_size": settings.cp_size, "cp_backend": "torch", "dp_shard_size": settings.dp_size,
+                "cp_handler": {"cp_comm_strategy": "allgather"}}
+    return {}
+
+
+def launch_parallelism_config(settings: TrainSettings) -> dict:
+    """The accelerate config file's `parallelism_config` section: `accelerate launch`'s `--parallelism_config_*` keys.
+
+    `accelerate launch` copies each key onto its own argument and exports PARALLELISM_CONFIG_* to the script,
+    from which `ParallelismConfig()` (which the Trainer builds when ACCELERATE_USE_PARALLELISM_CONFIG is set)
+    reads its sizes (accelerate 1.15 `commands/launch.py`, `utils/launch.py` prepare_extend_env_parallelism_config).
+    """
+    kwargs = parallelism_config_kwargs(settings)
+    section = {f"parallelism_config_{k}": v for k, v in kwargs.items() if not k.endswith("_handler")}
+    for handler in ("sp_handler", "cp_handler"):
+        section |= {f"parallelism_config_{k}": v for k, v in kwargs.get(handler, {}).items()}
+    return section
 
 
 def trainer_fsdp_arguments(settings: TrainSettings) -> dict:

@@ -60,6 +60,7 @@ def deepspeed_config(
     nvme_path: str | None = None,
     precision: str = "bf16-mixed",
     largest_param_numel: int | None = None,
+    sequence_parallel_size: int = 1,
 ) -> dict:
     """A DeepSpeed config dict for `TrainingArguments(deepspeed=...)`, with "auto" where the Trainer fills it.
 
@@ -69,11 +70,14 @@ def deepspeed_config(
     precision: bf16* enables the `bf16` section, fp16* the `fp16` section with dynamic
     loss scaling, fp32 neither. `largest_param_numel` (e.g. the embedding) sizes the
     NVMe parameter buffers, which must hold the largest parameter whole; without it
-    DeepSpeed's default of 1e8 elements is kept.
+    DeepSpeed's default of 1e8 elements is kept. `sequence_parallel_size` > 1 (Ulysses) is written as
+    DeepSpeed's `sequence_parallel_size`; accelerate's `ParallelismConfig(sp_size=...)` must say the same.
     Raises `MemFitError` listing every invalid argument.
     """
     _validate(zero_stage, offload_optimizer, offload_param, nvme_path, precision)
     half = precision.removesuffix("-mixed")
+    if not isinstance(sequence_parallel_size, int) or sequence_parallel_size < 1:
+        raise MemFitError(f"`--sp-size` must be a positive integer; got {sequence_parallel_size!r}")
     config: dict = {
         "bf16": {"enabled": "auto" if half == "bf16" else False},
         # loss_scale 0 = dynamic scaling, starting at 2**16 (DeepSpeed's fp16 defaults, spelled out)
@@ -132,6 +136,8 @@ def deepspeed_config(
         "steps_per_print": 2000,  # the Trainer logs; keep DeepSpeed's own step log quiet
         "wall_clock_breakdown": False,
     }
+    if sequence_parallel_size > 1:
+        config["sequence_parallel_size"] = sequence_parallel_size
     return config
 
 
@@ -140,7 +146,7 @@ def deepspeed_config_for(settings: TrainSettings, nvme_path: str | None = None,
     """`deepspeed_config` for a `TrainSettings` with `zero_stage` 1-3."""
     return deepspeed_config(settings.zero_stage, settings.offload_optimizer, settings.offload_param,
                             nvme_path=nvme_path, precision=settings.precision,
-                            largest_param_numel=largest_param_numel)
+                            largest_param_numel=largest_param_numel, sequence_parallel_size=settings.sp_size)
 
 
 def _offload(device: str, nvme_path: str | None) -> dict:

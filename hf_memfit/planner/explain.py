@@ -3,6 +3,7 @@
 import math
 
 from hf_memfit import optimizers
+from hf_memfit.errors import MemFitError
 from hf_memfit.estimator.assemble import MemoryEstimate, estimate_settings
 from hf_memfit.planner.candidates import (
     CONFIRM_IN_EXACT_MARGIN,
@@ -62,7 +63,8 @@ def knobs(s: TrainSettings) -> tuple:
 
 
 def layout_key(s: TrainSettings) -> tuple:
-    return (s.zero_stage, s.offload_optimizer, s.offload_param, s.fsdp, s.fsdp_version, s.fsdp_offload)
+    return (s.zero_stage, s.offload_optimizer, s.offload_param, s.fsdp, s.fsdp_version, s.fsdp_offload, s.sp_size,
+            s.cp_size)
 
 
 def difference(chosen: TrainSettings, other: TrainSettings) -> str:
@@ -87,6 +89,9 @@ def difference(chosen: TrainSettings, other: TrainSettings) -> str:
 
 
 def layout_text(s: TrainSettings) -> str:
+    if s.seq_shards > 1:
+        split = f"Ulysses SP {s.sp_size}" if s.sp_size > 1 else f"context parallel {s.cp_size}"
+        return f"{split} x DP {s.dp_size}, " + layout_text(s.replace(sp_size=1, cp_size=1))
     if s.fsdp is not None:
         return f"FSDP{s.fsdp_version} {s.fsdp}" + (" + CPU offload" if s.fsdp_offload else "")
     if not s.zero_stage:
@@ -123,9 +128,11 @@ def make_plan(best: Candidate, candidates, usable: int, budget: int, ideal_secon
                    else host.source)
         reasons.append(f"host memory: {format_bytes(est.cpu_bytes)} per GPU, {format_bytes(need)} per node "
                        f"({s.num_gpus} GPU(s)); {checked}")
-    global_batch = s.batch_size * s.gradient_accumulation_steps * s.world_size
+    global_batch = s.batch_size * s.gradient_accumulation_steps * s.dp_size
     bigger = [c for c in candidates if c.settings.batch_size > s.batch_size and knobs(c.settings) == knobs(s)]
-    batch_reason = f"micro-batch {s.batch_size} x accumulation {s.gradient_accumulation_steps} x {s.world_size} GPU(s) = global batch {global_batch}"
+    replicas = (f"{s.dp_size} data-parallel replica(s) ({s.world_size} GPUs / {s.seq_shards} sequence shards)"
+                if s.seq_shards > 1 else f"{s.world_size} GPU(s)")
+    batch_reason = f"micro-batch {s.batch_size} x accumulation {s.gradient_accumulation_steps} x {replicas} = global batch {global_batch}"
     if bigger:
         nxt = min(bigger, key=lambda c: c.settings.batch_size)
         batch_reason += (f"; micro-batch {nxt.settings.batch_size} would need {format_bytes(nxt.estimate.device_total_bytes)}"
@@ -173,6 +180,8 @@ def make_plan(best: Candidate, candidates, usable: int, budget: int, ideal_secon
     allocator_reason = expandable_segments_reason(est)
     if allocator_reason:
         reasons.append(allocator_reason)
+    if s.seq_shards > 1:
+        reasons.append(sequence_reason(best, candidates))
     if s.zero_stage or s.fsdp is not None:
         plain = lookup_candidate(candidates, s.replace(zero_stage=0, offload_optimizer="none", offload_param="none", fsdp=None,
                                               fsdp_offload=False))
@@ -182,6 +191,8 @@ def make_plan(best: Candidate, candidates, usable: int, budget: int, ideal_secon
         reasons.append(f"{engine}{layout_text(s)}{detail}")
     elif s.world_size > 1:
         reasons.append("DDP: model states fit on every GPU, so no sharding traffic")
+    from hf_memfit.planner.accelerate import parallelism_config_kwargs
+
     deepspeed = fsdp = None
     if s.fsdp is not None:
         from hf_memfit.planner.accelerate import trainer_fsdp_arguments
@@ -191,7 +202,8 @@ def make_plan(best: Candidate, candidates, usable: int, budget: int, ideal_secon
         from hf_memfit.planner.deepspeed import deepspeed_config
 
         deepspeed = deepspeed_config(s.zero_stage, s.offload_optimizer, s.offload_param, nvme_path=nvme_path,
-                                     precision=s.precision, largest_param_numel=largest_param_numel)
+                                     precision=s.precision, largest_param_numel=largest_param_numel,
+                                     sequence_parallel_size=s.sp_size)
     # The dtype to load the weights in: the stored dtype (fp32 under *-mixed autocast), and the
     # compute dtype for the parts of a 4-bit model bitsandbytes does not pack.
     torch_dtype = s.weights_dtype if not s.load_in_4bit else ("bfloat16" if s.precision.startswith("bf16") else "float16")
@@ -223,7 +235,29 @@ def make_plan(best: Candidate, candidates, usable: int, budget: int, ideal_secon
         offload_activations=s.offload_activations,
         optim_target_modules=list(s.optim_target_modules) if s.optim_target_modules else None,
         tiled_mlp=s.tiled_mlp,
+        parallelism_config=parallelism_config_kwargs(s) or None,
     )
+
+
+def sequence_reason(best: Candidate, candidates) -> str:
+    """Why the plan splits each sequence over ranks (Ulysses SP or context parallelism), with its numbers."""
+    s, est = best.settings, best.estimate
+    whole = [c for c in candidates if c.settings.seq_shards == 1]
+    split = (f"Ulysses sequence parallelism over {s.sp_size} GPUs (DeepSpeed, `ParallelismConfig(sp_size="
+             f"{s.sp_size}, sp_backend=\"deepspeed\")`)" if s.sp_size > 1 else
+             f"context parallelism over {s.cp_size} GPUs (FSDP2 ring attention, `ParallelismConfig(cp_size={s.cp_size})`)")
+    what = (f"each rank runs {s.local_seq_len} of the {s.seq_len} tokens of every row; activations "
+            f"{format_bytes(est.breakdown['activations'])} per rank")
+    fitting_whole = [c for c in whole if c.fits]
+    if not fitting_whole:
+        least = min(whole, key=lambda c: c.estimate.device_total_bytes, default=None)
+        why = ("nothing fits with whole sequences" + (f": the smallest needs "
+               f"{format_bytes(least.estimate.device_total_bytes)}" if least is not None else ""))
+    else:
+        fastest = min(fitting_whole, key=lambda c: c.step_seconds)
+        why = (f"predicted {100 * (fastest.step_seconds / best.step_seconds - 1):.0f}% faster than the fastest plan "
+               f"with whole sequences ({difference(s, fastest.settings)})")
+    return f"{split}: {what}; {why}"
 
 
 def trl_offload_reason(spec, best: Candidate, usable: int, host: "HostLimit", gpu_info) -> str:
@@ -348,10 +382,20 @@ def nothing_fits(spec, base: TrainSettings, candidates, usable: int, budget: int
     lean = dict(gradient_checkpointing=True, zero_stage=0, offload_optimizer="none", offload_param="none")
     offload = dict(zero_stage=3, offload_optimizer="cpu", offload_param="cpu", optim="adamw_torch_fused")
 
-    def best_fit(global_batch: int = per_rank * world, **changes) -> MemoryEstimate | None:
+    if base.sp_size > 1:  # Ulysses runs under DeepSpeed: the lean layout keeps ZeRO
+        lean["zero_stage"] = max(1, base.zero_stage)
+    if base.cp_size > 1:
+        lean.update(zero_stage=0, fsdp="full_shard", fsdp_version=2)
+        offload = dict(fsdp="full_shard", fsdp_version=2, fsdp_offload=True, zero_stage=0, optim="adamw_torch_fused")
+
+    def best_fit(global_batch: int = per_rank * base.dp_size, **changes) -> MemoryEstimate | None:
         """The smallest fitting footprint with `changes`: micro-batch 1 or the whole per-rank batch, each optimizer."""
         settings = base.replace(**{**lean, **changes})
-        ranks = settings.world_size
+        try:
+            settings.validate(spec)
+        except MemFitError:
+            return None  # a remedy this model or sequence cannot take (sp not dividing the heads, ...)
+        ranks = settings.dp_size
         choices = (settings.optim,) if "optim" in changes else optims
         # The plan also offloads activation checkpoints as a last resort wherever host offload is allowed.
         offloads = (False, True) if on_gpu and (allow_offload != "none" or "offload_optimizer" in changes) else (False,)
@@ -399,9 +443,16 @@ def nothing_fits(spec, base: TrainSettings, candidates, usable: int, budget: int
         remedies.append(("`--allow-offload cpu`", offload))
     if on_gpu and base.num_nodes == 1 and not base.load_in_4bit:  # 4-bit weights are not partitioned by ZeRO-3
         for gpus in (2 * world, 4 * world, 8 * world):
-            if gpus <= 8 and per_rank * world % gpus == 0:
+            if gpus <= 8 and per_rank * base.dp_size % max(1, gpus // base.seq_shards) == 0:
                 layout = offload if allow_offload != "none" else dict(zero_stage=3, optim="adamw_torch_fused")
                 remedies.append((f"`--num-gpus {gpus}` with ZeRO-3", dict(layout, num_gpus=gpus)))
+    if on_gpu and base.seq_shards == 1 and not base.load_in_4bit:  # Ulysses SP: activations / sp per rank
+        for gpus in sorted({world, 2 * world, 4 * world, 8 * world}):
+            if gpus > 1 and (gpus <= 8 or gpus == world):
+                text = f"`--sp-size {gpus}`" if gpus == world else f"`--num-gpus {gpus} --sp-size {gpus}`"
+                remedies.append((f"{text} (Ulysses sequence parallelism, ZeRO-3)",
+                                 dict(num_gpus=gpus if base.num_nodes == 1 else base.num_gpus, sp_size=gpus,
+                                      zero_stage=3, optim="adamw_torch_fused")))
     remedies += [(f"`--allow-optimizers {name}`", changes) for name, changes in _dynamics_optimizers(spec, base, searched)]
     if not base.uses_lora:
         remedies.append(("LoRA `--lora-r 16`", dict(lora_r=16, optim="adamw_torch_fused")))
@@ -409,12 +460,16 @@ def nothing_fits(spec, base: TrainSettings, candidates, usable: int, budget: int
                  precision="bf16-mixed" if base.precision == "fp32" else base.precision)
     if on_gpu and not base.load_in_4bit:
         remedies.append(("QLoRA `--load-in-4bit --lora-r 16`", qlora))
+    named_gpus = set()  # the fewest GPUs that fit is enough to name, once with and once without SP
     for text, changes in remedies:
-        if "num_gpus" in changes and any("--num-gpus" in h for h in helps):
-            continue  # the fewest GPUs that fit is enough to name
+        kind = "sp_size" in changes
+        if "num_gpus" in changes and kind in named_gpus:
+            continue
         est = best_fit(**changes)
         if est is not None:
             helps.append(f"{text} ({format_bytes(est.device_total_bytes)})")
+            if "num_gpus" in changes:
+                named_gpus.add(kind)
     if on_device and host.bytes is not None:
         need = min(host_bytes_per_node(c.estimate) for c in on_device)
         helps.append(f"a node with at least {format_bytes(need)} of RAM (`--cpu-memory {math.ceil(need / GiB)}GiB`)")

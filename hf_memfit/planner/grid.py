@@ -148,6 +148,8 @@ def layout_variants(base: TrainSettings, allow_offload: str, world: int) -> list
     sharded with the quant storage in the compute dtype.
     """
     none = dict(zero_stage=0, offload_optimizer="none", offload_param="none", fsdp=None, fsdp_offload=False)
+    if base.sp_size > 1 or base.cp_size > 1:
+        return sequence_layout_variants(base, allow_offload, none)
     layouts = [none]
     if base.device != "cuda":
         return layouts
@@ -163,3 +165,64 @@ def layout_variants(base: TrainSettings, allow_offload: str, world: int) -> list
     if allow_offload == "nvme" and not base.load_in_4bit:
         layouts += [none | dict(zero_stage=3, offload_optimizer="nvme", offload_param="nvme")]
     return layouts
+
+
+# Sequences at least this long make the planner weigh Ulysses SP (`--sp-size auto`) beside plain data
+# parallelism even when the latter fits: at 32K tokens an 8B model's logits and their fp32 copies alone take
+# ~31 GiB of an H100 (issue 17's example), and activations grow linearly from there. Below it SP is searched
+# only when nothing else fits. A planning threshold, not a measured one.
+LONG_SEQUENCE = 32768
+
+
+def sequence_layout_variants(base: TrainSettings, allow_offload: str, none: dict) -> list[dict]:
+    """The layouts a sequence-parallel rank can run: ZeRO-1/2/3 under Ulysses, FSDP2 full_shard under CP.
+
+    Ulysses is DeepSpeed's (accelerate prepares it in its DeepSpeed path only); context parallelism is
+    FSDP2's (accelerate builds it on the `dp_shard_cp` mesh), with SDPA attention.
+    """
+    if base.sp_size > 1:
+        layouts = [none | dict(zero_stage=stage) for stage in (1, 2, 3)]
+        if allow_offload in ("cpu", "nvme") and not base.load_in_4bit:
+            layouts += [none | dict(zero_stage=2, offload_optimizer="cpu"), none | dict(zero_stage=3, offload_optimizer="cpu"),
+                        none | dict(zero_stage=3, offload_optimizer="cpu", offload_param="cpu")]
+        return layouts
+    layouts = [none | dict(fsdp="full_shard", fsdp_version=2, attn_implementation="sdpa")]
+    if allow_offload in ("cpu", "nvme"):
+        layouts += [none | dict(fsdp="full_shard", fsdp_version=2, fsdp_offload=True, attn_implementation="sdpa")]
+    return layouts
+
+
+def sequence_splits(spec: ModelSpec, base: TrainSettings, sp_size, cp_size, global_batch: int,
+                    nothing_fits_without: bool) -> list[tuple[int, int]]:
+    """The (sp, cp) pairs to search: (1, 1) plus what `--sp-size` / `--cp-size` ask for.
+
+    A number is taken as given (the settings' validation reports what is wrong with it); "auto" tries every
+    divisor of the world above 1 that the model, the sequence and the global batch allow (heads and KV heads
+    by sp, the sequence by sp or cp, the global batch by the data-parallel replicas left), when the sequence
+    is long (`LONG_SEQUENCE`) or nothing fits without.
+    """
+    from hf_memfit.errors import MemFitError
+
+    world = base.world_size
+    fixed = [(int(sp_size) if str(sp_size) != "auto" else 1, int(cp_size) if str(cp_size) != "auto" else 1)]
+    if fixed != [(1, 1)]:
+        return fixed
+    pairs = [(1, 1)]
+    consider = base.device == "cuda" and world > 1 and (base.seq_len >= LONG_SEQUENCE or nothing_fits_without)
+    if not consider:
+        return pairs
+    for name, auto in (("sp", str(sp_size) == "auto"), ("cp", str(cp_size) == "auto")):
+        if not auto:
+            continue
+        for shards in (d for d in range(2, world + 1) if world % d == 0):
+            if global_batch % (world // shards):
+                continue
+            pair = (shards, 1) if name == "sp" else (1, shards)
+            layout = sequence_layout_variants(base.replace(sp_size=pair[0], cp_size=pair[1]), "none",
+                                              dict(zero_stage=0, fsdp=None))[0]
+            try:
+                base.replace(sp_size=pair[0], cp_size=pair[1], **layout).validate(spec)
+            except MemFitError:
+                continue
+            pairs.append(pair)
+    return pairs

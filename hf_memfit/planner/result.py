@@ -38,6 +38,8 @@ class Plan:
     offload_activations: bool = False  # gradient_checkpointing_kwargs={"offload": True}
     optim_target_modules: list[str] | None = None  # GaLore / APOLLO
     tiled_mlp: bool = False  # ALST's TiledMLP: not a TrainingArguments field; MemFitTrainer applies it
+    # accelerate.ParallelismConfig keyword arguments (handlers as dicts) when the plan splits sequences
+    parallelism_config: dict | None = None
 
     def to_dict(self) -> dict:
         return {
@@ -65,6 +67,9 @@ class Plan:
             "fsdp_strategy": self.settings.fsdp,
             "fsdp_version": self.settings.fsdp_version if self.settings.fsdp else None,
             "fsdp_offload": self.settings.fsdp_offload,
+            "sp_size": self.settings.sp_size,
+            "cp_size": self.settings.cp_size,
+            "parallelism_config": self.parallelism_config,
             "reasons": list(self.reasons),
             "predicted_tokens_per_second_relative": round(self.predicted_tokens_per_second_relative, 4),
             "budget_bytes": self.budget_bytes,
@@ -128,6 +133,8 @@ def alternative_dict(c: Candidate, plan: Plan) -> dict:
         "fsdp": s.fsdp,
         "fsdp_version": s.fsdp_version if s.fsdp else None,
         "fsdp_offload": s.fsdp_offload,
+        "sp_size": s.sp_size,
+        "cp_size": s.cp_size,
         "fits": c.fits,
         "device_total_bytes": c.estimate.device_total_bytes,
         "predicted_step_seconds": round(c.step_seconds, 4),

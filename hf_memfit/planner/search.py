@@ -38,6 +38,8 @@ from hf_memfit.planner.grid import (
     parse_target_modules,
     pure_bf16_base,
     pure_bf16_grid,
+    sequence_layout_variants,
+    sequence_splits,
     settings_grid,
     with_activation_offload,
     with_liger,
@@ -62,7 +64,8 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
          attn_implementation: str | None = None, trainer: str = "trainer", padding_free: bool = False,
          reference_model: str | None = None, decoder_seq_len: int | None = None,
          activation_offloading: bool = False, optim_target_modules=None, optim_args: str | None = None,
-         confirm_in_exact: bool = True, tiled_mlp: bool | None = None) -> PlanResult:
+         sp_size: int | str = "auto", cp_size: int | str = 1, confirm_in_exact: bool = True,
+         tiled_mlp: bool | None = None) -> PlanResult:
     """Pick the fastest configuration that trains `model` within the memory budget.
 
     The budget is `gpu_memory` (a size such as "12GiB", or "auto" for the local
@@ -93,6 +96,9 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
     `activation_offloading` (TRL's, kept as set: it is the user's choice).
     `optim_target_modules` / `optim_args` go with a GaLore / APOLLO `optim` the run
     already has (TrainingArguments' names; "all-linear" or module names).
+    `sp_size` / `cp_size` split each sequence over ranks: Ulysses (DeepSpeed) / context parallelism
+    (FSDP2); a number fixes it, "auto" lets the plan search it (`grid.sequence_splits`: when the sequence is
+    long or nothing fits without). The global batch is micro-batch x accumulation x world / (sp x cp).
     `tiled_mlp` searches ALST's TiledMLP: None (default) on a GPU once a row spans two shards of
     `hidden_size` tokens, True always, False never (it adds an MLP forward per step, so it is chosen only
     where it makes a plan fit or a larger micro-batch pay).
@@ -107,17 +113,25 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
     usable = int(budget * (1 - headroom))
     world = num_gpus * num_nodes
     problems = []
+    for name, value in (("sp-size", sp_size), ("cp-size", cp_size)):
+        if str(value) != "auto" and not (str(value).isdigit() and int(value) > 0):
+            problems.append(f"`--{name}` must be auto or a positive integer, got {value!r}")
+    fixed_shards = 1
+    if not problems:
+        fixed_shards = (int(sp_size) if str(sp_size) != "auto" else 1) * (int(cp_size) if str(cp_size) != "auto" else 1)
+    replicas = world // fixed_shards if world % fixed_shards == 0 else world
     if not 0 <= headroom < 1:
         problems.append(f"`--headroom` must be in [0, 1), got {headroom}")
     if allow_offload not in ("none", "cpu", "nvme"):
         problems.append(f"`--allow-offload` must be none, cpu or nvme; got {allow_offload!r}")
     if not isinstance(global_batch_size, int) or global_batch_size <= 0:
         problems.append(f"`--global-batch-size` must be a positive integer, got {global_batch_size!r}")
-    elif global_batch_size % world:
-        lower = global_batch_size // world * world
-        problems.append(f"`--global-batch-size {global_batch_size}` cannot be split over {world} GPUs "
-                        f"({num_gpus} x {num_nodes} nodes); use a multiple of {world}"
-                        + (f", e.g. {lower} or {lower + world}" if lower else f", e.g. {world}"))
+    elif global_batch_size % replicas:
+        lower = global_batch_size // replicas * replicas
+        over = (f"{world} GPUs ({num_gpus} x {num_nodes} nodes)" if replicas == world else
+                f"{replicas} data-parallel replicas ({world} GPUs / {fixed_shards} sequence shards)")
+        problems.append(f"`--global-batch-size {global_batch_size}` cannot be split over {over}; use a multiple of "
+                        f"{replicas}" + (f", e.g. {lower} or {lower + replicas}" if lower else f", e.g. {replicas}"))
     if allow_offload == "nvme" and not nvme_path and device == "cuda":
         problems.append("`--allow-offload nvme` needs `--nvme-path DIR` (a fast local NVMe mount)")
     if isinstance(allow_optimizers, str):
@@ -158,10 +172,15 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
         fixed_layout = dict(zip(("zero_stage", "offload_optimizer", "offload_param"), deepspeed_layout))
     elif fsdp_layout is not None:
         fixed_layout = dict(zip(("fsdp", "fsdp_version", "fsdp_offload"), fsdp_layout))
+    if fixed_shards > 1:
+        base = base.replace(sp_size=int(sp_size) if str(sp_size) != "auto" else 1,
+                            cp_size=int(cp_size) if str(cp_size) != "auto" else 1)
     if fixed_layout is not None:
         base.replace(**fixed_layout).validate(spec)  # one line naming the problem, before any search
+    elif fixed_shards > 1:  # the sequence checks of a layout it can run under, named in one line
+        base.replace(**sequence_layout_variants(base, "none", {})[0]).validate(spec)
 
-    per_rank = global_batch_size // world
+    per_rank = global_batch_size // base.dp_size
     optims = allowed_optimizers(base, allow_optimizers, keep_optimizer)
     if allow_pure_bf16 and base.precision == "bf16" and not base.uses_lora and not keep_optimizer:
         # A model already loaded in bf16 for full fine-tuning (the trainer passes its dtype): the same
@@ -172,12 +191,29 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
     # Offloading activation checkpoints is host offload too: searched on GPUs unless `--allow-offload none`.
     offload_acts = base.device == "cuda" and allow_offload != "none"
     tiled = tiled_mlp_searched(spec, base, tiled_mlp)
-    grid = with_tiled_mlp(with_activation_offload(with_liger(settings_grid(base, per_rank, allow_offload,
-                                                                           keep_optimizer, world, fixed_layout, optims,
-                                                                           low_rank_targets(spec, base)),
-                                                             liger), offload_acts), tiled)
-    candidates = [evaluate_candidate(spec, s, usable, host, gpu_info) for s in grid]
+    def search(splits):
+        found = []
+        for sp, cp in splits:
+            split = base.replace(sp_size=sp, cp_size=cp)
+            grid = with_tiled_mlp(with_activation_offload(with_liger(
+                settings_grid(split, global_batch_size // split.dp_size, allow_offload, keep_optimizer, world,
+                              fixed_layout, optims, low_rank_targets(spec, base)), liger), offload_acts), tiled)
+            if split.sp_size > 1 and split.device == "cpu":
+                # On the CPU, DeepSpeed's UlyssesSPDataLoaderAdapter leaves each rank's shard a non-contiguous slice
+                # (its `.cpu()` copies only device tensors) and transformers' ForCausalLMLoss `.view`s it: 2+ rows fail
+                grid = (s for s in grid if s.batch_size == 1)
+            found += [evaluate_candidate(spec, s, usable, host, gpu_info) for s in grid]
+        return found
+
+    splits = sequence_splits(spec, base, sp_size, cp_size, global_batch_size, nothing_fits_without=False)
+    candidates = search(splits)
     fitting = fitting_last_resort_last(candidates)
+    if not fitting and splits == [(1, 1)]:  # "auto": split the sequence when nothing fits whole
+        more = [p for p in sequence_splits(spec, base, sp_size, cp_size, global_batch_size, nothing_fits_without=True)
+                if p != (1, 1)]
+        if more:
+            candidates += search(more)
+            fitting = fitting_last_resort_last(candidates)
     fast_total = fitting[0].estimate.device_total_bytes if fitting else 0
     if confirm_in_exact:
         fitting = confirm_in_exact_mode(spec, fitting, usable, host, everything=mode == "exact", progress=progress)
@@ -204,6 +240,8 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
                   max((m.weight_numel for m in spec.linear_modules(base.task, num_labels)), default=0))
     if best.settings.precision == "bf16" and base.precision != "bf16":
         precision_reason = pure_bf16_reason(best, candidates, host)
+    if best.settings.cp_size > 1 and attn != "sdpa":
+        attn_reason = f"attention sdpa: context parallelism patches SDPA with ring attention ({attn} cannot)"
     chosen = make_plan(best, candidates, usable, budget, ideal, [precision_reason, attn_reason], nvme_path,
                         keep_optimizer, largest, host, fast_total)
     if best.settings.activation_offloading:

@@ -78,9 +78,9 @@ def step_seconds(spec: ModelSpec, settings: TrainSettings, est: MemoryEstimate, 
     pcie = gpu_info.pcie_bandwidth_bytes_per_s if gpu_info else 25e9
     nvlink = gpu_info.nvlink_bandwidth_bytes_per_s if gpu_info else 0.0
     params, trainable = est.total_params, est.trainable_params
-    tokens_micro = settings.batch_size * settings.seq_len
+    tokens_micro = settings.batch_size * settings.local_seq_len  # a sequence-parallel rank's share of each row
     micro_steps = settings.gradient_accumulation_steps
-    flops = micro_batch_flops(spec, settings, est)
+    flops = micro_batch_flops(spec, settings, est) / settings.seq_shards  # SP / CP split every FLOP evenly
     utilisation = tokens_micro / (tokens_micro + TOKENS_FOR_HALF_UTILISATION)
     compute = micro_steps * flops / (tflops * utilisation)
 
@@ -128,7 +128,49 @@ def step_seconds(spec: ModelSpec, settings: TrainSettings, est: MemoryEstimate, 
         else:
             comm = 2 * grad_bytes * ring / link  # DDP all-reduce once per optimizer step (no_sync while accumulating)
         comm *= 1 - COMM_OVERLAP
+    # The sequence exchange sits between attention and the projections around it: nothing hides it.
+    comm += micro_steps * sequence_exchange_bytes(spec, settings) / sequence_link_bytes_per_s(settings, gpu_info)
     return compute + optimizer + offload_param + offload_activations + comm
+
+
+def sequence_link_bytes_per_s(settings: TrainSettings, gpu_info) -> float:
+    """The link a sequence-parallel group talks over: NVLink (else PCIe) within a node, InfiniBand across nodes.
+
+    Bandwidths per GPU, unidirectional: the GPU table's NVLink and PCIe figures (hardware.py, vendor
+    datasheets) and INTER_NODE_BYTES_PER_S (200 Gb/s InfiniBand per GPU). A group spans nodes when it is
+    larger than one node's GPUs (accelerate and DeepSpeed place consecutive ranks in one group).
+    """
+    pcie = gpu_info.pcie_bandwidth_bytes_per_s if gpu_info else 25e9
+    link = (gpu_info.nvlink_bandwidth_bytes_per_s if gpu_info else 0.0) or pcie
+    if settings.seq_shards > settings.num_gpus:
+        link = min(link, INTER_NODE_BYTES_PER_S)
+    return link
+
+
+def sequence_exchange_bytes(spec: ModelSpec, settings: TrainSettings) -> float:
+    """Bytes one rank sends per micro-batch to split its sequences (0 without SP / CP).
+
+    Ulysses (DeepSpeed `UlyssesSPAttentionHF`): per layer, four all-to-alls forward (q, k, v in, the output
+    back) and four in backward (their gradients), each sending (sp - 1) / sp of the local tensor; checkpointing
+    re-runs the forward's four. Context parallelism (torch ring attention, all-gather rotation): per layer the
+    forward all-gathers K and V ((cp - 1) x the local k + v received), and the backward gathers them again and
+    exchanges the fp32 dK / dV.
+    """
+    if settings.seq_shards == 1:
+        return 0.0
+    dtype = 4 if settings.compute_dtype == "float32" else 2
+    tokens = settings.rows * settings.local_seq_len
+    q = tokens * spec.num_attention_heads * spec.head_dim * dtype
+    kv = 2 * tokens * spec.num_key_value_heads * spec.head_dim * dtype
+    layers = spec.num_layers + (spec.num_decoder_layers or 0)
+    if settings.sp_size > 1:
+        sp = settings.sp_size
+        kv_sent = kv * max(spec.num_key_value_heads, sp) / spec.num_key_value_heads  # repeated when sp > KV heads
+        forwards = 2 if settings.gradient_checkpointing else 1
+        return layers * (forwards + 1) * (2 * q + kv_sent) * (sp - 1) / sp
+    cp = settings.cp_size
+    forwards = 2 if settings.gradient_checkpointing else 1
+    return layers * ((forwards + 1) * (cp - 1) * kv + 2 * kv * (cp - 1) / cp)
 
 
 def trl_offload_seconds(spec: ModelSpec, settings: TrainSettings, est: MemoryEstimate, compute: float,
@@ -197,8 +239,8 @@ def cpu_step_seconds(spec: ModelSpec, settings: TrainSettings, est: MemoryEstima
     The optimizer step costs trainable parameters / the optimizer's measured
     throughput, which on the CPU separates 8-bit AdamW from fused AdamW by ~25x.
     """
-    tokens_micro = settings.batch_size * settings.seq_len
-    flops = micro_batch_flops(spec, settings, est, checkpointed_layer_factor=CPU_CHECKPOINTED_LAYER_FACTOR)
+    tokens_micro = settings.batch_size * settings.local_seq_len
+    flops = micro_batch_flops(spec, settings, est, checkpointed_layer_factor=CPU_CHECKPOINTED_LAYER_FACTOR) / settings.seq_shards
     utilisation = tokens_micro / (tokens_micro + CPU_TOKENS_FOR_HALF_UTILISATION)
     compute = settings.gradient_accumulation_steps * flops / (CPU_FLOPS_PER_S * utilisation)
     return compute + est.trainable_params / settings.optimizer.cpu_params_per_s

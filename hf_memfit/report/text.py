@@ -47,6 +47,10 @@ def settings_line(settings) -> str:
         parts.append(f"param offload {settings.offload_param}")
     if settings.fsdp is not None:
         parts.append(f"FSDP{settings.fsdp_version} {settings.fsdp}" + (" + CPU offload" if settings.fsdp_offload else ""))
+    if settings.sp_size > 1:
+        parts.append(f"Ulysses SP {settings.sp_size}")
+    if settings.cp_size > 1:
+        parts.append(f"context parallel {settings.cp_size}")
     if settings.trainer != "trainer":
         parts.append(f"TRL {settings.trainer.upper()} step (fused LM head)")
     if settings.reference:
@@ -96,7 +100,7 @@ def format_plan(result) -> str:
 
     p, est, s = result.plan, result.estimate, result.plan.settings
     lines = [f"Plan for {est.model}: {s.seq_len} tokens x global batch "
-             f"{p.per_device_train_batch_size * p.gradient_accumulation_steps * s.world_size}, "
+             f"{p.per_device_train_batch_size * p.gradient_accumulation_steps * s.dp_size}, "
              f"budget {format_bytes(p.budget_bytes)} per GPU ({result.candidates_tried} configurations estimated)", ""]
     rows = [
         ("per_device_train_batch_size", str(p.per_device_train_batch_size)),
@@ -172,7 +176,8 @@ def step_command(command: str, model: str, s) -> str:
                  "expandable_segments", "padding_free", "activation_offloading", "tiled_mlp"):
         if getattr(s, name):
             flags.append(f"--{name.replace('_', '-')}")
-    names = ("num_gpus", "num_nodes", "zero_stage", "offload_optimizer", "offload_param", "fsdp", "device")
+    names = ("num_gpus", "num_nodes", "zero_stage", "offload_optimizer", "offload_param", "fsdp", "sp_size", "cp_size",
+             "device")
     if command == "estimate":
         names += ("mode",)
     for name in names:
