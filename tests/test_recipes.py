@@ -30,7 +30,7 @@ def recipe(name: str):
 
 def test_the_issue_recipes_exist():
     assert {"gpt2xl_12gb", "llama31_8b_qlora_24gb", "mistral7b_lora_16gb", "t5_3b_24gb", "bert_large_cls_8gb",
-            "llama2_70b_8x80gb"} <= set(RECIPES)
+            "llama2_70b_8x80gb", "long_context_sft"} <= set(RECIPES)
 
 
 # --- --dry-run -----------------------------------------------------------------------------
@@ -43,7 +43,7 @@ def test_dry_run_plans_the_real_model_within_its_budget(name, capsys):
     assert capsys.readouterr().out.startswith(f"Plan for {resolve_model(rec.model).name}: {rec.seq_len} tokens")
     assert p.budget_bytes == parse_bytes(rec.memory_budget)
     assert result.estimate.device_total_bytes <= 0.95 * p.budget_bytes  # the default 5% headroom
-    assert p.per_device_train_batch_size * p.gradient_accumulation_steps * s.world_size == rec.global_batch_size
+    assert p.per_device_train_batch_size * p.gradient_accumulation_steps * s.dp_size == rec.global_batch_size
     assert (s.seq_len, s.num_gpus, s.load_in_4bit, s.lora_r) == (rec.seq_len, rec.num_gpus, rec.load_in_4bit, rec.lora_r)
     assert s.task == rec.task
 
