@@ -488,7 +488,8 @@ def nothing_fits(spec, base: TrainSettings, candidates, usable: int, budget: int
         found = longest_fitting_seq(base.seq_len, lambda seq: first_fit(best_fit, seq, variants))
         if found is not None:
             seq, est = found
-            helps.append(f"{prefix}a shorter sequence `--seq-len {seq}` ({format_bytes(est.device_total_bytes)})")
+            helps.append(f"{prefix}a shorter sequence `--seq-len {seq}` ({format_bytes(est.device_total_bytes)} "
+                         f"with {layout_text(est.settings)}; `--seq-len max` searches every lever)")
     suggestion = "; ".join(helps) if helps else "a larger GPU"
     return f"{head}; what would fit: {suggestion}"
 
