@@ -15,7 +15,9 @@ from dataclasses import dataclass, field
 
 from hf_memfit.estimator.breakdown import CATEGORIES, StepMemory
 from hf_memfit.settings import TrainSettings, beyond_positions_note
+from hf_memfit.models.inputs import input_note
 from hf_memfit.models.spec import ModelSpec, resolve_model
+from hf_memfit.tasks import MEDIA_TASKS
 
 
 @dataclass
@@ -90,6 +92,10 @@ def step_memory(spec: ModelSpec, settings: TrainSettings) -> StepMemory:
         from hf_memfit.estimator.trace import exact_candidates  # imports torch; fast mode never does
 
         return exact_candidates(spec, traced)
+    if settings.task in MEDIA_TASKS:
+        from hf_memfit.estimator.batch_fit import batch_fit_step_memory  # no free sequence length to fit over
+
+        return batch_fit_step_memory(spec, traced)
     if not spec.hand_written:
         from hf_memfit.estimator.parametric import parametric_step_memory  # imports torch only to fit
 
@@ -126,6 +132,9 @@ def assemble(spec: ModelSpec, settings: TrainSettings, step: StepMemory) -> Memo
     allocated = sum(breakdown.values())
     notes = list(step.notes) + list(rank.notes)
     beyond = beyond_positions_note(settings, spec)
+    inputs = input_note(spec, settings)
+    if inputs:
+        notes.insert(0, inputs)
     if beyond:
         notes.insert(0, beyond)
     if settings.device == "cpu":

@@ -173,6 +173,10 @@ def make_batch(settings: TrainSettings, config: dict, device: str = "cpu") -> di
     row whose position ids restart at each sequence. Seq2seq labels have the
     decoder's length.
     """
+    from hf_memfit.models.inputs import make_inputs, uses_inputs
+
+    if uses_inputs(settings.task) and not (settings.task == "image-text-to-text" and settings.trainer == "dpo"):
+        return make_inputs(config, settings, device)  # images, audio, choices, answer spans
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
     vocab = config.get("vocab_size") or text.get("vocab_size") or 1000
     shape = (settings.rows, settings.row_len)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hf_memfit.errors import MemFitError
+from hf_memfit.errors import CannotEstimate, MemFitError
 
 logger = logging.getLogger(__name__)
 
@@ -220,8 +220,8 @@ def longest_batch(spec, dataset, collator, tokenizer, max_length: int | None = N
         length = spec.max_position_embeddings
         return DataShape(length, notes=[f"sequence length {length} assumed: the model's maximum positions, for {what} "
                                         "with no max_length (set `max_length` to plan for shorter rows)"])
-    raise MemFitError("cannot tell the sequence length: give the trainer a `max_length`, or a map-style dataset "
-                      "with `input_ids`")
+    raise CannotEstimate("cannot tell the sequence length: give the trainer a `max_length`, or a map-style dataset "
+                         "with `input_ids`")
 
 
 def _first_limit(*values) -> int | None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from hf_memfit.cache import config_key, library_version, read_cache, write_cache
-from hf_memfit.errors import MemFitError
+from hf_memfit.errors import CannotEstimate, MemFitError
 from hf_memfit.models.build import hf_config, instantiate
 from hf_memfit.tasks import TASK_TABLE
 
@@ -33,10 +33,20 @@ def supported_tasks(model_type: str) -> tuple[str, ...]:
                  if model_type in getattr(modeling_auto, info.mapping, {}))
 
 
+def transformers_tasks(model_type: str) -> list[str]:
+    """Every `AutoModelFor...` class the installed transformers builds for `model_type` (for error messages)."""
+    from transformers.models.auto import modeling_auto
+
+    return sorted(getattr(modeling_auto, name)[model_type] for name in dir(modeling_auto)
+                  if name.startswith("MODEL_FOR_") and name.endswith("_MAPPING_NAMES")
+                  and isinstance(getattr(modeling_auto, name).get(model_type), str))
+
+
 def default_task(tasks: tuple[str, ...], is_encoder_decoder: bool) -> str:
     """seq2seq for encoder-decoders, else causal LM, else the first task the model builds for."""
-    order = ("seq2seq", "causal-lm", "image-text-to-text", "seq-cls", "token-cls") if is_encoder_decoder else \
-        ("causal-lm", "image-text-to-text", "seq2seq", "seq-cls", "token-cls")
+    order = ("seq2seq", "speech-seq2seq", "causal-lm", "image-text-to-text", "seq-cls", "token-cls") \
+        if is_encoder_decoder else ("causal-lm", "image-text-to-text", "seq2seq", "seq-cls", "token-cls",
+                                    "image-cls", "ctc", "audio-cls", "qa", "multiple-choice")
     for task in order:
         if task in tasks:
             return task
@@ -203,9 +213,10 @@ def describe(name: str, config: dict) -> dict:
     model_type = hf.model_type
     tasks = supported_tasks(model_type)
     if not tasks:
-        raise MemFitError(f"`model` `{name}` has model_type `{model_type}`, which transformers "
-                          f"{library_version('transformers')} builds for none of hf-memfit's tasks "
-                          f"({', '.join(TASK_TABLE)}); pass a causal LM, classifier or seq2seq config")
+        built = transformers_tasks(model_type)
+        raise CannotEstimate(f"`model` `{name}` has model_type `{model_type}`, which transformers "
+                             f"{library_version('transformers')} builds for none of hf-memfit's tasks "
+                             f"({', '.join(TASK_TABLE)}); it builds {', '.join(built) or 'no Auto class'} for it")
     encdec = bool(getattr(hf, "is_encoder_decoder", False))
     depth_keys, depths = _depth_paths(config, hf, text)
     heads = _int(getattr(text, "num_attention_heads", None), 1)
@@ -259,7 +270,7 @@ def _task_facts(config: dict, task: str, num_labels: int, fields: dict) -> dict:
         raise
     except Exception as exc:  # noqa: BLE001 - any failure to build is the config's, reported in one line
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
-        raise MemFitError(f"`model`: transformers {library_version('transformers')} could not build model_type "
+        raise CannotEstimate(f"`model`: transformers {library_version('transformers')} could not build model_type "
                           f"`{config.get('model_type')}` for task {task} from this config "
                           f"({type(exc).__name__}: {reason}); pass an unmodified config.json") from None
     stacks = layer_stacks(model)

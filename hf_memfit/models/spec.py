@@ -423,6 +423,12 @@ class ModelSpec:
         items = sorted(merged.items(), key=lambda kv: order[kv[0][4]])  # stable: keeps layer order
         return [LinearModule(n, i, o, b, c, s) for (n, i, o, b, s), c in items]
 
+    def resolve_inputs(self, settings):
+        """(settings with the input shape of an image / audio task filled in, problems): `models/inputs.py`."""
+        from hf_memfit.models.inputs import resolve_inputs
+
+        return resolve_inputs(self, settings)
+
     def default_lora_target_modules(self) -> list[str]:
         """peft's default LoRA `target_modules` for this model type.
 
