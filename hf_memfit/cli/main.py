@@ -10,8 +10,8 @@ import json
 import logging
 import sys
 
-from hf_memfit.cli.arguments import (MemFitArgumentParser, add_step_arguments, check_writable, positive_int,
-                                      settings_from_args, step_shape)
+from hf_memfit.cli.arguments import (MemFitArgumentParser, add_step_arguments, check_writable, media_inputs,
+                                      positive_int, settings_from_args, step_shape)
 from hf_memfit.cli.cache import add_cache_parser
 from hf_memfit.cli.check import add_check_parser
 from hf_memfit.errors import MemFitError
@@ -110,7 +110,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         mode=args.mode, expandable_segments=args.expandable_segments, progress=_progress,
         allow_pure_bf16=args.allow_pure_bf16, allow_optimizers=args.allow_optimizers,
         use_liger_kernel={"auto": None, "yes": True, "no": False}[args.use_liger_kernel],
-        optim_target_modules=args.optim_target_modules, optim_args=args.optim_args,
+        optim_target_modules=args.optim_target_modules, optim_args=args.optim_args, inputs=media_inputs(args),
     )
     from hf_memfit.planner.accelerate import write_plan_configs
 

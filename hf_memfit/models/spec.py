@@ -79,7 +79,26 @@ def _read_catalogue(hub_id: str) -> dict:
     path = CATALOGUE_DIR / (hub_id.replace("/", "--") + ".json")
     config = json.loads(path.read_text(encoding="utf-8"))
     config.pop("_source", None)  # where the published config.json was copied from; not a config key
+    processor = CATALOGUE_DIR / "processors" / path.name  # its preprocessor_config.json, where the inputs need it
+    if processor.is_file():
+        return _with_processor(config, json.loads(processor.read_text(encoding="utf-8")))
     return config
+
+
+def _with_processor(config: dict, processor: dict | None) -> dict:
+    """The config carrying its processor config (`models/inputs.py` reads the input shapes from it)."""
+    if isinstance(processor, dict):
+        processor = {k: v for k, v in processor.items() if k != "_source"}
+        config["memfit_processor"] = processor
+    return config
+
+
+def _local_processor(folder: Path) -> dict | None:
+    path = folder / "preprocessor_config.json"
+    try:
+        return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+    except (OSError, ValueError):
+        return None
 
 
 def _read_config_file(path: Path, shown: str) -> dict:
@@ -198,7 +217,8 @@ def load_model_config(model: str) -> tuple[str, dict]:
         return text, _read_config_file(path, text)
     if path.is_dir():
         if (path / "config.json").is_file():
-            return text, _read_config_file(path / "config.json", text + "/config.json")
+            return text, _with_processor(_read_config_file(path / "config.json", text + "/config.json"),
+                                         _local_processor(path))
         raise MemFitError(f"`model` directory `{text}` has no config.json; "
                           "pass the directory that holds the model's config.json")
     hub_id = _catalogue_index().get(text.lower())

@@ -59,7 +59,8 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
          expandable_segments: bool = False, progress=None, use_liger_kernel: bool | None = None,
          attn_implementation: str | None = None, trainer: str = "trainer", padding_free: bool = False,
          reference_model: str | None = None, decoder_seq_len: int | None = None,
-         activation_offloading: bool = False, optim_target_modules=None, optim_args: str | None = None) -> PlanResult:
+         activation_offloading: bool = False, optim_target_modules=None, optim_args: str | None = None,
+         inputs: dict | None = None) -> PlanResult:
     """Pick the fastest configuration that trains `model` within the memory budget.
 
     The budget is `gpu_memory` (a size such as "12GiB", or "auto" for the local
@@ -89,7 +90,9 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
     `decoder_seq_len` describe the step as `TrainSettings` does; so does
     `activation_offloading` (TRL's, kept as set: it is the user's choice).
     `optim_target_modules` / `optim_args` go with a GaLore / APOLLO `optim` the run
-    already has (TrainingArguments' names; "all-linear" or module names).
+    already has (TrainingArguments' names; "all-linear" or module names). `inputs` holds the image / audio
+    `TrainSettings` fields (image_size, images_per_sample, audio_seconds, label_len); for those tasks
+    `seq_len` may be None (made from the inputs).
     Raises `MemFitError` when the request is invalid or nothing fits, saying what would.
     """
     spec = model if isinstance(model, ModelSpec) else resolve_model(model)
@@ -140,7 +143,7 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
         bnb_4bit_use_double_quant=bnb_4bit_use_double_quant, bnb_4bit_quant_storage=bnb_4bit_quant_storage,
         trainer=trainer, padding_free=padding_free, reference_model=reference_model, decoder_seq_len=decoder_seq_len,
         activation_offloading=activation_offloading, optim_args=optim_args,
-        optim_target_modules=parse_target_modules(optim_target_modules),
+        optim_target_modules=parse_target_modules(optim_target_modules), **(inputs or {}),
     ).validate(spec)
     fixed_layout = None
     if deepspeed_layout is not None and fsdp_layout is not None:
