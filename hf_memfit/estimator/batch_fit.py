@@ -32,23 +32,38 @@ POINTS = ((1, 0, 1), (2, 0, 1), (2, 0, 2), (3, 0, 2))
 CHECK_TOLERANCE = 0.01
 
 
-def _key(spec, settings) -> str:
+def _key(spec, settings, by_optimizer: bool) -> str:
     key = {k: v for k, v in settings.to_dict().items()
            if k not in _LAYOUT_FIELDS + ("gradient_accumulation_steps",)}
-    if _swappable(settings):
+    if _swappable(settings) and not by_optimizer:
         for name in _OPTIMIZER_FIELDS:
             key.pop(name)
     key["batch_fit"] = BATCH_FIT_VERSION
     return config_key(spec.config, key)
 
 
+# Fits already read in this process, by cache key: the planner evaluates one fit for dozens of candidates.
+_fits: dict[str, dict] = {}
+
+
+def _read(key: str) -> dict | None:
+    if key not in _fits:
+        fit = read_cache(CACHE_KIND, key)
+        if not isinstance(fit, dict) or fit.get("version") != BATCH_FIT_VERSION:
+            return None
+        _fits[key] = fit
+    return _fits[key]
+
+
 def batch_fit_step_memory(spec, settings) -> StepMemory:
     """Single-device peak candidates for `settings`, from a cached line in the micro-batch (fitted now if missing)."""
-    key = _key(spec, settings)
-    fit = read_cache(CACHE_KIND, key)
+    key = _key(spec, settings, by_optimizer=False)
+    fit = _read(key)
+    if fit is not None and _optimizer_of(settings) != fit["optimizer"] and not fit["optimizer_formula_exact"]:
+        key = _key(spec, settings, by_optimizer=True)  # the formula missed the traced optimizer: its own fit
+        fit = _read(key)
     paid = None
-    if not isinstance(fit, dict) or fit.get("version") != BATCH_FIT_VERSION or \
-            (_optimizer_of(settings) != fit["optimizer"] and not fit["optimizer_formula_exact"]):
+    if fit is None:
         from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 
         from hf_memfit.errors import CannotEstimate
@@ -61,8 +76,8 @@ def batch_fit_step_memory(spec, settings) -> StepMemory:
                                  f"branches that depend on the data ({type(exc).__name__}), which fake tensors do "
                                  "not have") from None
         paid = time.perf_counter() - started
-        if fit["optimizer_formula_exact"]:
-            write_cache(CACHE_KIND, key, fit)
+        write_cache(CACHE_KIND, key, fit)
+        _fits[key] = fit
     step = evaluate(fit, settings)
     text = (f"fast mode for {settings.task} inputs: a line in the micro-batch fitted to {fit['traces']} traces "
             f"(depth {fit['depths']}) at batch 1, 2 and 3 (the last checks it: {100 * fit['check_miss']:.2f}% off)")
@@ -99,8 +114,9 @@ def calibrate(spec, settings) -> dict:
 
     from hf_memfit.estimator.trace import _config_with_depths, _real_depths, progress, trace_step
 
-    points = tuple((b, settings.seq_len, m) for b, _, m in POINTS)
-    traced = settings.replace(mode="exact", batch_size=1, gradient_accumulation_steps=2)
+    micro = 1 if settings.optimizer.layerwise else 2  # layerwise optimizers step inside backward: no accumulation
+    points = tuple((b, settings.seq_len, min(m, micro)) for b, _, m in POINTS)
+    traced = settings.replace(mode="exact", batch_size=1, gradient_accumulation_steps=micro)
     real = _real_depths(spec)
     period = getattr(spec, "layer_period", 1) or 1
     if max(real) <= 3 * period:

@@ -406,6 +406,11 @@ def plan_inputs(trainer, model, args, fields, train_dataset, collator, tokenizer
                           "memory_budget='16GiB'")
     step = trl_step(trainer, args, call_arguments(trainer), model)
     task = model_task(model)
+    if task is None:
+        from hf_memfit.tasks import TASK_TABLE
+
+        raise CannotEstimate(f"{type(base).__name__} trains a task hf-memfit does not model (it models "
+                             f"{', '.join(TASK_TABLE)})")
     inputs, media_notes = {}, []
     if task in MEDIA_TASKS:  # images, audio, speech: the shapes are read from the collated rows
         from hf_memfit.integrations.media import media_inputs, processor_dict

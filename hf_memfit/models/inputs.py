@@ -92,7 +92,12 @@ def resolve_inputs(spec, settings):
             problems.append("give `--seq-len N` (tokens per sample)")
         return settings, problems
     if task == "image-cls":
-        size = settings.image_size or int(lookup(config, "image_size", 224))
+        native = int(lookup(config, "image_size", 224))
+        size = settings.image_size or native
+        if size != native and fixed_image_size(config, task):
+            return settings, problems + [f"`--image-size {size}`: {spec.name} takes {native}x{native} images only "
+                                         f"(the Trainer does not pass `interpolate_pos_encoding`); use "
+                                         f"`--image-size {native}` or leave it out"]
         patch = int(lookup(config, "patch_size", 16))
         return settings.replace(seq_len=max(1, (size // patch) ** 2)), problems
     if task == "audio-cls" and config.get("num_mel_bins"):  # a Whisper-style encoder: its fixed window
@@ -121,6 +126,25 @@ def resolve_inputs(spec, settings):
     if settings.seq_len is None:
         problems.append("give `--seq-len N` (the text tokens per sample; the image tokens come on top)")
     return settings, problems + image_problems(spec, settings)
+
+
+def fixed_image_size(config: dict, task: str) -> bool:
+    """Whether the task's model refuses images of another size than its config's.
+
+    transformers' ViT-style embeddings check the size unless `interpolate_pos_encoding=True` is passed to
+    forward, which the Trainer never does; models without that parameter (DINOv2) always interpolate.
+    """
+    import inspect
+
+    from transformers.models.auto import modeling_auto
+
+    from hf_memfit.tasks import TASK_TABLE
+
+    import transformers
+
+    name = getattr(modeling_auto, TASK_TABLE[task].mapping, {}).get(config.get("model_type"))
+    cls = getattr(transformers, name, None) if isinstance(name, str) else None
+    return cls is not None and "interpolate_pos_encoding" in inspect.signature(cls.forward).parameters
 
 
 def audio_samples(config: dict, settings) -> int:
