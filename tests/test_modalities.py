@@ -58,6 +58,7 @@ def args(tmp_path, cls=MemFitArguments, **overrides):
     (VIT, "image-cls", {}, 0.05),
     (WAV2VEC2, "audio-cls", {"audio_seconds": 0.5}, 0.15),
     (WHISPER, "speech-seq2seq", {"label_len": 12}, 0.05),
+    (WAV2VEC2, "ctc", {"audio_seconds": 0.5, "label_len": 6}, 0.15),  # the loss: estimator/fake_ctc.py
 ])
 def test_exact_and_fast_agree_with_the_measured_step(fields, task, inputs, tolerance):
     spec = ModelSpec.from_config("tiny", config(**fields))

@@ -37,6 +37,7 @@ from torch.utils._pytree import tree_flatten
 
 from hf_memfit.estimator import step as training
 from hf_memfit.estimator.breakdown import CATEGORIES, StepMemory
+from hf_memfit.estimator.fake_ctc import static_ctc_loss
 from hf_memfit.estimator.fake_optimizers import apollo_on_fake_tensors, make_traced_optimizer, optimizer_state_tensors
 from hf_memfit.estimator.fake_patches import (cuda_autocast_policy, deepcopy_fake_tensors_as_real_ones, gpu_sdpa,
                                               grouped_mm_any_dtype, is_experts, masks_as_the_batch_has,
@@ -300,6 +301,7 @@ def trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], *
             triton_folds_in_place(patches)
         model = training.build_model(config, settings)
         spec_augment_off(model)  # see there
+        patches.enter_context(static_ctc_loss(model))  # CTC's loss with the batch's static shapes
         for tensor in list(model.parameters()) + list(model.buffers()):
             tracker.mark(tensor, "weights")
         optimizer = make_traced_optimizer(model, settings, cuda)
