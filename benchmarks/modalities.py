@@ -45,11 +45,25 @@ WHISPER = dict(model_type="whisper", d_model=256, encoder_layers=4, decoder_laye
 MODERNBERT = dict(model_type="modernbert", hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
                   intermediate_size=512, vocab_size=8000, global_attn_every_n_layers=2, pad_token_id=0)
 
+TEXT = dict(model_type="llama", hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=8000)
+LLAVA = dict(model_type="llava", image_token_index=7999, image_seq_length=196, text_config=TEXT,
+             vision_config=dict(model_type="clip_vision_model", hidden_size=192, intermediate_size=768,
+                                num_hidden_layers=4, num_attention_heads=3, image_size=224, patch_size=16,
+                                projection_dim=192))
+GEMMA3 = dict(model_type="gemma3", mm_tokens_per_image=64, image_token_index=7999, boi_token_index=7997,
+              eoi_token_index=7998,
+              text_config=dict(model_type="gemma3_text", hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=8000,
+                               sliding_window=512),
+              vision_config=dict(model_type="siglip_vision_model", hidden_size=192, intermediate_size=768,
+                                 num_hidden_layers=4, num_attention_heads=3, image_size=224, patch_size=14))
+
 # name -> (trainer, config, task Auto class, row maker, argument extras)
 ROWS = {
     "vit-cls": ("trainer", VIT, "AutoModelForImageClassification", "image", {}),
     "vit-cls-bf16-mixed": ("trainer", VIT, "AutoModelForImageClassification", "image", {"bf16": True}),
-    "vit-cls-lora": ("trainer", VIT, "AutoModelForImageClassification", "image", {"lora": ["query", "value"]}),
+    "vit-cls-lora": ("trainer", VIT, "AutoModelForImageClassification", "image", {"lora": ["q_proj", "v_proj"]}),
     "vit-cls-tight": ("trainer", VIT, "AutoModelForImageClassification", "image", {"budget_fraction": 0.4}),
     "dinov2-cls": ("trainer", DINOV2, "AutoModelForImageClassification", "image", {}),
     "siglip-cls": ("trainer", SIGLIP, "AutoModelForImageClassification", "image", {}),
@@ -61,6 +75,9 @@ ROWS = {
     "whisper-audio-cls": ("trainer", WHISPER, "AutoModelForAudioClassification", "speech-cls", {}),
     "modernbert-multiple-choice": ("trainer", MODERNBERT, "AutoModelForMultipleChoice", "choices", {}),
     "modernbert-qa": ("trainer", MODERNBERT, "AutoModelForQuestionAnswering", "qa", {}),
+    "wav2vec2-ctc": ("trainer", WAV2VEC2, "AutoModelForCTC", "ctc", {}),
+    "llava-vlm": ("trainer", LLAVA, "AutoModelForImageTextToText", "llava", {}),
+    "gemma3-vlm": ("trainer", GEMMA3, "AutoModelForImageTextToText", "gemma3", {}),
 }
 BATCH = 4
 SEQ = 256
@@ -78,6 +95,19 @@ def rows(kind: str, n: int = 8) -> list[dict]:
         elif kind in ("speech", "speech-cls"):
             row = {"input_features": torch.randn(80, 3000, generator=g)}
             row["labels"] = torch.randint(3, 8000, (64,), generator=g) if kind == "speech" else 1
+            out.append(row)
+        elif kind == "ctc":
+            out.append({"input_values": torch.randn(AUDIO_SAMPLES, generator=g),
+                        "labels": torch.randint(1, 32, (60,), generator=g)})
+        elif kind in ("llava", "gemma3"):  # one image's placeholders (and Gemma-3's markers), then the text
+            image = [7999] * 196 if kind == "llava" else [7997] + [7999] * 64 + [7998]
+            ids = torch.tensor(image + torch.randint(1, 7990, (SEQ,), generator=g).tolist())
+            labels = ids.clone()
+            labels[: len(image)] = -100
+            row = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels,
+                   "pixel_values": torch.randn(3, 224, 224, generator=g)}
+            if kind == "gemma3":
+                row["token_type_ids"] = (ids == 7999).long()
             out.append(row)
         elif kind == "choices":
             out.append({"input_ids": torch.randint(1, 8000, (2, SEQ), generator=g),

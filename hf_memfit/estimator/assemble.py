@@ -88,14 +88,18 @@ def estimate_settings(spec: ModelSpec, settings: TrainSettings) -> MemoryEstimat
 def step_memory(spec: ModelSpec, settings: TrainSettings) -> StepMemory:
     """Single-device peak candidates from the mode the settings ask for."""
     traced = traced_settings(settings)
-    if settings.mode == "exact":
+    if settings.mode == "exact" and settings.task not in MEDIA_TASKS:
         from hf_memfit.estimator.trace import exact_candidates  # imports torch; fast mode never does
 
         return exact_candidates(spec, traced)
     if settings.task in MEDIA_TASKS:
+        if settings.mode == "exact":
+            from hf_memfit.estimator.trace import exact_candidates
+
+            return held_batches(spec, settings, exact_candidates(spec, traced))
         from hf_memfit.estimator.batch_fit import batch_fit_step_memory  # no free sequence length to fit over
 
-        return batch_fit_step_memory(spec, traced)
+        return held_batches(spec, settings, batch_fit_step_memory(spec, traced))
     if not spec.hand_written:
         from hf_memfit.estimator.parametric import parametric_step_memory  # imports torch only to fit
 
@@ -103,6 +107,26 @@ def step_memory(spec: ModelSpec, settings: TrainSettings) -> StepMemory:
     from hf_memfit.estimator.fast import fast_step_memory
 
     return fast_step_memory(spec, traced)
+
+
+def held_batches(spec: ModelSpec, settings: TrainSettings, step: StepMemory) -> StepMemory:
+    """The micro-batches the Trainer holds beside the one a step traces (image, audio and VLM inputs).
+
+    `Trainer.get_batch_samples` fetches all `gradient_accumulation_steps` micro-batches of an optimizer step
+    before its first forward and keeps them until the next step's are fetched; the traced step holds its
+    own micro-batch through its forward and backward only. So forward and backward regions hold the other
+    accumulation - 1, and the optimizer step all of them. Token ids are bytes per token against kilobytes
+    of activations, so text batches are left as traced.
+    """
+    from hf_memfit.models.inputs import batch_bytes
+
+    one = batch_bytes(spec.config, settings)
+    held = settings.gradient_accumulation_steps
+    for region, values in step.candidates.items():
+        if region != "build":
+            extra = held if region.endswith("|opt") else held - 1
+            values["activations"] = values.get("activations", 0) + extra * one
+    return step
 
 
 def traced_settings(settings: TrainSettings) -> TrainSettings:

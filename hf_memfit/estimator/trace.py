@@ -26,6 +26,7 @@ explicitly, each item sourced in `shared/CUDA_MEMORY_FACTS.md`:
 """
 
 import contextlib
+import os
 import logging
 import weakref
 from dataclasses import dataclass, field
@@ -301,6 +302,9 @@ def trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], *
             triton_folds_in_place(patches)
         model = training.build_model(config, settings)
         spec_augment_off(model)  # see there
+        # A VLM checks that its image tokens match its image features (`torch_compilable_check`, a value fake
+        # tensors do not have); transformers' documented switch turns the checks off while the trace runs.
+        patches.enter_context(_environment("TRANSFORMERS_DISABLE_TORCH_CHECK", "1"))
         patches.enter_context(static_ctc_loss(model))  # CTC's loss with the batch's static shapes
         for tensor in list(model.parameters()) + list(model.buffers()):
             tracker.mark(tensor, "weights")
@@ -379,6 +383,19 @@ def trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], *
             result.region_peaks[region] = live
             result.region_breakdowns[region] = tracker.breakdown_at(clock)
     return result
+
+
+@contextlib.contextmanager
+def _environment(name: str, value: str):
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
 
 
 def spec_augment_off(model) -> None:

@@ -69,9 +69,12 @@ def media_inputs(task: str, config: dict, dataset, collator) -> tuple[dict, list
             if isinstance(grid, torch.Tensor) and grid.numel():
                 patch = int((config.get("vision_config") or {}).get("patch_size") or 14)
                 found["image_size"] = max(found.get("image_size") or 0, int(grid[:, 1:].max()) * patch)
-            per_image = image_layout(config, found.get("image_size"))["tokens"] or 1
-            found["images_per_sample"] = max(found.get("images_per_sample") or 1, round(image_tokens / per_image) or 1)
-            found["seq_len"] = max(found["seq_len"] or 1, ids.shape[-1] - image_tokens)
+            layout = image_layout(config, found.get("image_size"))
+            images = max(1, round(image_tokens / (layout["tokens"] or 1)))
+            found["images_per_sample"] = max(found.get("images_per_sample") or 1, images)
+            # the text: the row less each image's placeholders and markers (Gemma-3's begin / end of image)
+            text = ids.shape[-1] - images * (layout["tokens"] + layout.get("extra", 0))
+            found["seq_len"] = max(found["seq_len"] or 1, text)
     found = {k: v for k, v in found.items() if v is not None}
     shown = ", ".join(f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}" for k, v in found.items())
     return found, [f"input shapes read from the collated training rows: {shown}"] if shown else []

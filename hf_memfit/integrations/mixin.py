@@ -33,9 +33,9 @@ from transformers import Trainer, TrainerCallback
 from transformers.training_args import OptimizerNames
 
 from hf_memfit.integrations.args import memfit_fields
-from hf_memfit.errors import CannotEstimate, MemFitError
-from hf_memfit.integrations.introspect import on_cuda as _on_cuda
-from hf_memfit.integrations.introspect import uses_fsdp
+from hf_memfit.errors import MemFitError
+from hf_memfit.integrations.introspect import on_cuda as _on_cuda, uses_fsdp
+from hf_memfit.integrations.unplanned import train_unplanned
 from hf_memfit.units import format_bytes
 
 logger = logging.getLogger(__name__)
@@ -119,11 +119,8 @@ class MemFitMixin(Trainer):
             self.memfit_inputs = plan_inputs(self, bound["model"], train_args, fields, bound.get("train_dataset"),
                                              bound.get("data_collator"), bound.get("processing_class"))
             self.memfit_result = plan(**{k: v for k, v in self.memfit_inputs.items() if k != "notes"})
-        except Exception as error:  # noqa: BLE001 - whatever hf-memfit cannot model must not stop the run
-            if isinstance(error, MemFitError) and not isinstance(error, CannotEstimate):
-                raise  # the user's request (a budget nothing fits, a bad memfit field): refused, as asked
-            self._memfit_train_unplanned(error, bound)
-            return
+        except Exception as error:  # noqa: BLE001 - what hf-memfit cannot model must not stop the run
+            return train_unplanned(self, error, bound)  # re-raises the user's own errors (a budget nothing fits)
         self.memfit_plan = self.memfit_result.plan
         self.memfit_overrides = overridden_settings(train_args, self.memfit_plan)
         bound["args"] = apply_plan(self.memfit_plan, train_args)
@@ -150,16 +147,6 @@ class MemFitMixin(Trainer):
         if self.args.process_index == 0:
             logger.warning("%s", self.memfit_summary())
 
-    def _memfit_train_unplanned(self, error: Exception, bound: dict) -> None:
-        """Warn once what hf-memfit could not estimate, then be the plain trainer with the user's arguments."""
-        self.memfit_inputs, self.memfit_result, self.memfit_plan, self.memfit_overrides = {"notes": []}, None, None, {}
-        self.memfit_args = memfit_fields(bound.get("args"))
-        self.memfit_unplanned = str(error).splitlines()[0] if str(error) else type(error).__name__
-        Trainer.__init__(self, **bound)
-        if self.args.process_index == 0:
-            logger.warning("hf-memfit cannot estimate this run (%s); training with your arguments as given, "
-                           "unplanned: no memory plan, no memory check, no OOM recovery", self.memfit_unplanned)
-
     def memfit_summary(self) -> str:
         """The plan as shown on the console: the plan report and every user setting it changed."""
         from hf_memfit.report.text import format_plan
@@ -174,8 +161,6 @@ class MemFitMixin(Trainer):
 
     def log(self, logs: dict, *args, **kwargs) -> None:
         """The Trainer's log, with the `memfit/*` metrics gathered since the last one."""
-        if self.memfit_result is None:
-            return Trainer.log(self, logs, *args, **kwargs)
         if self._memfit_pending_logs:
             logs = {**logs, **self._memfit_pending_logs}
             self._memfit_pending_logs = {}
@@ -186,7 +171,7 @@ class MemFitMixin(Trainer):
         self._memfit_pending_logs.update(metrics)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
-        if self.memfit_result is None:  # unplanned (`_memfit_train_unplanned`): the plain trainer's train
+        if self.memfit_result is None:  # unplanned (`unplanned.py`): the plain trainer's train
             return Trainer.train(self, resume_from_checkpoint, *args, **kwargs)
         if resume_from_checkpoint:
             self._restore_plan(resume_from_checkpoint)

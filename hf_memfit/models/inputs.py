@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import math
 
+from hf_memfit.models._shared import PROCESSOR_KEY, lookup, processor_config  # noqa: F401 - re-exported
 from hf_memfit.tasks import MEDIA_TASKS
 
-PROCESSOR_KEY = "memfit_processor"  # the processor config, carried inside the model config dict
 DEFAULT_SAMPLING_RATE = 16_000  # Wav2Vec2FeatureExtractor / WhisperFeatureExtractor default
 # CTC transcripts: about 15 characters per second of read speech (LibriSpeech averages 14-16); the
 # labels' length barely moves the memory (CTC's alpha table is frames x (2 x labels + 1) per row).
@@ -30,22 +30,6 @@ CTC_CHARS_PER_SECOND = 16
 
 _FLAGS = {"image_size": ("image-cls", "image-text-to-text"), "images_per_sample": ("image-text-to-text",),
           "audio_seconds": ("audio-cls", "ctc", "speech-seq2seq"), "label_len": ("ctc", "speech-seq2seq")}
-
-
-def processor_config(config: dict) -> dict:
-    value = config.get(PROCESSOR_KEY)
-    return value if isinstance(value, dict) else {}
-
-
-def lookup(config: dict, key: str, default=None, *, towers=("vision_config", "audio_config", "encoder")):
-    """`key` from the config, else from its vision / audio sub-config."""
-    if config.get(key) is not None:
-        return config[key]
-    for tower in towers:
-        sub = config.get(tower)
-        if isinstance(sub, dict) and sub.get(key) is not None:
-            return sub[key]
-    return default
 
 
 def conv_frames(samples: int, config: dict) -> int:
@@ -182,6 +166,36 @@ def input_note(spec, settings) -> str | None:
     if task == "multiple-choice":
         return f"inputs: {settings.num_labels} choices (`--num-labels`) of {settings.seq_len} tokens per row"
     return None
+
+
+def batch_bytes(config: dict, settings) -> int:
+    """Bytes of one collated micro-batch of the settings' shape: what `make_inputs` makes (torch-free).
+
+    The Trainer fetches every micro-batch of an optimizer step before the first forward
+    (`Trainer.get_batch_samples`, transformers 5.x, on the device when accelerate places the batches) and
+    holds them until the next step's; for images and audio these are megabytes per row.
+    """
+    b, task = settings.batch_size, settings.task
+    floats = 2 if settings.weights_dtype in ("bfloat16", "float16") else 4
+    if task == "image-cls":
+        size = settings.image_size or int(lookup(config, "image_size", 224))
+        return b * (int(lookup(config, "num_channels", 3)) * size * size * floats + 8)
+    if task == "audio-cls" and config.get("num_mel_bins"):
+        _, frames, bins = whisper_window(config)
+        return b * (bins * frames * floats + 8)
+    if task in ("audio-cls", "ctc"):
+        labels = 8 * (label_len(config, settings) if task == "ctc" else 1)
+        return b * (audio_samples(config, settings) * floats + labels)
+    if task == "speech-seq2seq":
+        _, frames, bins = whisper_window(config)
+        return b * (bins * frames * floats + 8 * label_len(config, settings))
+    if task == "image-text-to-text":
+        from hf_memfit.models.vision_language import image_layout, image_tokens
+
+        layout = image_layout(config, settings.image_size)
+        pixels = math.prod(layout["pixels"]) * (settings.images_per_sample or 1)
+        return b * (pixels * floats + 3 * 8 * (settings.seq_len + image_tokens(config, settings)))
+    return 0
 
 
 # --- the tensors ---------------------------------------------------------------------------------------

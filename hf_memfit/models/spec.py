@@ -365,6 +365,11 @@ class ModelSpec:
             if alias in config:
                 config[alias] = n
         _fit_layer_lists(config, n, self.num_layers)
+        for holder in (config, config.get("vision_config")):
+            if isinstance(holder, dict) and "stage_names" in holder:
+                # a backbone's per-stage outputs (DINOv2, ...) are named by depth; only AutoBackbone reads them
+                for key in ("stage_names", "out_features", "out_indices"):
+                    holder.pop(key, None)
         return config
 
     def _getter(self) -> Getter:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 
-from hf_memfit.models.inputs import lookup, processor_config
+from hf_memfit.models._shared import lookup, processor_config
 
 
 def _rule(config: dict) -> str | None:
@@ -71,7 +71,9 @@ def image_layout(config: dict, image_size: int | None) -> dict:
                 "pixels": (grid[1] * grid[2], 3 * temporal * patch * patch)}
     native = int(vision.get("image_size") or 224)
     if rule == "fixed":
-        return {"tokens": int(config["mm_tokens_per_image"]) + 2, "pixels": (3, native, native), "fixed": native}
+        # the image's placeholder tokens, plus its begin- and end-of-image tokens (Gemma3Processor)
+        return {"tokens": int(config["mm_tokens_per_image"]), "extra": 2, "pixels": (3, native, native),
+                "fixed": native}
     if rule == "clip":
         tokens = int(processor.get("image_seq_length") or config.get("image_seq_length") or (native // patch) ** 2)
         return {"tokens": tokens, "pixels": (3, native, native), "fixed": native}
@@ -107,8 +109,9 @@ def image_problems(spec, settings) -> list[str]:
 
 
 def image_tokens(config: dict, settings) -> int:
-    """All image tokens of one sample."""
-    return (settings.images_per_sample or 1) * image_layout(config, settings.image_size)["tokens"]
+    """All the tokens the images of one sample add to its row (placeholders and their markers)."""
+    layout = image_layout(config, settings.image_size)
+    return (settings.images_per_sample or 1) * (layout["tokens"] + layout.get("extra", 0))
 
 
 def vlm_note(config: dict, settings) -> str:
@@ -116,8 +119,9 @@ def vlm_note(config: dict, settings) -> str:
     images = settings.images_per_sample or 1
     extra = f" (resized to {layout['resized'][0]}x{layout['resized'][1]} px)" if "resized" in layout else ""
     extra += f" ({layout['tiles']} tiles)" if "tiles" in layout else ""
-    return (f"inputs: {images} image(s) per sample of {layout['tokens']} tokens each{extra}, on top of "
-            f"{settings.seq_len} text tokens: rows of {settings.seq_len + images * layout['tokens']} tokens")
+    per_image = layout["tokens"] + layout.get("extra", 0)
+    return (f"inputs: {images} image(s) per sample of {per_image} tokens each{extra}, on top of "
+            f"{settings.seq_len} text tokens: rows of {settings.seq_len + images * per_image} tokens")
 
 
 def make_vlm_inputs(config: dict, settings, floats, device: str) -> dict:
@@ -127,7 +131,7 @@ def make_vlm_inputs(config: dict, settings, floats, device: str) -> dict:
     b, images = settings.batch_size, settings.images_per_sample or 1
     layout = image_layout(config, settings.image_size)
     per_image = layout["tokens"]
-    total = settings.seq_len + images * per_image
+    total = settings.seq_len + image_tokens(config, settings)
     vocab = int(lookup(config, "vocab_size", 1000, towers=("text_config",)))
     token = image_token_id(config)
     ids = torch.randint(0, min(vocab, token) if token > 0 else vocab, (b, total), device=device)
