@@ -76,7 +76,9 @@ ROWS = {
     "modernbert-multiple-choice": ("trainer", MODERNBERT, "AutoModelForMultipleChoice", "choices", {}),
     "modernbert-qa": ("trainer", MODERNBERT, "AutoModelForQuestionAnswering", "qa", {}),
     "wav2vec2-ctc": ("trainer", WAV2VEC2, "AutoModelForCTC", "ctc", {}),
+    "wav2vec2-ctc-frozen-encoder": ("trainer", WAV2VEC2, "AutoModelForCTC", "ctc", {"freeze": "feature_encoder"}),
     "llava-vlm": ("trainer", LLAVA, "AutoModelForImageTextToText", "llava", {}),
+    "llava-vlm-frozen-vision": ("trainer", LLAVA, "AutoModelForImageTextToText", "llava", {"freeze": "vision"}),
     "gemma3-vlm": ("trainer", GEMMA3, "AutoModelForImageTextToText", "gemma3", {}),
 }
 BATCH = 4
@@ -139,6 +141,10 @@ def make_trainer(name: str, budget: str, out: str, data: list[dict]):
     kind, fields, auto, _, extras = ROWS[name]
     torch.manual_seed(0)
     model = getattr(transformers, auto).from_config(AutoConfig.for_model(**fields))
+    if extras.get("freeze") == "feature_encoder":
+        model.freeze_feature_encoder()
+    elif extras.get("freeze") == "vision":
+        model.model.vision_tower.requires_grad_(False)
     if extras.get("lora"):
         from peft import LoraConfig, get_peft_model
 
@@ -191,7 +197,8 @@ def run_row(name: str, emit) -> None:
           "plan": {"micro_batch": plan.per_device_train_batch_size, "accumulation": plan.gradient_accumulation_steps,
                    "checkpointing": plan.gradient_checkpointing, "optim": plan.optim, "seq_len": settings.seq_len,
                    "precision": settings.precision, "lora_r": settings.lora_r, "image_size": settings.image_size,
-                   "audio_seconds": settings.audio_seconds, "label_len": settings.label_len}})
+                   "audio_seconds": settings.audio_seconds, "label_len": settings.label_len,
+                   "frozen": settings.frozen}})
 
 
 def main(names: list[str]) -> int:

@@ -86,6 +86,9 @@ class TrainSettings:
     images_per_sample: int | None = None  # vision-language rows: images per row (None: 1)
     audio_seconds: float | None = None  # the longest clip of a batch (Whisper pads to its 30 s window)
     label_len: int | None = None  # CTC / speech seq2seq labels: characters or tokens per row
+    # Modules trained frozen (no gradients, no optimizer state): their names in the model, as named_modules()
+    # gives them (`wav2vec2.feature_extractor` after freeze_feature_encoder(), `model.vision_tower`, ...)
+    frozen: tuple[str, ...] | None = None
 
     @property
     def world_size(self) -> int:
@@ -149,7 +152,7 @@ class TrainSettings:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        for name in ("lora_target_modules", "optim_target_modules"):
+        for name in ("lora_target_modules", "optim_target_modules", "frozen"):
             if d[name] is not None:
                 d[name] = list(d[name])
         return d

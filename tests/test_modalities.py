@@ -151,3 +151,45 @@ def test_whisper_seq2seq_trainer_plans_from_input_features(tmp_path):
     trainer.train()
     saved = json.loads((tmp_path / "out" / "memfit_plan.json").read_text())
     assert saved["plan"]["per_device_train_batch_size"] >= 1
+
+
+def test_a_vlm_row_adds_its_image_tokens_and_traces_the_vision_tower():
+    text = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=2, vocab_size=1000)
+    vision = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=2, image_size=112, patch_size=16, projection_dim=32)
+    spec = ModelSpec.from_config("tiny-llava", config(model_type="llava", image_token_index=999, image_seq_length=49,
+                                                      text_config=text, vision_config=vision))
+    settings = TrainSettings(batch_size=2, seq_len=32, task="image-text-to-text", device="cpu", mode="exact")
+    exact = estimate_settings(spec, settings)
+    assert "rows of 81 tokens" in exact.notes[0]  # 32 text + 49 image tokens
+    assert exact.peak_allocated_bytes == pytest.approx(measure_cpu_peak(spec.config, exact.settings), rel=0.01)
+    with pytest.raises(MemFitError, match="resizes every image to 112 px"):
+        TrainSettings(batch_size=1, seq_len=8, task="image-text-to-text", image_size=336).validate(spec)
+
+
+def test_a_frozen_feature_encoder_keeps_no_gradients_for_it():
+    spec = ModelSpec.from_config("tiny-w2v", config(**WAV2VEC2))
+    base = TrainSettings(batch_size=2, seq_len=None, task="ctc", device="cpu", audio_seconds=0.5, mode="exact")
+    trained = estimate_settings(spec, base)
+    frozen = estimate_settings(spec, base.replace(frozen=("wav2vec2.feature_extractor",)))
+    assert frozen.trainable_params < trained.trainable_params
+    assert frozen.peak_allocated_bytes == pytest.approx(measure_cpu_peak(spec.config, frozen.settings), rel=0.15)
+    with pytest.raises(MemFitError, match="no such module"):
+        estimate_settings(spec, base.replace(frozen=("vision_tower",)))
+
+
+def test_cli_bad_media_input_is_one_line_and_exit_2(capsys, tmp_path):
+    from hf_memfit.cli.main import main
+    from hf_memfit.models.spec import CATALOGUE_DIR
+
+    assert main(["estimate", "openai/whisper-large-v3", "--batch-size", "1", "--audio-seconds", "45"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "past openai/whisper-large-v3's 30 s window" in err
+    assert main(["estimate", "google/vit-base-patch16-224", "--batch-size", "1", "--image-size", "384"]) == 2
+    assert "takes 224x224 images only" in capsys.readouterr().err
+    # a VLM whose image tokens depend on its processor, given as a folder with config.json alone
+    config_only = json.loads((CATALOGUE_DIR / "Qwen--Qwen2.5-VL-7B-Instruct.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config_only))
+    assert main(["estimate", str(tmp_path), "--batch-size", "1", "--seq-len", "64"]) == 2
+    assert "processor config is missing" in capsys.readouterr().err

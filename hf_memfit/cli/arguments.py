@@ -35,8 +35,9 @@ def positive_float(text: str) -> float:
 
 def media_inputs(args: argparse.Namespace) -> dict:
     """The image / audio flags as `TrainSettings` fields."""
-    return {name: getattr(args, name, None) for name in ("image_size", "images_per_sample", "audio_seconds",
-                                                         "label_len")}
+    frozen = tuple(n.strip() for n in (getattr(args, "freeze", None) or "").split(",") if n.strip()) or None
+    return {"frozen": frozen, **{name: getattr(args, name, None)
+                                 for name in ("image_size", "images_per_sample", "audio_seconds", "label_len")}}
 
 
 def add_step_arguments(parser: argparse.ArgumentParser, *, with_batch: bool = True) -> None:
@@ -93,6 +94,8 @@ def add_step_arguments(parser: argparse.ArgumentParser, *, with_batch: bool = Tr
     media.add_argument("--images-per-sample", type=positive_int, help="vision-language rows: images per row (1)")
     media.add_argument("--audio-seconds", type=positive_float,
                        help="the longest clip (audio classification, CTC; Whisper pads to its 30 s window)")
+    media.add_argument("--freeze", help="comma-separated modules trained frozen, as named_modules() names them "
+                                        "(wav2vec2.feature_extractor, model.vision_tower, ...)")
     media.add_argument("--label-len", type=positive_int,
                        help="CTC characters / Whisper decoder tokens per row (default: 16 per second / 448)")
     if with_batch:

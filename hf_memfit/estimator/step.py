@@ -111,6 +111,8 @@ def _build_model(config: dict, settings: TrainSettings):
         model.forward = liger_causal_lm_forward(model, liger_in_place_accumulation(settings))
     if settings.trainer != "trainer":
         _add_trl_head(model, settings.trainer)
+    if settings.frozen:
+        freeze(model, settings.frozen)
     if settings.uses_lora:
         model = _add_lora(model, settings)
     if settings.activation_offloading:
@@ -145,6 +147,22 @@ def _add_trl_head(model, trainer: str) -> None:
 def reference_model(model):
     """DPO's separate reference model built beside `model`, or None."""
     return model.__dict__.get("memfit_reference")
+
+
+def freeze(model, names) -> None:
+    """Freeze the named modules, as `freeze_feature_encoder()` or `model.vision_tower.requires_grad_(False)` do."""
+    from hf_memfit.errors import MemFitError
+
+    modules = dict(model.named_modules())
+    missing = [name for name in names if name not in modules]
+    if missing:
+        raise MemFitError(f"`--freeze` {', '.join(missing)}: no such module in the model; name modules as "
+                          "model.named_modules() does (e.g. wav2vec2.feature_extractor, model.vision_tower)")
+    for name in names:
+        if hasattr(modules[name], "_freeze_parameters"):  # wav2vec2's feature encoder: no input gradient either
+            modules[name]._freeze_parameters()
+        else:
+            modules[name].requires_grad_(False)
 
 
 def _add_lora(model, settings: TrainSettings):

@@ -413,13 +413,14 @@ def plan_inputs(trainer, model, args, fields, train_dataset, collator, tokenizer
                              f"{', '.join(TASK_TABLE)})")
     inputs, media_notes = {}, []
     if task in MEDIA_TASKS:  # images, audio, speech: the shapes are read from the collated rows
-        from hf_memfit.integrations.media import media_inputs, processor_dict
+        from hf_memfit.integrations.media import frozen_modules, media_inputs, processor_dict
 
         processor = processor_dict(tokenizer)
         if processor:
             config["memfit_processor"] = processor
             spec = ModelSpec.from_config(spec.name, config)
         inputs, media_notes = media_inputs(task, config, train_dataset, collator)
+        inputs["frozen"] = frozen_modules(model)
         shape = DataShape(inputs.pop("seq_len", None) or 1)
         if task != "image-text-to-text":
             shape.seq_len = None

@@ -78,3 +78,21 @@ def media_inputs(task: str, config: dict, dataset, collator) -> tuple[dict, list
     found = {k: v for k, v in found.items() if v is not None}
     shown = ", ".join(f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}" for k, v in found.items())
     return found, [f"input shapes read from the collated training rows: {shown}"] if shown else []
+
+
+def frozen_modules(model) -> tuple[str, ...] | None:
+    """The outermost modules whose parameters are all frozen, in a run without adapters (None: none frozen).
+
+    What `freeze_feature_encoder()` or `model.vision_tower.requires_grad_(False)` left the model with; the
+    plan then keeps no gradients or optimizer states for them.
+    """
+    if getattr(model, "peft_config", None):
+        return None  # peft freezes the base itself; the adapters are the LoRA settings
+    frozen: list[str] = []
+    for name, module in model.named_modules():
+        params = list(module.parameters())
+        if not name or not params or any(p.requires_grad for p in params):
+            continue
+        if not any(name.startswith(outer + ".") for outer in frozen):
+            frozen.append(name)
+    return tuple(frozen) or None

@@ -151,6 +151,9 @@ def input_note(spec, settings) -> str | None:
         size = settings.image_size or lookup(config, "image_size", 224)
         return f"inputs: pixel_values {settings.batch_size}x{lookup(config, 'num_channels', 3)}x{size}x{size} " \
                f"({settings.seq_len} patches per image)"
+    if task == "audio-cls" and config.get("num_mel_bins"):
+        _, frames, bins = whisper_window(config)
+        return f"inputs: input_features {bins}x{frames} per row (the feature extractor's fixed window)"
     if task in ("audio-cls", "ctc"):
         text = (f"inputs: {settings.audio_seconds:g} s of audio at {sampling_rate(config)} Hz "
                 f"({audio_samples(config, settings)} samples, {settings.seq_len} encoder frames) per row")
