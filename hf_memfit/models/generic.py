@@ -69,12 +69,15 @@ def meta_model(config: dict, task: str, num_labels: int = 2):
 def layer_stacks(model) -> list[tuple[str, Any]]:
     """(name, ModuleList) of the outermost ModuleLists: the repeated layer stacks, found by structure."""
     import torch
+    import torch.nn.utils.parametrize  # noqa: F401 - ParametrizationList
 
     stacks: list[tuple[str, Any]] = []
     for name, module in model.named_modules():
         if any(name.startswith(prefix + ".") for prefix, _ in stacks):
             continue
-        if isinstance(module, torch.nn.ModuleList) and len(module) > 0:
+        # (a weight-norm parametrization is a ModuleList too: wav2vec2's positional convolution)
+        if isinstance(module, torch.nn.ModuleList) and len(module) > 0 and \
+                not isinstance(module, torch.nn.utils.parametrize.ParametrizationList):
             stacks.append((name, module))
     return stacks
 
@@ -128,8 +131,8 @@ def _linear_entries(model, stack_names: list[str]) -> list[list]:
             continue
         if any(name.startswith(s + ".") for s in stack_names):
             scope = "layer"
-        elif has_base and not name.startswith(prefix + "."):
-            scope = "head"  # lm_head, score, classifier: outside the base model
+        elif (has_base and not name.startswith(prefix + ".")) or (not has_base and "." not in name):
+            scope = "head"  # lm_head, score, classifier: outside the base model (or top-level, without one)
         else:
             scope = "other"
         key = (name.rsplit(".", 1)[-1], int(fan_in), int(fan_out), module.bias is not None, scope)
@@ -280,9 +283,14 @@ def _task_facts(config: dict, task: str, num_labels: int, fields: dict) -> dict:
     main = next((n for n, s in stacks if len(s) == depth), names[0] if names else "")
     stack = dict(stacks).get(main)
     layer_types = _layer_types(model, depth)
+    counts = _parameter_counts(model, names, main, depth)
+    if fields["is_encoder_decoder"]:  # Whisper: one layer of each stack (layer 1; layer 0 may differ)
+        for stack_name, stack in stacks:
+            side = "decoder" if "decoder" in stack_name.split(".") else "encoder"
+            counts.setdefault(f"per_{side}_layer", sum(p.numel() for p in stack[min(1, len(stack) - 1)].parameters()))
     return {
         "linears": _linear_entries(model, names),
-        "counts": _parameter_counts(model, names, main, depth),
+        "counts": counts,
         "layer_period": layer_period(stack, layer_types) if stack is not None else 1,
         "learned_positions": _has_position_table(model, fields["max_position_embeddings"]),
     }
