@@ -98,7 +98,8 @@ def test_vlm_image_tokens_follow_the_processor_rules():
             "memfit_processor": {"min_pixels": 3136, "max_pixels": 200704}}
     layout = image_layout(qwen, 1000)  # capped by max_pixels: 448 x 448
     assert layout["resized"] == (448, 448) and layout["tokens"] == 256 and layout["pixels"] == (1024, 1176)
-    assert image_layout({"mm_tokens_per_image": 256, "vision_config": {"image_size": 896}}, None)["tokens"] == 258
+    gemma3 = image_layout({"mm_tokens_per_image": 256, "vision_config": {"image_size": 896}}, None)
+    assert (gemma3["tokens"], gemma3["extra"], gemma3["pixels"]) == (256, 2, (3, 896, 896))  # + begin / end of image
     llava = {"image_token_index": 32000, "vision_config": {"image_size": 336, "patch_size": 14}}
     assert image_layout(llava, None)["tokens"] == 576
 

@@ -91,7 +91,7 @@ def add_step_arguments(parser: argparse.ArgumentParser, *, with_batch: bool = Tr
                                       "the rest)")
     media.add_argument("--image-size", type=positive_int,
                        help="pixels per image side; default: the model's (image classification, VLM)")
-    media.add_argument("--images-per-sample", type=positive_int, help="vision-language rows: images per row (1)")
+    media.add_argument("--images-per-sample", type=int, help="vision-language rows: images per row (1; 0: text only)")
     media.add_argument("--audio-seconds", type=positive_float,
                        help="the longest clip (audio classification, CTC; Whisper pads to its 30 s window)")
     media.add_argument("--freeze", help="comma-separated modules trained frozen, as named_modules() names them "

@@ -193,7 +193,7 @@ def make_batch(settings: TrainSettings, config: dict, device: str = "cpu") -> di
     """
     from hf_memfit.models.inputs import make_inputs, uses_inputs
 
-    if uses_inputs(settings.task) and not (settings.task == "image-text-to-text" and settings.trainer == "dpo"):
+    if uses_inputs(settings):
         return make_inputs(config, settings, device)  # images, audio, choices, answer spans
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
     vocab = config.get("vocab_size") or text.get("vocab_size") or 1000

@@ -255,8 +255,8 @@ def _token_lengths(row) -> dict[str, int]:
     lengths = {}
     for key, value in row.items():
         if isinstance(value, torch.Tensor):
-            if value.dim() == 1 and not value.is_floating_point():
-                lengths[key] = value.shape[0]
+            if value.dim() in (1, 2) and not value.is_floating_point():  # 2-d: multiple choice's (choices, tokens)
+                lengths[key] = value.shape[-1]
         elif isinstance(value, (list, tuple)) and value and isinstance(value[0], int):
             lengths[key] = len(value)
     return lengths

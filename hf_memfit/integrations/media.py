@@ -70,8 +70,8 @@ def media_inputs(task: str, config: dict, dataset, collator) -> tuple[dict, list
                 patch = int((config.get("vision_config") or {}).get("patch_size") or 14)
                 found["image_size"] = max(found.get("image_size") or 0, int(grid[:, 1:].max()) * patch)
             layout = image_layout(config, found.get("image_size"))
-            images = max(1, round(image_tokens / (layout["tokens"] or 1)))
-            found["images_per_sample"] = max(found.get("images_per_sample") or 1, images)
+            images = round(image_tokens / (layout["tokens"] or 1))  # 0: a text-only row
+            found["images_per_sample"] = max(found.get("images_per_sample") or 0, images)
             # the text: the row less each image's placeholders and markers (Gemma-3's begin / end of image)
             text = ids.shape[-1] - images * (layout["tokens"] + layout.get("extra", 0))
             found["seq_len"] = max(found["seq_len"] or 1, text)

@@ -67,7 +67,8 @@ def resolve_inputs(spec, settings):
                             f"{spec.name} is planned as {task}")
     for name in ("image_size", "images_per_sample", "label_len"):
         value = getattr(settings, name)
-        if value is not None and (not isinstance(value, int) or value <= 0):
+        minimum = 0 if name == "images_per_sample" else 1  # 0 images: text-only VLM rows
+        if value is not None and (not isinstance(value, int) or value < minimum):
             problems.append(f"`--{name.replace('_', '-')}` must be a positive integer, got {value!r}")
     if settings.audio_seconds is not None and not settings.audio_seconds > 0:
         problems.append(f"`--audio-seconds` must be positive, got {settings.audio_seconds!r}")
@@ -109,6 +110,8 @@ def resolve_inputs(spec, settings):
 
     if settings.seq_len is None:
         problems.append("give `--seq-len N` (the text tokens per sample; the image tokens come on top)")
+    if settings.images_per_sample == 0:
+        return settings, problems  # text-only rows
     return settings, problems + image_problems(spec, settings)
 
 
@@ -162,7 +165,7 @@ def input_note(spec, settings) -> str | None:
         seconds, frames, bins = whisper_window(config)
         return (f"inputs: input_features {bins}x{frames} per row (the feature extractor pads every clip to "
                 f"{seconds:g} s), decoder labels of {label_len(config, settings)} tokens")
-    if task == "image-text-to-text":
+    if task == "image-text-to-text" and settings.images_per_sample != 0:
         from hf_memfit.models.vision_language import vlm_note
 
         return vlm_note(spec.config, settings)
@@ -195,6 +198,8 @@ def batch_bytes(config: dict, settings) -> int:
     if task == "image-text-to-text":
         from hf_memfit.models.vision_language import image_layout, image_tokens
 
+        if settings.images_per_sample == 0:
+            return 0
         layout = image_layout(config, settings.image_size)
         pixels = math.prod(layout["pixels"]) * (settings.images_per_sample or 1)
         return b * (pixels * floats + 3 * 8 * (settings.seq_len + image_tokens(config, settings)))
@@ -245,6 +250,8 @@ def make_inputs(config: dict, settings, device: str = "cpu") -> dict:
             "end_positions": torch.randint(0, settings.seq_len, (b,), device=device)}
 
 
-def uses_inputs(task: str | None) -> bool:
-    """Whether `make_inputs` makes this task's batch (every task but the text LM / classification ones)."""
-    return task in MEDIA_TASKS or task in ("multiple-choice", "qa")
+def uses_inputs(settings) -> bool:
+    """Whether `make_inputs` makes this step's batch: every task but the text ones, and VLM rows with images."""
+    if settings.task == "image-text-to-text":  # DPO's VLM rows and `images_per_sample=0` rows are text only
+        return settings.trainer != "dpo" and settings.images_per_sample != 0
+    return settings.task in MEDIA_TASKS or settings.task in ("multiple-choice", "qa")

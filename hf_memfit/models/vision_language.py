@@ -34,6 +34,11 @@ def _rule(config: dict) -> str | None:
     return None
 
 
+def _images(settings) -> int:
+    """Images per row: 1 unless given (0: text-only rows)."""
+    return 1 if settings.images_per_sample is None else settings.images_per_sample
+
+
 def image_token_id(config: dict) -> int:
     for key in ("image_token_id", "image_token_index"):
         if config.get(key) is not None:
@@ -111,12 +116,12 @@ def image_problems(spec, settings) -> list[str]:
 def image_tokens(config: dict, settings) -> int:
     """All the tokens the images of one sample add to its row (placeholders and their markers)."""
     layout = image_layout(config, settings.image_size)
-    return (settings.images_per_sample or 1) * (layout["tokens"] + layout.get("extra", 0))
+    return _images(settings) * (layout["tokens"] + layout.get("extra", 0))
 
 
 def vlm_note(config: dict, settings) -> str:
     layout = image_layout(config, settings.image_size)
-    images = settings.images_per_sample or 1
+    images = _images(settings)
     extra = f" (resized to {layout['resized'][0]}x{layout['resized'][1]} px)" if "resized" in layout else ""
     extra += f" ({layout['tiles']} tiles)" if "tiles" in layout else ""
     per_image = layout["tokens"] + layout.get("extra", 0)
@@ -128,7 +133,7 @@ def make_vlm_inputs(config: dict, settings, floats, device: str) -> dict:
     """Token ids with the image placeholders where the processor puts them, labels, and the pixels."""
     import torch
 
-    b, images = settings.batch_size, settings.images_per_sample or 1
+    b, images = settings.batch_size, _images(settings)
     layout = image_layout(config, settings.image_size)
     per_image = layout["tokens"]
     total = settings.seq_len + image_tokens(config, settings)
