@@ -58,8 +58,9 @@ def model_task(model) -> str | None:
 
     base = base_model(model)
     name, model_type = type(base).__name__, getattr(base.config, "model_type", None)
-    for task, info in TASK_TABLE.items():
-        if getattr(modeling_auto, info.mapping, {}).get(model_type) == name and task != "seq2seq":
+    # image / audio tasks first: transformers maps Gemma-3's causal LM to its image-text class too
+    for task in sorted(TASK_TABLE, key=lambda t: t not in MEDIA_TASKS):
+        if getattr(modeling_auto, TASK_TABLE[task].mapping, {}).get(model_type) == name and task != "seq2seq":
             return task
     return next((task for suffix, task in _TASK_BY_CLASS_SUFFIX.items() if name.endswith(suffix)), None)
 
