@@ -27,3 +27,10 @@ def check_all(problems: list[str]) -> None:
     """
     if problems:
         raise MemFitError("; ".join(problems))
+
+
+class CannotEstimate(MemFitError):
+    """hf-memfit cannot estimate this model or step (what it does not model), though the run itself may be fine.
+
+    The MemFit trainers catch it, warn once and train as the plain trainer would; the CLI reports it in one line.
+    """

@@ -8,7 +8,7 @@ imports torch. `validate()` collects every problem and reports them at once.
 from dataclasses import asdict, dataclass, field, replace
 
 from hf_memfit.errors import check_all
-from hf_memfit.tasks import TASKS
+from hf_memfit.tasks import MEDIA_TASKS, TASKS
 from hf_memfit.optimizers import OPTIMIZERS  # the one optimizer model: every optim name we plan
 
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16", "fp16")
@@ -90,6 +90,14 @@ class TrainSettings:
     # ring attention (`ParallelismConfig(cp_size)`). accelerate 1.15 refuses both at once.
     sp_size: int = 1
     cp_size: int = 1
+    # Image, audio and speech inputs (models/inputs.py): None takes the model's and its processor's own
+    image_size: int | None = None  # pixels per side of an image as the processor feeds it
+    images_per_sample: int | None = None  # vision-language rows: images per row (None: 1)
+    audio_seconds: float | None = None  # the longest clip of a batch (Whisper pads to its 30 s window)
+    label_len: int | None = None  # CTC / speech seq2seq labels: characters or tokens per row
+    # Modules trained frozen (no gradients, no optimizer state): their names in the model, as named_modules()
+    # gives them (`wav2vec2.feature_extractor` after freeze_feature_encoder(), `model.vision_tower`, ...)
+    frozen: tuple[str, ...] | None = None
 
     @property
     def world_size(self) -> int:
@@ -168,7 +176,7 @@ class TrainSettings:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        for name in ("lora_target_modules", "optim_target_modules"):
+        for name in ("lora_target_modules", "optim_target_modules", "frozen"):
             if d[name] is not None:
                 d[name] = list(d[name])
         return d
@@ -182,6 +190,8 @@ class TrainSettings:
         for name in ("batch_size", "seq_len", "num_labels", "gradient_accumulation_steps", "num_gpus", "num_nodes",
                      "sp_size", "cp_size"):
             value = getattr(self, name)
+            if name == "seq_len" and value is None and spec is not None:
+                continue  # an image or audio task derives it from its inputs (spec.resolve_inputs)
             if not isinstance(value, int) or value <= 0:
                 problems.append(f"`--{name.replace('_', '-')}` must be a positive integer, got {value!r}")
         choices = {
@@ -391,7 +401,7 @@ def _validate_against_model(settings: TrainSettings, spec) -> tuple[TrainSetting
                         f"{', '.join(sorted(LIGER_MODEL_TYPES))}")
     if settings.use_liger_kernel and task != "causal-lm":
         problems.append("`--use-liger-kernel` fuses the causal-LM head and loss: it needs `--task causal-lm`")
-    if settings.trainer != "trainer" and task != "causal-lm":
+    if settings.trainer != "trainer" and task not in ("causal-lm", "image-text-to-text"):
         problems.append(f"`--trainer {settings.trainer}` trains causal language models; {spec.name} is planned as {task}")
     if settings.decoder_seq_len is not None and task != "seq2seq":
         problems.append("`--decoder-seq-len` is for encoder-decoder (seq2seq) models")
@@ -399,7 +409,7 @@ def _validate_against_model(settings: TrainSettings, spec) -> tuple[TrainSetting
     # A learned position table has `limit` rows, so no sequence can be longer; rotary and other positions have
     # no table and train past the configured length (the estimate notes it: `beyond_positions_note`).
     # (padding-free rows restart their position ids at every packed sequence: the limit is per sequence)
-    if limit is not None and spec.learned_positions and settings.seq_len > limit:
+    if limit is not None and spec.learned_positions and task not in MEDIA_TASKS and (settings.seq_len or 0) > limit:
         problems.append(f"`--seq-len {settings.seq_len}` is over {spec.name}'s maximum of {limit} positions; use `--seq-len {limit}` or less")
     problems += _sequence_model_problems(settings, spec, task)
     if settings.optim_target_modules and settings.optim_target_modules != ("all-linear",):
@@ -413,7 +423,8 @@ def _validate_against_model(settings: TrainSettings, spec) -> tuple[TrainSetting
         missing = [m for m in settings.lora_target_modules if m not in known and m != "all-linear"]
         if missing:
             problems.append(f"`--lora-target-modules` {', '.join(missing)} not found in {spec.name}; its linear modules are {', '.join(known)}")
-    return settings.replace(task=task), problems
+    settings, input_problems = spec.resolve_inputs(settings.replace(task=task))
+    return settings, problems + input_problems
 
 
 def _sequence_model_problems(settings: TrainSettings, spec, task: str) -> list[str]:
@@ -444,7 +455,7 @@ def _sequence_model_problems(settings: TrainSettings, spec, task: str) -> list[s
 def beyond_positions_note(settings: TrainSettings, spec) -> str | None:
     """A note for a sequence longer than a rotary-position model's configured positions (memory is not limited)."""
     limit = spec.max_position_embeddings
-    if limit is None or spec.learned_positions or settings.seq_len <= limit:
+    if limit is None or spec.learned_positions or settings.task in MEDIA_TASKS or settings.seq_len <= limit:
         return None
     return (f"`--seq-len {settings.seq_len}` is beyond {spec.name}'s max_position_embeddings of {limit}: it has no "
             "position table, so it trains at this length and the estimate is for it, but quality past the trained "

@@ -9,7 +9,7 @@ from typing import NamedTuple
 class Task(NamedTuple):
     auto_class: str  # the transformers Auto class that builds it
     mapping: str  # that Auto class's model-type -> class-name table in transformers.models.auto.modeling_auto
-    peft_task_type: str  # peft's `TaskType` for LoRA on it
+    peft_task_type: str | None  # peft's `TaskType` for LoRA on it (None: a plain PeftModel, peft has no task type)
 
 
 TASK_TABLE = {
@@ -19,8 +19,18 @@ TASK_TABLE = {
     "seq2seq": Task("AutoModelForSeq2SeqLM", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES", "SEQ_2_SEQ_LM"),
     "token-cls": Task("AutoModelForTokenClassification", "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES",
                       "TOKEN_CLS"),
-    # trained on text-only batches; LoRA on the language model is peft's causal-LM task
+    # images and text (models/vision_language.py); LoRA on the language model is peft's causal-LM task
     "image-text-to-text": Task("AutoModelForImageTextToText", "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES",
                                "CAUSAL_LM"),
+    # Vision, audio and speech (inputs made from the model's config and processor config: models/inputs.py)
+    "image-cls": Task("AutoModelForImageClassification", "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES", None),
+    "audio-cls": Task("AutoModelForAudioClassification", "MODEL_FOR_AUDIO_CLASSIFICATION_MAPPING_NAMES", None),
+    "ctc": Task("AutoModelForCTC", "MODEL_FOR_CTC_MAPPING_NAMES", None),
+    "speech-seq2seq": Task("AutoModelForSpeechSeq2Seq", "MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES", None),
+    "multiple-choice": Task("AutoModelForMultipleChoice", "MODEL_FOR_MULTIPLE_CHOICE_MAPPING_NAMES", None),
+    "qa": Task("AutoModelForQuestionAnswering", "MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES", "QUESTION_ANS"),
 }
 TASKS = tuple(TASK_TABLE)
+# Tasks whose inputs are not (only) token ids: their shapes come from the model's config, its processor
+# config and the image / audio flags (models/inputs.py), not from `seq_len` alone.
+MEDIA_TASKS = ("image-cls", "audio-cls", "ctc", "speech-seq2seq", "image-text-to-text")

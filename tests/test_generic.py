@@ -83,7 +83,7 @@ def test_image_text_to_text_trains_on_text():
     spec = ModelSpec.from_config("gemma3-vl", config)
     assert spec.num_layers == 10 and spec.layer_count_keys == ("text_config.num_hidden_layers",)
     assert spec.with_layers(4)["text_config"]["num_hidden_layers"] == 4
-    settings = TrainSettings(batch_size=2, seq_len=32, device="cpu", mode="exact",
+    settings = TrainSettings(batch_size=2, seq_len=32, device="cpu", mode="exact", images_per_sample=0,
                              task="image-text-to-text").validate(spec)
     predicted = estimate(spec, **settings.to_dict()).peak_allocated_bytes
     measured = measure_cpu_peak(spec.config, settings)

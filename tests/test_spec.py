@@ -76,7 +76,7 @@ def real_linears(model) -> collections.Counter:
         else:
             continue
         outside_body = not path.startswith(prefix + ".") if has_base else "." not in path
-        scope = "layer" if _LAYER_INDEX.match(path) else ("head" if outside_body else "other")
+        scope = "layer" if _in_stack(model, path + ".") else ("head" if outside_body else "other")
         found[(path.rsplit(".", 1)[-1], fan_in, fan_out, module.bias is not None, scope)] += 1
     return found
 
@@ -88,11 +88,23 @@ def spec_linears(spec: ModelSpec, task: str, num_labels: int = 2) -> collections
     })
 
 
+def _in_stack(model, path: str):
+    """The layer-index match of `path` where its numbered parent is a ModuleList of layers (not an nn.Sequential
+    such as Qwen2.5-VL's merger MLP, nor a weight-norm parametrization), else None."""
+    match = _LAYER_INDEX.match(path)
+    if match is None:
+        return None
+    parent = model.get_submodule(match.group(1))
+    is_stack = isinstance(parent, torch.nn.ModuleList) and \
+        not isinstance(parent, torch.nn.utils.parametrize.ParametrizationList)
+    return match if is_stack else None
+
+
 def layer_params(model) -> dict[tuple[str, int], int]:
     """Parameters per (stack path, layer index)."""
     sizes: dict[tuple[str, int], int] = collections.defaultdict(int)
     for path, param in model.named_parameters():
-        match = _LAYER_INDEX.match(path)
+        match = _in_stack(model, path)
         if match:
             sizes[(match.group(1), int(match.group(2)))] += param.numel()
     return sizes
@@ -109,8 +121,9 @@ def check_against_meta(spec: ModelSpec, task: str, num_labels: int = 2) -> None:
     sizes = layer_params(model)
     stacks = sorted({stack for stack, _ in sizes})
     if spec.is_encoder_decoder:
-        by_stack = {stack.split(".")[0]: sizes[(stack, 1)] for stack in stacks}
-        assert by_stack == {"encoder": counts["per_encoder_layer"], "decoder": counts["per_decoder_layer"]}
+        by_stack = {stack.split(".")[-2]: sizes[(stack, 1)] for stack in stacks}  # (model.)encoder.layers
+        # (Whisper's causal-LM and audio classifier build one of its two stacks)
+        assert by_stack and by_stack == {side: counts[f"per_{side}_layer"] for side in by_stack}
     else:
         # Every repeated stack (an image-text model also has its vision tower's) is in "layers";
         # "per_layer" is the mean over the stack that `num_hidden_layers` sets (ModernBERT's

@@ -30,6 +30,23 @@ def seq_len_or_max(text: str) -> int | str:
     return positive_int(text)
 
 
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text!r}")
+    return value
+
+
+def media_inputs(args: argparse.Namespace) -> dict:
+    """The image / audio flags as `TrainSettings` fields."""
+    frozen = tuple(n.strip() for n in (getattr(args, "freeze", None) or "").split(",") if n.strip()) or None
+    return {"frozen": frozen, **{name: getattr(args, name, None)
+                                 for name in ("image_size", "images_per_sample", "audio_seconds", "label_len")}}
+
+
 def add_step_arguments(parser: argparse.ArgumentParser, *, with_batch: bool = True) -> None:
     """The flags that describe a training step; shared by estimate, plan and explain."""
     from hf_memfit.settings import (ATTN_IMPLEMENTATIONS, FSDP_STRATEGIES, OFFLOAD_TARGETS, OPTIMIZERS, PRECISIONS,
@@ -82,6 +99,17 @@ def add_step_arguments(parser: argparse.ArgumentParser, *, with_batch: bool = Tr
                      help="DPO: a frozen copy (default for a full fine-tune), the LoRA base (default with "
                           "--lora-r), or precompute_ref_log_probs")
     parser.add_argument("--decoder-seq-len", type=positive_int, help="seq2seq: the labels' length (default --seq-len)")
+    media = parser.add_argument_group("images, audio and speech (the model's config and processor config fill in "
+                                      "the rest)")
+    media.add_argument("--image-size", type=positive_int,
+                       help="pixels per image side; default: the model's (image classification, VLM)")
+    media.add_argument("--images-per-sample", type=int, help="vision-language rows: images per row (1; 0: text only)")
+    media.add_argument("--audio-seconds", type=positive_float,
+                       help="the longest clip (audio classification, CTC; Whisper pads to its 30 s window)")
+    media.add_argument("--freeze", help="comma-separated modules trained frozen, as named_modules() names them "
+                                        "(wav2vec2.feature_extractor, model.vision_tower, ...)")
+    media.add_argument("--label-len", type=positive_int,
+                       help="CTC characters / Whisper decoder tokens per row (default: 16 per second / 448)")
     if with_batch:
         parser.add_argument("--precision", choices=PRECISIONS, default="fp32",
                             help="*-mixed: autocast over fp32 weights; bf16/fp16: weights stored in that dtype")
@@ -121,10 +149,8 @@ def step_shape(args: argparse.Namespace) -> dict:
     """seq_len and the TRL knobs from the flags: `--max-length` stands for `--seq-len`, `--packing` implies padding-free."""
     from hf_memfit.errors import check_all
 
-    problems = []
-    if args.seq_len is None and args.max_length is None:
-        problems.append("give `--seq-len N` (or `--max-length N` for a TRL trainer)")
-    elif args.seq_len is not None and args.max_length is not None and args.seq_len != args.max_length:
+    problems = []  # no --seq-len: image and audio tasks make it from their inputs, the rest say to give it
+    if args.seq_len is not None and args.max_length is not None and args.seq_len != args.max_length:
         problems.append(f"`--seq-len {args.seq_len}` and `--max-length {args.max_length}` disagree; give one")
     if args.packing and args.trainer != "sft":
         problems.append("`--packing` is SFT packing: add `--trainer sft`")
@@ -157,6 +183,7 @@ def settings_from_args(args: argparse.Namespace):
         sp_size=args.sp_size, cp_size=args.cp_size,
         bnb_4bit_use_double_quant=args.bnb_4bit_use_double_quant, bnb_4bit_quant_storage=args.bnb_4bit_quant_storage,
         device=args.device, gpu=args.gpu, mode=args.mode, expandable_segments=args.expandable_segments,
+        **media_inputs(args),
     )
 
 

@@ -15,7 +15,9 @@ from dataclasses import dataclass, field
 
 from hf_memfit.estimator.breakdown import CATEGORIES, StepMemory
 from hf_memfit.settings import TrainSettings, beyond_positions_note
+from hf_memfit.models.inputs import input_note
 from hf_memfit.models.spec import ModelSpec, resolve_model
+from hf_memfit.tasks import MEDIA_TASKS
 
 
 @dataclass
@@ -92,14 +94,22 @@ def step_memory(spec: ModelSpec, settings: TrainSettings) -> StepMemory:
     from hf_memfit.estimator.sequence import local_step_settings, with_sequence_terms
 
     traced = local_step_settings(traced_settings(settings))
-    return with_sequence_terms(spec, traced_settings(settings), _mode_step_memory(spec, settings.mode, traced))
+    return with_sequence_terms(spec, traced_settings(settings), _mode_step_memory(spec, settings, traced))
 
 
-def _mode_step_memory(spec: ModelSpec, mode: str, traced: TrainSettings) -> StepMemory:
-    if mode == "exact":
+def _mode_step_memory(spec: ModelSpec, settings: TrainSettings, traced: TrainSettings) -> StepMemory:
+    if settings.mode == "exact" and settings.task not in MEDIA_TASKS:
         from hf_memfit.estimator.trace import exact_candidates  # imports torch; fast mode never does
 
         return exact_candidates(spec, traced)
+    if settings.task in MEDIA_TASKS:
+        if settings.mode == "exact":
+            from hf_memfit.estimator.trace import exact_candidates
+
+            return held_batches(spec, settings, exact_candidates(spec, traced))
+        from hf_memfit.estimator.batch_fit import batch_fit_step_memory  # no free sequence length to fit over
+
+        return held_batches(spec, settings, batch_fit_step_memory(spec, traced))
     if not spec.hand_written:
         from hf_memfit.estimator.parametric import parametric_step_memory  # imports torch only to fit
 
@@ -107,6 +117,26 @@ def _mode_step_memory(spec: ModelSpec, mode: str, traced: TrainSettings) -> Step
     from hf_memfit.estimator.fast import fast_step_memory
 
     return fast_step_memory(spec, traced)
+
+
+def held_batches(spec: ModelSpec, settings: TrainSettings, step: StepMemory) -> StepMemory:
+    """The micro-batches the Trainer holds beside the one a step traces (image, audio and VLM inputs).
+
+    `Trainer.get_batch_samples` fetches all `gradient_accumulation_steps` micro-batches of an optimizer step
+    before its first forward and keeps them until the next step's are fetched; the traced step holds its
+    own micro-batch through its forward and backward only. So forward and backward regions hold the other
+    accumulation - 1, and the optimizer step all of them. Token ids are bytes per token against kilobytes
+    of activations, so text batches are left as traced.
+    """
+    from hf_memfit.models.inputs import batch_bytes
+
+    one = batch_bytes(spec.config, settings)
+    held = settings.gradient_accumulation_steps
+    for region, values in step.candidates.items():
+        if region != "build":
+            extra = held if region.endswith("|opt") else held - 1
+            values["activations"] = values.get("activations", 0) + extra * one
+    return step
 
 
 def traced_settings(settings: TrainSettings) -> TrainSettings:
@@ -136,6 +166,9 @@ def assemble(spec: ModelSpec, settings: TrainSettings, step: StepMemory) -> Memo
     allocated = sum(breakdown.values())
     notes = list(step.notes) + list(rank.notes)
     beyond = beyond_positions_note(settings, spec)
+    inputs = input_note(spec, settings)
+    if inputs:
+        notes.insert(0, inputs)
     if beyond:
         notes.insert(0, beyond)
     if settings.device == "cpu":

@@ -113,6 +113,8 @@ def _build_model(config: dict, settings: TrainSettings):
         tile_mlps(model, model.config.get_text_config().hidden_size)
     if settings.trainer != "trainer":
         _add_trl_head(model, settings.trainer)
+    if settings.frozen:
+        freeze(model, settings.frozen)
     if settings.uses_lora:
         model = _add_lora(model, settings)
     if settings.activation_offloading:
@@ -149,6 +151,22 @@ def reference_model(model):
     return model.__dict__.get("memfit_reference")
 
 
+def freeze(model, names) -> None:
+    """Freeze the named modules, as `freeze_feature_encoder()` or `model.vision_tower.requires_grad_(False)` do."""
+    from hf_memfit.errors import MemFitError
+
+    modules = dict(model.named_modules())
+    missing = [name for name in names if name not in modules]
+    if missing:
+        raise MemFitError(f"`--freeze` {', '.join(missing)}: no such module in the model; name modules as "
+                          "model.named_modules() does (e.g. wav2vec2.feature_extractor, model.vision_tower)")
+    for name in names:
+        if hasattr(modules[name], "_freeze_parameters"):  # wav2vec2's feature encoder: no input gradient either
+            modules[name]._freeze_parameters()
+        else:
+            modules[name].requires_grad_(False)
+
+
 def _add_lora(model, settings: TrainSettings):
     from peft import LoraConfig, get_peft_model
 
@@ -175,6 +193,10 @@ def make_batch(settings: TrainSettings, config: dict, device: str = "cpu") -> di
     row whose position ids restart at each sequence. Seq2seq labels have the
     decoder's length.
     """
+    from hf_memfit.models.inputs import make_inputs, uses_inputs
+
+    if uses_inputs(settings):
+        return make_inputs(config, settings, device)  # images, audio, choices, answer spans
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
     vocab = config.get("vocab_size") or text.get("vocab_size") or 1000
     shape = (settings.rows, settings.row_len)

@@ -26,6 +26,7 @@ explicitly, each item sourced in `shared/CUDA_MEMORY_FACTS.md`:
 """
 
 import contextlib
+import os
 import logging
 import weakref
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ from torch.utils._pytree import tree_flatten
 
 from hf_memfit.estimator import step as training
 from hf_memfit.estimator.breakdown import CATEGORIES, StepMemory
+from hf_memfit.estimator.fake_ctc import static_ctc_loss
 from hf_memfit.estimator.fake_optimizers import apollo_on_fake_tensors, make_traced_optimizer, optimizer_state_tensors
 from hf_memfit.estimator.fake_patches import (cuda_autocast_policy, deepcopy_fake_tensors_as_real_ones, gpu_sdpa,
                                               grouped_mm_any_dtype, is_experts, masks_as_the_batch_has,
@@ -299,6 +301,11 @@ def trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], *
         if cuda and settings.trainer != "trainer":
             triton_folds_in_place(patches)
         model = training.build_model(config, settings)
+        spec_augment_off(model)  # see there
+        # A VLM checks that its image tokens match its image features (`torch_compilable_check`, a value fake
+        # tensors do not have); transformers' documented switch turns the checks off while the trace runs.
+        patches.enter_context(_environment("TRANSFORMERS_DISABLE_TORCH_CHECK", "1"))
+        patches.enter_context(static_ctc_loss(model))  # CTC's loss with the batch's static shapes
         for tensor in list(model.parameters()) + list(model.buffers()):
             tracker.mark(tensor, "weights")
         optimizer = make_traced_optimizer(model, settings, cuda)
@@ -378,6 +385,37 @@ def trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], *
     return result
 
 
+@contextlib.contextmanager
+def _environment(name: str, value: str):
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
+
+
+def spec_augment_off(model) -> None:
+    """Trace wav2vec2-style models without SpecAugment's masking, which fake tensors cannot run.
+
+    In training it writes a learned vector into a random mask of frames by boolean indexing
+    (`_mask_hidden_states`), whose shape depends on the data. What it holds is a bool per frame and the
+    masked frames' indices: bytes per frame, against the kilobytes per frame of a layer's activations.
+    LayerDrop (`layerdrop`, `encoder_layerdrop`, `decoder_layerdrop`) skips whole layers at random, decided by
+    comparing a random scalar on the device: traced with every layer run, the step's worst case.
+    """
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "apply_spec_augment", False):
+            config.apply_spec_augment = False
+        for name in ("layerdrop", "encoder_layerdrop", "decoder_layerdrop"):
+            if getattr(config, name, 0):
+                setattr(config, name, 0.0)
+
+
 def _micro_label(micro: int, settings: TrainSettings) -> str:
     """', micro-batch 1' / ', micro-batches 2-8' with accumulation (the second traced one stands for the rest)."""
     steps = settings.gradient_accumulation_steps
@@ -453,9 +491,9 @@ def exact_candidates(spec, settings: TrainSettings, *, extrapolate: bool = True)
     try:
         return _exact_candidates(spec, settings, extrapolate=extrapolate)
     except (DataDependentOutputException, DynamicOutputShapeException) as exc:
-        from hf_memfit.errors import MemFitError
+        from hf_memfit.errors import CannotEstimate
 
-        raise MemFitError(f"exact mode cannot trace model_type `{spec.model_type}`: its forward has shapes that "
+        raise CannotEstimate(f"exact mode cannot trace model_type `{spec.model_type}`: its forward has shapes that "
                           f"depend on the data ({type(exc).__name__} in {exc.func if hasattr(exc, 'func') else exc}),"
                           " which fake tensors do not have; for mixture-of-experts models use transformers' "
                           "grouped_mm experts (its default where the model supports it)") from None

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hf_memfit.errors import MemFitError
+from hf_memfit.errors import CannotEstimate, MemFitError
+from hf_memfit.tasks import MEDIA_TASKS
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +51,17 @@ def base_model(model):
 
 
 def model_task(model) -> str | None:
-    name = type(base_model(model)).__name__
+    """The task of the model's class: the hf-memfit task whose Auto class builds exactly this class, else by suffix."""
+    from transformers.models.auto import modeling_auto
+
+    from hf_memfit.tasks import TASK_TABLE
+
+    base = base_model(model)
+    name, model_type = type(base).__name__, getattr(base.config, "model_type", None)
+    # image / audio tasks first: transformers maps Gemma-3's causal LM to its image-text class too
+    for task in sorted(TASK_TABLE, key=lambda t: t not in MEDIA_TASKS):
+        if getattr(modeling_auto, TASK_TABLE[task].mapping, {}).get(model_type) == name and task != "seq2seq":
+            return task
     return next((task for suffix, task in _TASK_BY_CLASS_SUFFIX.items() if name.endswith(suffix)), None)
 
 
@@ -220,8 +231,8 @@ def longest_batch(spec, dataset, collator, tokenizer, max_length: int | None = N
         length = spec.max_position_embeddings
         return DataShape(length, notes=[f"sequence length {length} assumed: the model's maximum positions, for {what} "
                                         "with no max_length (set `max_length` to plan for shorter rows)"])
-    raise MemFitError("cannot tell the sequence length: give the trainer a `max_length`, or a map-style dataset "
-                      "with `input_ids`")
+    raise CannotEstimate("cannot tell the sequence length: give the trainer a `max_length`, or a map-style dataset "
+                         "with `input_ids`")
 
 
 def _first_limit(*values) -> int | None:
@@ -245,8 +256,8 @@ def _token_lengths(row) -> dict[str, int]:
     lengths = {}
     for key, value in row.items():
         if isinstance(value, torch.Tensor):
-            if value.dim() == 1 and not value.is_floating_point():
-                lengths[key] = value.shape[0]
+            if value.dim() in (1, 2) and not value.is_floating_point():  # 2-d: multiple choice's (choices, tokens)
+                lengths[key] = value.shape[-1]
         elif isinstance(value, (list, tuple)) and value and isinstance(value[0], int):
             lengths[key] = len(value)
     return lengths
@@ -396,11 +407,30 @@ def plan_inputs(trainer, model, args, fields, train_dataset, collator, tokenizer
         raise MemFitError("`memory_budget='auto'` needs a CUDA GPU and none is in use; give a size such as "
                           "memory_budget='16GiB'")
     step = trl_step(trainer, args, call_arguments(trainer), model)
-    shape = longest_batch(spec, train_dataset, collator, tokenizer, getattr(args, "max_length", None))
-    notes = list(shape.notes)
+    task = model_task(model)
+    if task is None:
+        from hf_memfit.tasks import TASK_TABLE
+
+        raise CannotEstimate(f"{type(base).__name__} trains a task hf-memfit does not model (it models "
+                             f"{', '.join(TASK_TABLE)})")
+    inputs, media_notes = {}, []
+    if task in MEDIA_TASKS:  # images, audio, speech: the shapes are read from the collated rows
+        from hf_memfit.integrations.media import frozen_modules, media_inputs, processor_dict
+
+        processor = processor_dict(tokenizer)
+        if processor:
+            config["memfit_processor"] = processor
+            spec = ModelSpec.from_config(spec.name, config)
+        inputs, media_notes = media_inputs(task, config, train_dataset, collator)
+        inputs["frozen"] = frozen_modules(model)
+        shape = DataShape(inputs.pop("seq_len", None) or 1)
+        if task != "image-text-to-text":
+            shape.seq_len = None
+    else:
+        shape = longest_batch(spec, train_dataset, collator, tokenizer, getattr(args, "max_length", None))
+    notes = list(shape.notes) + media_notes
     run_fsdp = fsdp_layout_run(args, on_gpu, notes)
     padding_free = step.get("padding_free", False) or shape.padding_free
-    task = model_task(model)
     if task == "seq2seq" and not spec.is_encoder_decoder:
         task = spec.default_task  # a decoder's *ForConditionalGeneration (Gemma-3 with vision) trains as a causal LM
     decoder = shape.decoder_seq_len if task == "seq2seq" and shape.decoder_seq_len != shape.seq_len else None
@@ -438,7 +468,8 @@ def plan_inputs(trainer, model, args, fields, train_dataset, collator, tokenizer
         allow_optimizers=fields.allow_optimizers, attn_implementation=attention or "sdpa",
         trainer=step.get("trainer", "trainer"), padding_free=padding_free,
         reference_model=step.get("reference_model"), decoder_seq_len=decoder, notes=notes,
-        activation_offloading=activation_offloading, sp_size=sp, cp_size=cp, **low_rank_arguments(args),
+        activation_offloading=activation_offloading, sp_size=sp, cp_size=cp, inputs=inputs,
+        **low_rank_arguments(args),
     )
 
 

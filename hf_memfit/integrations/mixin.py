@@ -38,6 +38,7 @@ from hf_memfit.integrations.introspect import on_cuda as _on_cuda
 from hf_memfit.integrations.introspect import uses_fsdp
 from hf_memfit.integrations.recovery import (PeerOutOfMemoryError, OomRecoveryMixin,  # noqa: F401
                                              is_out_of_memory, with_checkpointing_aliases)
+from hf_memfit.integrations.unplanned import train_unplanned
 from hf_memfit.units import format_bytes
 
 logger = logging.getLogger(__name__)
@@ -90,9 +91,12 @@ class MemFitMixin(OomRecoveryMixin):
         from hf_memfit.integrations.introspect import plan_inputs
         from hf_memfit.planner.search import plan
 
-        self.memfit_inputs = plan_inputs(self, bound["model"], train_args, fields, bound.get("train_dataset"),
-                                         bound.get("data_collator"), bound.get("processing_class"))
-        self.memfit_result = plan(**{k: v for k, v in self.memfit_inputs.items() if k != "notes"})
+        try:
+            self.memfit_inputs = plan_inputs(self, bound["model"], train_args, fields, bound.get("train_dataset"),
+                                             bound.get("data_collator"), bound.get("processing_class"))
+            self.memfit_result = plan(**{k: v for k, v in self.memfit_inputs.items() if k != "notes"})
+        except Exception as error:  # noqa: BLE001 - what hf-memfit cannot model must not stop the run
+            return train_unplanned(self, error, bound)  # re-raises the user's own errors (a budget nothing fits)
         self.memfit_plan = self.memfit_result.plan
         self.memfit_overrides = overridden_settings(train_args, self.memfit_plan)
         bound["args"] = apply_plan(self.memfit_plan, train_args)
@@ -140,6 +144,8 @@ class MemFitMixin(OomRecoveryMixin):
         self._memfit_pending_logs.update(metrics)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
+        if self.memfit_result is None:  # unplanned (`unplanned.py`): the plain trainer's train
+            return Trainer.train(self, resume_from_checkpoint, *args, **kwargs)
         if resume_from_checkpoint:
             self._restore_plan(resume_from_checkpoint)
         if self.args.should_save:

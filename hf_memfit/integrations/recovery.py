@@ -112,6 +112,8 @@ class OomRecoveryMixin(Trainer):
         the same global batch: nothing is skipped, nothing is counted twice. Every
         rank learns of an OOM on any rank and steps down with it.
         """
+        if self.memfit_result is None:  # unplanned (`unplanned.py`): the plain trainer's step
+            return Trainer.training_step(self, model, inputs, num_items_in_batch)
         if self.state.global_step != self._memfit_step_id:
             self._memfit_step_id, self._memfit_step_inputs = self.state.global_step, []
         self._memfit_step_inputs.append(inputs)

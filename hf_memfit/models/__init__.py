@@ -11,7 +11,8 @@ and `counts` (the linear modules and parameter counts in closed form), and
 Adding a family is adding one module here: every module in this package whose
 name does not start with "_" is a family module, except the three that serve
 them all: `spec.py` (config -> `ModelSpec`), `build.py` (the transformers model for a config), `forward.py` (the symbolic ops a
-family's `Forward` is written in) and `generic.py`. A model type no module
+family's `Forward` is written in), `generic.py`, and `inputs.py` / `vision_language.py` (a task's inputs from the
+config and the processor config). A model type no module
 claims takes the generic path (`generic.py`): exact mode traces it, and fast
 mode is fitted to a few exact traces (`estimator/parametric.py`).
 
@@ -27,7 +28,7 @@ from types import ModuleType
 
 
 # The modules here that are not families (see above).
-_SHARED_MODULES = ("build", "forward", "generic", "spec", "tiling")
+_SHARED_MODULES = ("build", "forward", "generic", "inputs", "spec", "tiling", "vision_language")
 
 
 @lru_cache(maxsize=1)

@@ -87,3 +87,24 @@ def decoder_counts(s, entries: list[Lin], task: str, embedding: int, norms_per_l
         "final": final + linear_params(entries, "other"),
         "head": head_params(s, entries, task),
     }
+
+
+# --- what the inputs of image / audio tasks read (models/inputs.py, models/vision_language.py) ---
+
+PROCESSOR_KEY = "memfit_processor"  # the processor config, carried inside the model config dict
+
+
+def processor_config(config: dict) -> dict:
+    value = config.get(PROCESSOR_KEY)
+    return value if isinstance(value, dict) else {}
+
+
+def lookup(config: dict, key: str, default=None, *, towers=("vision_config", "audio_config", "encoder")):
+    """`key` from the config, else from its vision / audio sub-config."""
+    if config.get(key) is not None:
+        return config[key]
+    for tower in towers:
+        sub = config.get(tower)
+        if isinstance(sub, dict) and sub.get(key) is not None:
+            return sub[key]
+    return default

@@ -4,7 +4,7 @@ and `hf-memfit check` trains, one code path for all three."""
 from __future__ import annotations
 
 from hf_memfit.cache import library_version
-from hf_memfit.errors import MemFitError
+from hf_memfit.errors import CannotEstimate
 from hf_memfit.tasks import TASK_TABLE
 
 
@@ -21,7 +21,7 @@ def hf_config(config: dict, name: str = ""):
         remote = " (its config names remote code in `auto_map`, which hf-memfit does not run)" \
             if "auto_map" in config else ""
         shown = f"`{name}` " if name else ""
-        raise MemFitError(f"`model` {shown}has model_type `{model_type}`, which transformers {version} cannot "
+        raise CannotEstimate(f"`model` {shown}has model_type `{model_type}`, which transformers {version} cannot "
                           f"build{remote}; upgrade transformers or pass a config of a model type it "
                           f"knows ({str(exc).split('. ')[0][:120]})") from None
 

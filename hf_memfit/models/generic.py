@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from hf_memfit.cache import config_key, library_version, read_cache, write_cache
-from hf_memfit.errors import MemFitError
+from hf_memfit.errors import CannotEstimate, MemFitError
 from hf_memfit.models.build import hf_config, instantiate
 from hf_memfit.tasks import TASK_TABLE
 
@@ -33,10 +33,20 @@ def supported_tasks(model_type: str) -> tuple[str, ...]:
                  if model_type in getattr(modeling_auto, info.mapping, {}))
 
 
+def transformers_tasks(model_type: str) -> list[str]:
+    """Every `AutoModelFor...` class the installed transformers builds for `model_type` (for error messages)."""
+    from transformers.models.auto import modeling_auto
+
+    return sorted(getattr(modeling_auto, name)[model_type] for name in dir(modeling_auto)
+                  if name.startswith("MODEL_FOR_") and name.endswith("_MAPPING_NAMES")
+                  and isinstance(getattr(modeling_auto, name).get(model_type), str))
+
+
 def default_task(tasks: tuple[str, ...], is_encoder_decoder: bool) -> str:
     """seq2seq for encoder-decoders, else causal LM, else the first task the model builds for."""
-    order = ("seq2seq", "causal-lm", "image-text-to-text", "seq-cls", "token-cls") if is_encoder_decoder else \
-        ("causal-lm", "image-text-to-text", "seq2seq", "seq-cls", "token-cls")
+    order = ("seq2seq", "speech-seq2seq", "causal-lm", "image-text-to-text", "seq-cls", "token-cls") \
+        if is_encoder_decoder else ("causal-lm", "image-text-to-text", "seq2seq", "seq-cls", "token-cls",
+                                    "image-cls", "ctc", "audio-cls", "qa", "multiple-choice")
     for task in order:
         if task in tasks:
             return task
@@ -59,12 +69,15 @@ def meta_model(config: dict, task: str, num_labels: int = 2):
 def layer_stacks(model) -> list[tuple[str, Any]]:
     """(name, ModuleList) of the outermost ModuleLists: the repeated layer stacks, found by structure."""
     import torch
+    import torch.nn.utils.parametrize  # noqa: F401 - ParametrizationList
 
     stacks: list[tuple[str, Any]] = []
     for name, module in model.named_modules():
         if any(name.startswith(prefix + ".") for prefix, _ in stacks):
             continue
-        if isinstance(module, torch.nn.ModuleList) and len(module) > 0:
+        # (a weight-norm parametrization is a ModuleList too: wav2vec2's positional convolution)
+        if isinstance(module, torch.nn.ModuleList) and len(module) > 0 and \
+                not isinstance(module, torch.nn.utils.parametrize.ParametrizationList):
             stacks.append((name, module))
     return stacks
 
@@ -118,8 +131,8 @@ def _linear_entries(model, stack_names: list[str]) -> list[list]:
             continue
         if any(name.startswith(s + ".") for s in stack_names):
             scope = "layer"
-        elif has_base and not name.startswith(prefix + "."):
-            scope = "head"  # lm_head, score, classifier: outside the base model
+        elif (has_base and not name.startswith(prefix + ".")) or (not has_base and "." not in name):
+            scope = "head"  # lm_head, score, classifier: outside the base model (or top-level, without one)
         else:
             scope = "other"
         key = (name.rsplit(".", 1)[-1], int(fan_in), int(fan_out), module.bias is not None, scope)
@@ -203,9 +216,10 @@ def describe(name: str, config: dict) -> dict:
     model_type = hf.model_type
     tasks = supported_tasks(model_type)
     if not tasks:
-        raise MemFitError(f"`model` `{name}` has model_type `{model_type}`, which transformers "
-                          f"{library_version('transformers')} builds for none of hf-memfit's tasks "
-                          f"({', '.join(TASK_TABLE)}); pass a causal LM, classifier or seq2seq config")
+        built = transformers_tasks(model_type)
+        raise CannotEstimate(f"`model` `{name}` has model_type `{model_type}`, which transformers "
+                             f"{library_version('transformers')} builds for none of hf-memfit's tasks "
+                             f"({', '.join(TASK_TABLE)}); it builds {', '.join(built) or 'no Auto class'} for it")
     encdec = bool(getattr(hf, "is_encoder_decoder", False))
     depth_keys, depths = _depth_paths(config, hf, text)
     heads = _int(getattr(text, "num_attention_heads", None), 1)
@@ -260,7 +274,7 @@ def _task_facts(config: dict, task: str, num_labels: int, fields: dict) -> dict:
         raise
     except Exception as exc:  # noqa: BLE001 - any failure to build is the config's, reported in one line
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
-        raise MemFitError(f"`model`: transformers {library_version('transformers')} could not build model_type "
+        raise CannotEstimate(f"`model`: transformers {library_version('transformers')} could not build model_type "
                           f"`{config.get('model_type')}` for task {task} from this config "
                           f"({type(exc).__name__}: {reason}); pass an unmodified config.json") from None
     stacks = layer_stacks(model)
@@ -270,9 +284,14 @@ def _task_facts(config: dict, task: str, num_labels: int, fields: dict) -> dict:
     main = next((n for n, s in stacks if len(s) == depth), names[0] if names else "")
     stack = dict(stacks).get(main)
     layer_types = _layer_types(model, depth)
+    counts = _parameter_counts(model, names, main, depth)
+    if fields["is_encoder_decoder"]:  # Whisper: one layer of each stack (layer 1; layer 0 may differ)
+        for stack_name, stack in stacks:
+            side = "decoder" if "decoder" in stack_name.split(".") else "encoder"
+            counts.setdefault(f"per_{side}_layer", sum(p.numel() for p in stack[min(1, len(stack) - 1)].parameters()))
     return {
         "linears": _linear_entries(model, names),
-        "counts": _parameter_counts(model, names, main, depth),
+        "counts": counts,
         "layer_period": layer_period(stack, layer_types) if stack is not None else 1,
         "learned_positions": _has_position_table(model, fields["max_position_embeddings"]),
         "tileable_mlp": bool(stack is not None and dense_mlps(stack)),

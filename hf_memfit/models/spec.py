@@ -79,7 +79,26 @@ def _read_catalogue(hub_id: str) -> dict:
     path = CATALOGUE_DIR / (hub_id.replace("/", "--") + ".json")
     config = json.loads(path.read_text(encoding="utf-8"))
     config.pop("_source", None)  # where the published config.json was copied from; not a config key
+    processor = CATALOGUE_DIR / "processors" / path.name  # its preprocessor_config.json, where the inputs need it
+    if processor.is_file():
+        return _with_processor(config, json.loads(processor.read_text(encoding="utf-8")))
     return config
+
+
+def _with_processor(config: dict, processor: dict | None) -> dict:
+    """The config carrying its processor config (`models/inputs.py` reads the input shapes from it)."""
+    if isinstance(processor, dict):
+        processor = {k: v for k, v in processor.items() if k != "_source"}
+        config["memfit_processor"] = processor
+    return config
+
+
+def _local_processor(folder: Path) -> dict | None:
+    path = folder / "preprocessor_config.json"
+    try:
+        return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+    except (OSError, ValueError):
+        return None
 
 
 def _read_config_file(path: Path, shown: str) -> dict:
@@ -198,7 +217,8 @@ def load_model_config(model: str) -> tuple[str, dict]:
         return text, _read_config_file(path, text)
     if path.is_dir():
         if (path / "config.json").is_file():
-            return text, _read_config_file(path / "config.json", text + "/config.json")
+            return text, _with_processor(_read_config_file(path / "config.json", text + "/config.json"),
+                                         _local_processor(path))
         raise MemFitError(f"`model` directory `{text}` has no config.json; "
                           "pass the directory that holds the model's config.json")
     hub_id = _catalogue_index().get(text.lower())
@@ -348,6 +368,11 @@ class ModelSpec:
             if alias in config:
                 config[alias] = n
         _fit_layer_lists(config, n, self.num_layers)
+        for holder in (config, config.get("vision_config")):
+            if isinstance(holder, dict) and "stage_names" in holder:
+                # a backbone's per-stage outputs (DINOv2, ...) are named by depth; only AutoBackbone reads them
+                for key in ("stage_names", "out_features", "out_indices"):
+                    holder.pop(key, None)
         return config
 
     def _getter(self) -> Getter:
@@ -456,6 +481,12 @@ class ModelSpec:
         order = {"layer": 0, "other": 1, "head": 2}
         items = sorted(merged.items(), key=lambda kv: order[kv[0][4]])  # stable: keeps layer order
         return [LinearModule(n, i, o, b, c, s) for (n, i, o, b, s), c in items]
+
+    def resolve_inputs(self, settings):
+        """(settings with the input shape of an image / audio task filled in, problems): `models/inputs.py`."""
+        from hf_memfit.models.inputs import resolve_inputs
+
+        return resolve_inputs(self, settings)
 
     def default_lora_target_modules(self) -> list[str]:
         """peft's default LoRA `target_modules` for this model type.

@@ -2,6 +2,8 @@
 
 import math
 
+from hf_memfit.errors import MemFitError
+
 from hf_memfit import optimizers
 from hf_memfit.errors import MemFitError
 from hf_memfit.estimator.assemble import MemoryEstimate, estimate_settings
@@ -455,7 +457,13 @@ def nothing_fits(spec, base: TrainSettings, candidates, usable: int, budget: int
                                       zero_stage=3, optim="adamw_torch_fused")))
     remedies += [(f"`--allow-optimizers {name}`", changes) for name, changes in _dynamics_optimizers(spec, base, searched)]
     if not base.uses_lora:
-        remedies.append(("LoRA `--lora-r 16`", dict(lora_r=16, optim="adamw_torch_fused")))
+        lora = dict(lora_r=16, optim="adamw_torch_fused")
+        try:
+            spec.default_lora_target_modules()
+            remedies.append(("LoRA `--lora-r 16`", lora))
+        except MemFitError:  # peft has no default targets for this model type (ViT, wav2vec2, ...)
+            remedies.append(("LoRA `--lora-r 16 --lora-target-modules all-linear`",
+                             dict(lora, lora_target_modules=("all-linear",))))
     qlora = dict(lora_r=base.lora_r or 16, load_in_4bit=True, optim="adamw_torch_fused",
                  precision="bf16-mixed" if base.precision == "fp32" else base.precision)
     if on_gpu and not base.load_in_4bit:

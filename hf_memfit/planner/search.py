@@ -65,7 +65,7 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
          reference_model: str | None = None, decoder_seq_len: int | None = None,
          activation_offloading: bool = False, optim_target_modules=None, optim_args: str | None = None,
          sp_size: int | str = "auto", cp_size: int | str = 1, confirm_in_exact: bool = True,
-         tiled_mlp: bool | None = None) -> PlanResult:
+         tiled_mlp: bool | None = None, inputs: dict | None = None) -> PlanResult:
     """Pick the fastest configuration that trains `model` within the memory budget.
 
     The budget is `gpu_memory` (a size such as "12GiB", or "auto" for the local
@@ -95,7 +95,9 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
     `decoder_seq_len` describe the step as `TrainSettings` does; so does
     `activation_offloading` (TRL's, kept as set: it is the user's choice).
     `optim_target_modules` / `optim_args` go with a GaLore / APOLLO `optim` the run
-    already has (TrainingArguments' names; "all-linear" or module names).
+    already has (TrainingArguments' names; "all-linear" or module names). `inputs` holds the image / audio
+    `TrainSettings` fields (image_size, images_per_sample, audio_seconds, label_len); for those tasks
+    `seq_len` may be None (made from the inputs).
     `sp_size` / `cp_size` split each sequence over ranks: Ulysses (DeepSpeed) / context parallelism
     (FSDP2); a number fixes it, "auto" lets the plan search it (`grid.sequence_splits`: when the sequence is
     long or nothing fits without). The global batch is micro-batch x accumulation x world / (sp x cp).
@@ -163,7 +165,7 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
         bnb_4bit_use_double_quant=bnb_4bit_use_double_quant, bnb_4bit_quant_storage=bnb_4bit_quant_storage,
         trainer=trainer, padding_free=padding_free, reference_model=reference_model, decoder_seq_len=decoder_seq_len,
         activation_offloading=activation_offloading, optim_args=optim_args,
-        optim_target_modules=parse_target_modules(optim_target_modules),
+        optim_target_modules=parse_target_modules(optim_target_modules), **(inputs or {}),
     ).validate(spec)
     fixed_layout = None
     if deepspeed_layout is not None and fsdp_layout is not None:

@@ -1,0 +1,237 @@
+"""Vision, audio, speech and text-task fine-tunes through the real trainers on the CPU, predicted vs the profiler.
+
+Each row builds a small model from a config (random weights: memory does not depend on them), a dataset of
+collated-shape rows, and hf-memfit's trainer over the real one (`MemFitTrainer` = the Trainer,
+`MemFitSeq2SeqTrainer` for Whisper), in a forked child under the PyTorch profiler with
+`profile_memory=True`: the maximum of the running sum of the allocator's `[memory]` events from model
+creation to the end of two optimizer steps is the measured peak (`hf_memfit/estimator/measure.py`'s
+ground truth). The prediction is the trainer's own logged `memfit/predicted_peak_bytes` (its fast-mode
+plan, from the shapes it read off the collated batch); the exact-mode estimate of the same plan, made
+before the row trains, is reported beside it.
+
+    PYTHONPATH=$PWD python benchmarks/modalities.py              # all rows -> benchmarks/results/modalities.json
+    PYTHONPATH=$PWD python benchmarks/modalities.py vit-cls      # some rows, replacing theirs in the JSON
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import transformers  # noqa: F401 - imported in the parent so that forked children start warm
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import run_forked  # noqa: E402
+
+VIT = dict(model_type="vit", hidden_size=192, num_hidden_layers=4, num_attention_heads=3, intermediate_size=768,
+           image_size=224, patch_size=16)
+DINOV2 = dict(model_type="dinov2", hidden_size=192, num_hidden_layers=4, num_attention_heads=3, image_size=518,
+              patch_size=14)
+SIGLIP = dict(model_type="siglip", vision_config=dict(hidden_size=192, intermediate_size=768, num_hidden_layers=4,
+                                                      num_attention_heads=3, image_size=224, patch_size=16),
+              text_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2))
+WAV2VEC2 = dict(model_type="wav2vec2", hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+                intermediate_size=1024, conv_dim=[128] * 7, num_conv_pos_embeddings=32,
+                num_conv_pos_embedding_groups=4, vocab_size=32)
+HUBERT = dict(WAV2VEC2, model_type="hubert", feat_extract_norm="layer", do_stable_layer_norm=True, conv_bias=True)
+WHISPER = dict(model_type="whisper", d_model=256, encoder_layers=4, decoder_layers=4, encoder_attention_heads=4,
+               decoder_attention_heads=4, encoder_ffn_dim=1024, decoder_ffn_dim=1024, vocab_size=8000, num_mel_bins=80,
+               max_source_positions=1500, max_target_positions=448, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+               decoder_start_token_id=1)
+MODERNBERT = dict(model_type="modernbert", hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+                  intermediate_size=512, vocab_size=8000, global_attn_every_n_layers=2, pad_token_id=0)
+
+TEXT = dict(model_type="llama", hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=8000)
+LLAVA = dict(model_type="llava", image_token_index=7999, image_seq_length=196, text_config=TEXT,
+             vision_config=dict(model_type="clip_vision_model", hidden_size=192, intermediate_size=768,
+                                num_hidden_layers=4, num_attention_heads=3, image_size=224, patch_size=16,
+                                projection_dim=192))
+GEMMA3 = dict(model_type="gemma3", mm_tokens_per_image=64, image_token_index=7999, boi_token_index=7997,
+              eoi_token_index=7998,
+              text_config=dict(model_type="gemma3_text", hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=8000,
+                               sliding_window=512),
+              vision_config=dict(model_type="siglip_vision_model", hidden_size=192, intermediate_size=768,
+                                 num_hidden_layers=4, num_attention_heads=3, image_size=224, patch_size=14))
+
+# name -> (trainer, config, task Auto class, row maker, argument extras)
+ROWS = {
+    "vit-cls": ("trainer", VIT, "AutoModelForImageClassification", "image", {}),
+    "vit-cls-bf16-mixed": ("trainer", VIT, "AutoModelForImageClassification", "image", {"bf16": True}),
+    "vit-cls-lora": ("trainer", VIT, "AutoModelForImageClassification", "image", {"lora": ["q_proj", "v_proj"]}),
+    "vit-cls-tight": ("trainer", VIT, "AutoModelForImageClassification", "image", {"budget_fraction": 0.5}),
+    "dinov2-cls": ("trainer", DINOV2, "AutoModelForImageClassification", "image", {}),
+    "siglip-cls": ("trainer", SIGLIP, "AutoModelForImageClassification", "image", {}),
+    "wav2vec2-audio-cls": ("trainer", WAV2VEC2, "AutoModelForAudioClassification", "audio", {}),
+    "hubert-audio-cls": ("trainer", HUBERT, "AutoModelForAudioClassification", "audio", {}),
+    "whisper-seq2seq": ("seq2seq", WHISPER, "AutoModelForSpeechSeq2Seq", "speech", {}),
+    "whisper-seq2seq-bf16-mixed": ("seq2seq", WHISPER, "AutoModelForSpeechSeq2Seq", "speech", {"bf16": True}),
+    "whisper-seq2seq-tight": ("seq2seq", WHISPER, "AutoModelForSpeechSeq2Seq", "speech", {"budget_fraction": 0.5}),
+    "whisper-audio-cls": ("trainer", WHISPER, "AutoModelForAudioClassification", "speech-cls", {}),
+    "modernbert-multiple-choice": ("trainer", MODERNBERT, "AutoModelForMultipleChoice", "choices", {}),
+    "modernbert-qa": ("trainer", MODERNBERT, "AutoModelForQuestionAnswering", "qa", {}),
+    "wav2vec2-ctc": ("trainer", WAV2VEC2, "AutoModelForCTC", "ctc", {}),
+    "wav2vec2-ctc-frozen-encoder": ("trainer", WAV2VEC2, "AutoModelForCTC", "ctc", {"freeze": "feature_encoder"}),
+    "llava-vlm": ("trainer", LLAVA, "AutoModelForImageTextToText", "llava", {}),
+    "llava-vlm-frozen-vision": ("trainer", LLAVA, "AutoModelForImageTextToText", "llava", {"freeze": "vision"}),
+    "gemma3-vlm": ("trainer", GEMMA3, "AutoModelForImageTextToText", "gemma3", {}),
+}
+BATCH = 4
+SEQ = 256
+AUDIO_SAMPLES = 16000 * 4  # 4 s at 16 kHz
+
+
+def rows(kind: str, n: int = 8) -> list[dict]:
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(n):
+        if kind == "image":
+            out.append({"pixel_values": torch.randn(3, 224, 224, generator=g), "labels": 1})
+        elif kind == "audio":
+            out.append({"input_values": torch.randn(AUDIO_SAMPLES, generator=g), "labels": 1})
+        elif kind in ("speech", "speech-cls"):
+            row = {"input_features": torch.randn(80, 3000, generator=g)}
+            row["labels"] = torch.randint(3, 8000, (64,), generator=g) if kind == "speech" else 1
+            out.append(row)
+        elif kind == "ctc":
+            out.append({"input_values": torch.randn(AUDIO_SAMPLES, generator=g),
+                        "labels": torch.randint(1, 32, (60,), generator=g)})
+        elif kind in ("llava", "gemma3"):  # one image's placeholders (and Gemma-3's markers), then the text
+            image = [7999] * 196 if kind == "llava" else [7997] + [7999] * 64 + [7998]
+            ids = torch.tensor(image + torch.randint(1, 7990, (SEQ,), generator=g).tolist())
+            labels = ids.clone()
+            labels[: len(image)] = -100
+            row = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels,
+                   "pixel_values": torch.randn(3, 224, 224, generator=g)}
+            if kind == "gemma3":
+                row["token_type_ids"] = (ids == 7999).long()
+            out.append(row)
+        elif kind == "choices":
+            out.append({"input_ids": torch.randint(1, 8000, (2, SEQ), generator=g),
+                        "attention_mask": torch.ones(2, SEQ, dtype=torch.long), "labels": 1})
+        else:
+            out.append({"input_ids": torch.randint(1, 8000, (SEQ,), generator=g), "start_positions": 3,
+                        "end_positions": 9})
+    return out
+
+
+class Rows(torch.utils.data.Dataset):
+    def __init__(self, items):
+        self.items = items
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return self.items[i]
+
+
+def make_trainer(name: str, budget: str, out: str, data: list[dict]):
+    import transformers
+    from transformers import AutoConfig
+
+    from hf_memfit.integrations.args import MemFitArguments
+    from hf_memfit.integrations.trainer import MemFitSeq2SeqTrainer, MemFitSeq2SeqTrainingArguments, MemFitTrainer
+
+    kind, fields, auto, _, extras = ROWS[name]
+    torch.manual_seed(0)
+    model = getattr(transformers, auto).from_config(AutoConfig.for_model(**fields))
+    if extras.get("freeze") == "feature_encoder":
+        model.freeze_feature_encoder()
+    elif extras.get("freeze") == "vision":
+        model.model.vision_tower.requires_grad_(False)
+    if extras.get("lora"):
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=8, target_modules=extras["lora"], modules_to_save=["classifier"]))
+    args_cls, trainer_cls = (MemFitSeq2SeqTrainingArguments, MemFitSeq2SeqTrainer) if kind == "seq2seq" else \
+        (MemFitArguments, MemFitTrainer)
+    args = args_cls(output_dir=out, memory_budget=budget, per_device_train_batch_size=BATCH, max_steps=2,
+                    report_to=[], save_strategy="no", use_cpu=True, logging_steps=1, disable_tqdm=True,
+                    bf16=extras.get("bf16", False), learning_rate=1e-4)
+    return trainer_cls(model=model, args=args, train_dataset=Rows(data))
+
+
+def run_row(name: str, emit) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    from hf_memfit.estimator.assemble import estimate_settings
+    from hf_memfit.models.spec import ModelSpec
+
+    extras = ROWS[name][4]
+    out = f"/tmp/hf_memfit_modal_bench/{name}"
+    # The dataset is made before the profiler starts: its rows (8 images or clips) are the data, not the step.
+    data = rows(ROWS[name][3])
+    budget = "8GiB"
+    if "budget_fraction" in extras:  # a budget that forces the plan off the roomy one
+        roomy = make_trainer(name, budget, out, data)
+        budget = str(int(roomy.memfit_result.estimate.device_total_bytes * extras["budget_fraction"]))
+        del roomy
+        gc.collect()
+    planned = make_trainer(name, budget, out, data)
+    settings = planned.memfit_result.estimate.settings
+    base = planned.model.get_base_model() if hasattr(planned.model, "get_base_model") else planned.model
+    config = base.config.to_dict()
+    exact = estimate_settings(ModelSpec.from_config(name, config), settings.replace(mode="exact"))
+    del planned, base
+    gc.collect()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        trainer = make_trainer(name, budget, out, data)
+        trainer.train()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    live = measured = 0
+    for event in events:
+        live += event.nbytes()
+        measured = max(measured, live)
+    check = next(h for h in trainer.state.log_history if "memfit/predicted_peak_bytes" in h)
+    plan = trainer.memfit_plan
+    emit({"row": name, "trainer": type(trainer).__name__, "task": settings.task, "budget": budget,
+          "measured_profiler_bytes": measured, "predicted_fast_bytes": check["memfit/predicted_peak_bytes"],
+          "predicted_exact_bytes": exact.peak_allocated_bytes + exact.cpu_bytes,
+          "plan": {"micro_batch": plan.per_device_train_batch_size, "accumulation": plan.gradient_accumulation_steps,
+                   "checkpointing": plan.gradient_checkpointing, "optim": plan.optim, "seq_len": settings.seq_len,
+                   "precision": settings.precision, "lora_r": settings.lora_r, "image_size": settings.image_size,
+                   "audio_seconds": settings.audio_seconds, "label_len": settings.label_len,
+                   "frozen": settings.frozen}})
+
+
+def main(names: list[str]) -> int:
+    unknown = [name for name in names if name not in ROWS]
+    if unknown:
+        print(f"modalities.py: unknown row(s) {', '.join(unknown)}; the rows are: {', '.join(ROWS)}", file=sys.stderr)
+        return 2
+    results = []
+    for name in names or list(ROWS):
+        result, crash = run_forked(lambda emit, name=name: run_row(name, emit), timeout_s=1200)
+        if crash or "row_error" in result:
+            print(f"{name}: FAILED {crash or result['row_error']}\n{result.get('traceback', '')}", flush=True)
+            results.append({"row": name, "error": crash or result["row_error"]})
+            continue
+        for mode in ("fast", "exact"):
+            result[f"error_{mode}"] = result[f"predicted_{mode}_bytes"] / result["measured_profiler_bytes"] - 1
+        results.append(result)
+        p = result["plan"]
+        print(f"{name:28} measured {result['measured_profiler_bytes'] / 2**20:8.2f} MiB  fast {result['error_fast']:+6.1%}"
+              f"  exact {result['error_exact']:+6.1%}   plan micro {p['micro_batch']} x acc {p['accumulation']}, "
+              f"ckpt {p['checkpointing']}, {p['optim']}, {p['precision']}", flush=True)
+    done = [r for r in results if "error" not in r]
+    for mode in ("fast", "exact"):
+        errors = [abs(r[f"error_{mode}"]) for r in done]
+        if errors:
+            print(f"{mode}: median |error| {statistics.median(errors):.1%}, max {max(errors):.1%} over {len(errors)} rows")
+    path = Path(__file__).parent / "results" / "modalities.json"
+    if names and path.exists():
+        fresh = {r["row"]: r for r in results}
+        results = [fresh.pop(r["row"], r) for r in json.loads(path.read_text())] + list(fresh.values())
+    path.write_text(json.dumps(results, indent=2) + "\n")
+    return 0 if len(done) == len(results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,217 @@
+"""Fast mode for image, audio, speech and vision-language steps: a line in the micro-batch, fitted to traces.
+
+These steps have no free sequence length: their inputs are fixed by the settings (an image size, an audio
+window, the text and image tokens of a VLM row), so `parametric.py`'s polynomial in (batch, seq) has
+nothing to vary. At a fixed input shape every live byte is a model state (independent of the batch) or
+belongs to one row (pixels, patches, frames, tokens and their activations), so region by region and
+category by category the bytes are
+
+    c0 + c1*b.
+
+The reduced-depth copies exact mode traces are stepped at batch 1 and 2 (the line), at batch 2 with two
+micro-batches (a later micro-batch's constant offset, as in parametric.py) and at batch 3 (a check whose
+miss goes in the notes). The coefficients are extrapolated to the real depth as exact mode extrapolates
+its bytes, and the optimizer is moved by formula as in parametric.py. One calibration per input shape,
+precision and lever serves every micro-batch and accumulation the planner searches.
+"""
+
+from __future__ import annotations
+
+import time
+
+from hf_memfit.cache import cache_dir, config_key, read_cache, write_cache
+from hf_memfit.estimator.breakdown import CATEGORIES, StepMemory
+from hf_memfit.estimator.parametric import (_FACTS, _LAYOUT_FIELDS, _OPTIMIZER_FIELDS, _extrapolate,
+                                            _move_optimizer, _optimizer_formula_exact, _optimizer_of,
+                                            _point_series, _swappable)
+
+BATCH_FIT_VERSION = 1
+CACHE_KIND = "batch-fit"
+#: (batch, seq placeholder, micro-batches): the line's two points, the later micro-batch, the check.
+POINTS = ((1, 0, 1), (2, 0, 1), (2, 0, 2), (3, 0, 2))
+CHECK_TOLERANCE = 0.01
+
+
+def _key(spec, settings, by_optimizer: bool) -> str:
+    key = {k: v for k, v in settings.to_dict().items()
+           if k not in _LAYOUT_FIELDS + ("gradient_accumulation_steps",)}
+    if _swappable(settings) and not by_optimizer:
+        for name in _OPTIMIZER_FIELDS:
+            key.pop(name)
+    key["batch_fit"] = BATCH_FIT_VERSION
+    return config_key(spec.config, key)
+
+
+# Fits already read in this process, by cache key: the planner evaluates one fit for dozens of candidates.
+_fits: dict[str, dict] = {}
+
+
+def _read(key: str) -> dict | None:
+    if key not in _fits:
+        fit = read_cache(CACHE_KIND, key)
+        if not isinstance(fit, dict) or fit.get("version") != BATCH_FIT_VERSION:
+            return None
+        _fits[key] = fit
+    return _fits[key]
+
+
+def batch_fit_step_memory(spec, settings) -> StepMemory:
+    """Single-device peak candidates for `settings`, from a cached line in the micro-batch (fitted now if missing)."""
+    key = _key(spec, settings, by_optimizer=False)
+    fit = _read(key)
+    if fit is not None and _optimizer_of(settings) != fit["optimizer"] and not fit["optimizer_formula_exact"]:
+        key = _key(spec, settings, by_optimizer=True)  # the formula missed the traced optimizer: its own fit
+        fit = _read(key)
+    paid = None
+    if fit is None:
+        from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+
+        from hf_memfit.errors import CannotEstimate
+
+        started = time.perf_counter()
+        try:
+            fit = calibrate(spec, settings)
+        except (DataDependentOutputException, DynamicOutputShapeException) as exc:
+            raise CannotEstimate(f"`{spec.name}` cannot be traced for {settings.task}: its step has shapes or "
+                                 f"branches that depend on the data ({type(exc).__name__}), which fake tensors do "
+                                 "not have") from None
+        paid = time.perf_counter() - started
+        write_cache(CACHE_KIND, key, fit)
+        _fits[key] = fit
+    step = evaluate(fit, settings)
+    text = (f"fast mode for {settings.task} inputs: a line in the micro-batch fitted to {fit['traces']} traces "
+            f"(depth {fit['depths']}) at batch 1, 2 and 3 (the last checks it: {100 * fit['check_miss']:.2f}% off)")
+    text += f"; this first call paid {paid:.1f} s for it" if paid is not None else ""
+    step.notes.append(text + f", cached in {cache_dir() / CACHE_KIND}")
+    return step
+
+
+def evaluate(fit: dict, settings) -> StepMemory:
+    b = settings.batch_size
+    accumulating = settings.gradient_accumulation_steps > 1
+    candidates = {}
+    for region, clocks in fit["candidates"].items():
+        if region.startswith("1.1|") and not accumulating:
+            continue
+        if region == "1.0|opt" and accumulating:
+            region = "1.1|opt"
+        at = [{k: max(0, int(round(c0 + c1 * b))) for k, (c0, c1) in clock.items()} for clock in clocks]
+        candidates[region] = max(at, key=lambda values: sum(values.values()))
+    if _optimizer_of(settings) != fit["optimizer"]:
+        _move_optimizer(candidates, fit, settings)
+    step = StepMemory(candidates, **fit["facts"])
+    if fit["host"]:
+        step.host_bytes = max(0, int(round(fit["host"][0] + fit["host"][1] * b)))
+    if fit["check_miss"] > CHECK_TOLERANCE:
+        step.notes.append(f"batch fit: at its check point it missed the trace by {100 * fit['check_miss']:.1f}% of "
+                          f"the peak (region {fit['check_region']}); `--mode exact` traces these settings")
+    return step
+
+
+def calibrate(spec, settings) -> dict:
+    """Trace the reduced-depth copies at the points and fit every region's clocks as lines in the batch."""
+    import numpy as np
+
+    from hf_memfit.estimator.trace import _config_with_depths, _real_depths, progress, trace_step
+
+    micro = 1 if settings.optimizer.layerwise else 2  # layerwise optimizers step inside backward: no accumulation
+    points = tuple((b, settings.seq_len, min(m, micro)) for b, _, m in POINTS)
+    traced = settings.replace(mode="exact", batch_size=1, gradient_accumulation_steps=micro)
+    real = _real_depths(spec)
+    period = getattr(spec, "layer_period", 1) or 1
+    if max(real) <= 3 * period:
+        depth_sets, steps = [real], []
+    else:
+        base = tuple(min(2 * period, d) for d in real)
+        depth_sets = [base] + [tuple(3 * period if j == i else base[j] for j in range(len(real)))
+                               for i in range(len(real))]
+        steps = [(real[i] - base[i]) / period for i in range(len(real))]
+    traces = []
+    for number, depths in enumerate(depth_sets, 1):
+        progress.info("fast mode: tracing %s at depth %s (%d of %d) at batch 1, 2 and 3", spec.name,
+                      "+".join(map(str, depths)), number, len(depth_sets))
+        traces.append(trace_step(_config_with_depths(spec, depths), traced, depths, shapes=points))
+    series = [_point_series(t, len(points)) for t in traces]
+    fitted = [_fit_lines(s) for s in series]
+    candidates = {}
+    for region in set.intersection(*(set(f) for f in fitted)):
+        per_depth = [f[region] for f in fitted]
+        if len({p.shape for p in per_depth}) > 1:  # clocks not aligned across depths: by the maxima
+            per_depth = [_maxima(p) for p in per_depth]
+        real_depth = per_depth[0] + sum(step * (grown - per_depth[0]) for step, grown in zip(steps, per_depth[1:]))
+        candidates[region] = _prune(real_depth)
+    check_miss, check_region = _check(series, fitted)
+    host = None
+    if any(any(t.host_peaks) for t in traces):
+        lines = [np.array([2 * t.host_peaks[1] - t.host_peaks[2], t.host_peaks[2] - t.host_peaks[1]], dtype=float)
+                 for t in traces]
+        host = [float(c) for c in _extrapolate(lines, steps)]
+    facts = {k: int(round(_extrapolate([getattr(t, k) for t in traces], steps))) for k in _FACTS}
+    facts["largest_param_numel"] = traces[0].largest_param_numel
+    facts["largest_linear_numel"] = traces[0].largest_linear_numel
+    tensors = {"lists": [t.trainable_tensors for t in traces], "steps": steps}
+    return {"version": BATCH_FIT_VERSION, "depths": ", ".join("+".join(map(str, d)) for d in depth_sets),
+            "traces": len(traces), "candidates": candidates, "host": host, "facts": facts,
+            "optimizer": _optimizer_of(settings), "tensors": tensors, "check_miss": check_miss,
+            "check_region": check_region,
+            "optimizer_formula_exact": _optimizer_formula_exact(series, tensors, settings)}
+
+
+def _fit_lines(points: list[dict]) -> dict:
+    """Region class -> array (2, clocks, categories): intercept and slope in the batch, clock by clock."""
+    import numpy as np
+
+    one, two, later = points[0], points[1], points[2]
+    out = {}
+    for region in set(one) & set(two):
+        a, c = one[region], two[region]
+        if a.shape != c.shape:
+            a, c = _top(a)[None], _top(c)[None]
+        out[region] = np.stack([2 * a - c, c - a])
+    for region, values in later.items():  # a later micro-batch: the first one's line plus a constant
+        first = "1.0|" + region[4:]
+        if region.startswith("1.1|") and first in out:
+            line = out[first]
+            predicted = line[0] + 2 * line[1]
+            shifted = line.copy()
+            shifted[0] = shifted[0] + (_top(values) - _top(predicted))
+            out[region] = shifted
+    return out
+
+
+def _top(values):
+    """The clock (row) of a region with the most live bytes."""
+    return values[values.sum(axis=1).argmax()]
+
+
+def _maxima(line):
+    """A clock-by-clock line refitted through its maxima at batch 1 and 2 (one clock)."""
+    import numpy as np
+
+    one, two = _top(line[0] + line[1]), _top(line[0] + 2 * line[1])
+    return np.stack([2 * one - two, two - one])[:, None, :]
+
+
+def _prune(line) -> list[dict]:
+    """The clocks that are the region's maximum at some micro-batch of 1-256, as {category: [c0, c1]}."""
+    import numpy as np
+
+    totals = line.sum(axis=2)  # (2, clocks)
+    keep = sorted({int(np.argmax(totals[0] + b * totals[1])) for b in (1, 2, 4, 8, 16, 32, 64, 128, 256)})
+    return [{k: [float(line[0, clock, i]), float(line[1, clock, i])] for i, k in enumerate(CATEGORIES)}
+            for clock in keep]
+
+
+def _check(series, fitted) -> tuple[float, str]:
+    worst, where = 0.0, ""
+    for points, fit in zip(series, fitted):
+        seen = points[3]
+        peak = max(float(v.sum(axis=1).max()) for v in seen.values())
+        for region, values in seen.items():
+            if region not in fit:
+                continue
+            predicted = float((fit[region][0] + 3 * fit[region][1]).sum(axis=1).max())
+            miss = abs(predicted - float(values.sum(axis=1).max())) / max(peak, 1.0)
+            if miss > worst:
+                worst, where = miss, region
+    return worst, where
