@@ -13,6 +13,7 @@ The result is plain data (`MemoryEstimate`); printing lives in `report.py`.
 
 from dataclasses import dataclass, field
 
+from hf_memfit.errors import MemFitError
 from hf_memfit.estimator.breakdown import CATEGORIES, StepMemory
 from hf_memfit.settings import TrainSettings, beyond_positions_note
 from hf_memfit.models.spec import ModelSpec, resolve_model
@@ -97,6 +98,29 @@ def step_memory(spec: ModelSpec, settings: TrainSettings) -> StepMemory:
     from hf_memfit.estimator.fast import fast_step_memory
 
     return fast_step_memory(spec, traced)
+
+
+def prepare(spec: ModelSpec, many) -> None:
+    """Make ahead, side by side, what fast mode will read for each of these settings (the planner's grid).
+
+    Only the parametric fits of families without formulas cost anything to make; the planner would
+    otherwise make them one after another as it meets them. Settings that do not validate are left to
+    the estimate that reports them.
+    """
+    if spec.hand_written:
+        return
+    wanted = []
+    for settings in many:
+        if settings.mode != "fast":
+            continue
+        try:
+            wanted.append(traced_settings(settings.validate(spec)))
+        except MemFitError:
+            continue
+    if wanted:
+        from hf_memfit.estimator.parametric import prepare_fits
+
+        prepare_fits(spec, wanted)
 
 
 def traced_settings(settings: TrainSettings) -> TrainSettings:

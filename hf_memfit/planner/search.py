@@ -16,6 +16,7 @@ import importlib.util
 
 from hf_memfit import optimizers
 from hf_memfit.errors import MemFitError, check_all
+from hf_memfit.estimator.assemble import prepare
 from hf_memfit.models.spec import ModelSpec, resolve_model
 from hf_memfit.planner.candidates import (
     HostLimit,
@@ -162,9 +163,10 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
     liger = liger_searched(spec, base, use_liger_kernel)
     # Offloading activation checkpoints is host offload too: searched on GPUs unless `--allow-offload none`.
     offload_acts = base.device == "cuda" and allow_offload != "none"
-    grid = with_activation_offload(with_liger(settings_grid(base, per_rank, allow_offload, keep_optimizer, world,
-                                                      fixed_layout, optims, low_rank_targets(spec, base)),
-                                                liger), offload_acts)
+    grid = list(with_activation_offload(with_liger(settings_grid(base, per_rank, allow_offload, keep_optimizer, world,
+                                                           fixed_layout, optims, low_rank_targets(spec, base)),
+                                                liger), offload_acts))
+    prepare(spec, grid)  # fits the grid will read, made side by side (families without formulas)
     candidates = [evaluate_candidate(spec, s, usable, host, gpu_info) for s in grid]
     fitting = fitting_last_resort_last(candidates)
     fast_total = fitting[0].estimate.device_total_bytes if fitting else 0
