@@ -2,7 +2,8 @@
 
 A parametric calibration (`parametric.py`) traces the reduced-depth model at two depths, and a plan
 asks for a few calibrations (checkpointing on and off, offloaded checkpoints): independent traces of
-a few seconds each, on fake tensors, that share nothing while they run. A forked child already has
+a few seconds each, on fake tensors, that share nothing while they run; where the machine has an idle
+CPU (a busy one gains nothing from children taking turns), they run side by side. A forked child has
 torch, transformers and the model spec imported, so it starts in milliseconds; it runs its job and
 sends back the (small, picklable) result through a pipe. Results come back in the jobs' order, the
 same as running them one after another: a trace reads no clock and no random numbers that decide a
@@ -32,9 +33,20 @@ def cpus() -> int:
         return os.cpu_count() or 1
 
 
+def idle_cpus() -> float:
+    """CPUs that the last minute's load leaves free: where there are none, children would only take turns."""
+    try:
+        return cpus() - os.getloadavg()[0]
+    except OSError:
+        return 0.0
+
+
 def run_jobs(function, jobs: list, workers: int | None = None) -> list:
-    """`[function(*job) for job in jobs]`, up to `workers` (default: the CPUs) at a time in forked children."""
-    workers = min(workers or cpus(), len(jobs) - 1)
+    """`[function(*job) for job in jobs]`, up to `workers` (default: the idle CPUs, and at least 2) at a
+    time in forked children, where there is an idle CPU to run them; else one after another here."""
+    if idle_cpus() < 1:
+        workers = 1
+    workers = min(workers or max(2, int(idle_cpus())), len(jobs) - 1)
     if workers < 2 or not hasattr(os, "fork") or os.environ.get("HF_MEMFIT_NO_FORK"):
         return [function(*job) for job in jobs]
     # The first job runs here: a process's first trace also pays for what torch and transformers set up on
