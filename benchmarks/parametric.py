@@ -152,43 +152,104 @@ PLANS = [
 ]
 
 
-def _plan(code_root: str, cache: str, model: str, args: list[str]) -> float:
+#: CPU seconds (user + sys) of the last `_plan` / `_estimate` process, with the children it forked: on a
+#: shared machine the wall time mostly measures the other jobs, the CPU time what the command itself did.
+LAST_CPU_S = [0.0]
+
+
+def _run(code_root: str, cache: str, command: str, model: str, args: list[str]) -> float:
+    import resource
+
     env = dict(os.environ, HF_MEMFIT_CACHE=cache, PYTHONPATH=code_root)
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "hf_memfit.cli.main", "plan", model, *args], env=env, check=True,
+    subprocess.run([sys.executable, "-m", "hf_memfit.cli.main", command, model, *args], env=env, check=True,
                    capture_output=True, text=True, cwd=code_root)  # `-m` puts the working folder first on the path
-    return time.perf_counter() - started
+    wall = time.perf_counter() - started
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    LAST_CPU_S[0] = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return wall
+
+
+def _plan(code_root: str, cache: str, model: str, args: list[str]) -> float:
+    return _run(code_root, cache, "plan", model, args)
 
 
 def _breakdown(code_root: str, model: str) -> dict:
     """Where a cold process's time goes before any trace: imports, and resolving the generic spec."""
     code = ("import time, logging, warnings; warnings.filterwarnings('ignore'); logging.disable(logging.WARNING)\n"
             "t = time.perf_counter(); import hf_memfit.cli.main; a = time.perf_counter() - t\n"
-            "t = time.perf_counter(); import torch, transformers, peft; b = time.perf_counter() - t\n"
+            "t = time.perf_counter(); import torch; b = time.perf_counter() - t\n"
+            "t = time.perf_counter(); import transformers.modeling_utils; c = time.perf_counter() - t\n"
+            "t = time.perf_counter(); import peft, bitsandbytes; d = time.perf_counter() - t\n"
+            "t = time.perf_counter(); import transformers.trainer; e = time.perf_counter() - t\n"
             "from hf_memfit.models.spec import resolve_model\n"
-            f"t = time.perf_counter(); resolve_model({model!r}); c = time.perf_counter() - t\n"
-            "print(a, b, c)")
+            f"t = time.perf_counter(); resolve_model({model!r}); f = time.perf_counter() - t\n"
+            "print(a, b, c, d, e, f)")
     env = dict(os.environ, HF_MEMFIT_CACHE=tempfile.mkdtemp(prefix="hf_memfit_bench_"), PYTHONPATH=code_root)
     out = subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True, text=True,
                          cwd=code_root)
-    a, b, c = map(float, out.stdout.split()[-3:])
-    return {"import_hf_memfit_cli_s": a, "import_torch_transformers_peft_s": b, "resolve_generic_spec_s": c}
+    names = ("import_hf_memfit_cli_s", "import_torch_s", "import_transformers_modeling_utils_s",
+             "import_peft_bitsandbytes_s", "import_transformers_trainer_s", "resolve_generic_spec_s")
+    return dict(zip(names, map(float, out.stdout.split()[-6:])))
+
+
+# A GPU the step reads as it reads the planned one (sm80+, `parametric._gpu_key`): its plan reuses the fits.
+SAME_CLASS_GPU = {"a10g": "l4", "h100": "a100-80gb"}
+
+
+def _estimate(code_root: str, cache: str, model: str, args: list[str]) -> float:
+    return _run(code_root, cache, "estimate", model, args)
 
 
 def timing(code_root: str, label: str, warm: bool = True) -> list[dict]:
     out = []
     for model, args in PLANS:
         cache = tempfile.mkdtemp(prefix="hf_memfit_bench_")
-        row = {"code": label, "model": model, "cold_plan_s": _plan(code_root, cache, model, args)}
+        row = {"code": label, "model": model, "load_average_before": os.getloadavg()[0],
+               "cold_plan_s": _plan(code_root, cache, model, args), "cold_plan_cpu_s": LAST_CPU_S[0]}
         if warm:
             new_seq = [a if a != "2048" else "4096" for a in args]
             row["warm_plan_new_seq_len_s"] = _plan(code_root, cache, model, new_seq)
             row["warm_plan_new_optim_s"] = _plan(code_root, cache, model, new_seq + ["--optim", "adamw_torch"])
+            gpu = args[args.index("--gpu") + 1]
+            other = [SAME_CLASS_GPU[gpu] if a == gpu else a for a in new_seq]
+            row["warm_plan_new_gpu_same_class_s"] = _plan(code_root, cache, model, other)
             row["warm_plan_repeat_s"] = _plan(code_root, cache, model, new_seq)
-        row["cold_process_breakdown"] = _breakdown(code_root, model)
+            row["warm_plan_repeat_cpu_s"] = LAST_CPU_S[0]
+        row["load_average_after"] = os.getloadavg()[0]
         out.append(row)
         print(json.dumps(row), flush=True)
     return out
+
+
+def precision_timing(code_root: str) -> dict:
+    """`estimate` at bf16-mixed (cold: one fit), then the same at fp16-mixed (the fit's other autocast dtype)."""
+    cache = tempfile.mkdtemp(prefix="hf_memfit_bench_")
+    args = ["--seq-len", "4096", "--batch-size", "2", "--lora-r", "16", "--gpu", "h100", "--gradient-checkpointing"]
+    row = {"model": PLANS[0][0], "args": args, "load_average_before": os.getloadavg()[0],
+           "cold_estimate_bf16_mixed_s": _estimate(code_root, cache, PLANS[0][0], args + ["--precision", "bf16-mixed"]),
+           "warm_estimate_fp16_mixed_s": _estimate(code_root, cache, PLANS[0][0], args + ["--precision", "fp16-mixed"])}
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def repeated_timing(root: str, before: str | None, repeats: int) -> dict:
+    """Cold plans of this code and (with `before`) of the old one, alternated, `repeats` times; medians."""
+    runs = []
+    for _ in range(repeats):
+        runs += timing(root, "parametric")
+        if before:
+            runs += timing(before, "before", warm=False)
+    medians = {}
+    for code in sorted({r["code"] for r in runs}):
+        for model in sorted({r["model"] for r in runs}):
+            mine = [r for r in runs if r["code"] == code and r["model"] == model]
+            medians[f"{code} | {model}"] = {k: statistics.median(r[k] for r in mine) for k in mine[0]
+                                           if k.endswith("_s") or k.startswith("load_average")}
+    breakdown = {model: _breakdown(root, model) for model, _ in PLANS}
+    return {"runs": runs, "medians": medians, "cold_process_breakdown": breakdown,
+            "precision": precision_timing(root)}
 
 
 def main(argv=None) -> int:
@@ -197,6 +258,7 @@ def main(argv=None) -> int:
     parser.add_argument("--timing", action="store_true", help="also time cold and warm `hf-memfit plan`")
     parser.add_argument("--timing-only", action="store_true")
     parser.add_argument("--before", metavar="DIR", help="a checkout of the code before the change, timed too")
+    parser.add_argument("--repeat", type=int, default=3, help="timing runs of each code, alternated (medians)")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
     os.environ["HF_MEMFIT_CACHE"] = tempfile.mkdtemp(prefix="hf_memfit_parametric_bench_")
@@ -204,9 +266,7 @@ def main(argv=None) -> int:
     results = {"machine": {"cpus": os.cpu_count(), "load_average": os.getloadavg()[0]}}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     if args.timing or args.timing_only:
-        results["timing"] = timing(root, "parametric")
-        if args.before:
-            results["timing"] += timing(args.before, "before (calibrated at micro-batch 1 and 4)", warm=False)
+        results["timing"] = repeated_timing(root, args.before, args.repeat)
     if not args.timing_only:
         rows = accuracy([f for f in args.families.split(",") if f])
         results["rows"] = rows

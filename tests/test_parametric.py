@@ -9,7 +9,7 @@ import json
 import pytest
 from conftest import TINY_GEMMA3, TINY_OLMO2, TINY_QWEN3
 
-from hf_memfit.estimator import parametric
+from hf_memfit.estimator import parametric, parametric_fit
 from hf_memfit.estimator.assemble import estimate
 from hf_memfit.models.spec import ModelSpec
 
@@ -50,8 +50,8 @@ def test_one_fit_serves_every_length_and_optimizer(tmp_path, monkeypatch):
     spec = ModelSpec.from_config("qwen3", TINY_QWEN3)
     estimate(spec, batch_size=1, seq_len=64, device="cuda")
     calls = []
-    original = parametric.calibrate
-    monkeypatch.setattr(parametric, "calibrate", lambda *a, **k: calls.append(a) or original(*a, **k))
+    original = parametric.calibrate_many
+    monkeypatch.setattr(parametric, "calibrate_many", lambda *a, **k: calls.append(a) or original(*a, **k))
     for seq, batch, optim in ((96, 2, "adamw_torch"), (512, 1, "adamw_torch_fused"), (200, 7, "adamw_bnb_8bit"),
                               (256, 3, "adafactor"), (384, 2, "sgd")):
         assert _error(spec, batch_size=batch, seq_len=seq, device="cuda", optim=optim) < 0.01, (seq, optim)
@@ -85,7 +85,7 @@ def test_a_fit_that_misses_its_check_point_says_so(tmp_path, monkeypatch):
 
     settings = sound_settings.replace(attn_implementation="eager")
 
-    monkeypatch.setattr(parametric, "TERMS", ((0, 0), (0, 1), (1, 1)))
+    monkeypatch.setattr(parametric_fit, "TERMS", ((0, 0), (0, 1), (1, 1)))
     monkeypatch.setattr(parametric, "_points", lambda spec, settings: ((1, 128, 1), (2, 128, 1), (1, 256, 2),
                                                                          (4, 384, 2)))
     linear = parametric.calibrate(spec, settings)
@@ -116,3 +116,79 @@ def test_settings_whose_fit_misses_are_traced_instead(tmp_path, monkeypatch):
     fast = estimate(spec, **settings)
     assert fast.peak_allocated_bytes == estimate(spec, mode="exact", **settings).peak_allocated_bytes
     assert any("missed its check point" in n and "traced in exact mode instead" in n for n in fast.notes)
+
+
+def test_both_autocast_dtypes_share_a_fit_their_check_confirms(tmp_path, monkeypatch):
+    """bf16-mixed and fp16-mixed build the same model and differ in the autocast dtype: a mixed calibration
+    traces its check point at the other one, and serves both when the fit predicts it; GPUs that the step
+    reads the same way (sm80+) share it too. 4-bit bases are built in the compute dtype: never shared."""
+    monkeypatch.setenv("HF_MEMFIT_CACHE", str(tmp_path))
+    spec = ModelSpec.from_config("qwen3", TINY_QWEN3)
+    calls = []
+    original = parametric.calibrate_many
+    monkeypatch.setattr(parametric, "calibrate_many", lambda *a, **k: calls.append(a) or original(*a, **k))
+    first = dict(batch_size=3, seq_len=320, device="cuda", precision="bf16-mixed", gpu="A10G")
+    assert _error(spec, **first) < 0.01
+    assert len(calls) == 1
+    for other in (dict(precision="fp16-mixed"), dict(gpu="H100"), dict(precision="fp16-mixed", gpu="A100-80GB")):
+        assert _error(spec, **dict(first, **other)) < 0.01, other
+    assert len(calls) == 1  # served by the first fit
+    assert _error(spec, **dict(first, gpu="T4", precision="fp16-mixed")) < 0.01  # no flash on sm75: its own fit
+    assert len(calls) == 2
+    fits = [json.loads(p.read_text())["value"] for p in (tmp_path / "parametric").glob("*.json")]
+    assert sorted(sorted(f["precisions"]) for f in fits) == [["bf16-mixed", "fp16-mixed"]] * 2
+    settings = parametric_settings(spec, **dict(first, load_in_4bit=True, lora_r=8))
+    assert parametric._sibling(settings) is None
+    assert parametric._settings_key(spec, settings, False)["precision"] == "bf16-mixed"
+
+
+def test_a_sibling_that_disagrees_is_calibrated_on_its_own(tmp_path, monkeypatch):
+    """When the fit misses the check point traced at the other autocast dtype, it is made again with its own
+    check and serves only its own precision; the other one then gets a fit of its own."""
+    monkeypatch.setenv("HF_MEMFIT_CACHE", str(tmp_path))
+    spec = ModelSpec.from_config("qwen3", TINY_QWEN3)
+    settings = parametric_settings(spec, batch_size=3, seq_len=320, device="cuda", precision="bf16-mixed")
+    fit_as_made = parametric._fit
+
+    def disagreeing(settings, plan, summaries):  # as if the other dtype's step differed at the check point
+        fit = fit_as_made(settings, plan, summaries)
+        return dict(fit, check_miss=0.5) if plan["sibling"] else fit
+
+    monkeypatch.setattr(parametric, "_fit", disagreeing)
+    plans = []
+    plan = parametric._calibration_plan
+    monkeypatch.setattr(parametric, "_calibration_plan", lambda *a, **k: plans.append(plan(*a, **k)) or plans[-1])
+    (fit,) = parametric.calibrate_many(spec, [settings])
+    assert [p["sibling"] for p in plans] == ["fp16-mixed", None]
+    assert fit["precisions"] == ["bf16-mixed"] and fit["check_miss"] < parametric.CHECK_TOLERANCE
+
+
+def test_forked_traces_give_the_fit_of_one_process(tmp_path, monkeypatch):
+    """The calibration's traces run in forked children where there are CPUs for them; the fit is the same."""
+    from hf_memfit.estimator import forked
+
+    monkeypatch.setenv("HF_MEMFIT_CACHE", str(tmp_path))
+    monkeypatch.setattr(forked, "idle_cpus", lambda: 2.0)  # as on an idle machine, whatever the load here
+    spec = ModelSpec.from_config("qwen3", TINY_QWEN3)
+    settings = parametric_settings(spec, batch_size=3, seq_len=320, device="cuda", precision="bf16-mixed",
+                                   gradient_checkpointing=True)
+    children = parametric.calibrate_many(spec, [settings, settings.replace(gradient_checkpointing=False)])
+    monkeypatch.setenv("HF_MEMFIT_NO_FORK", "1")
+    here = parametric.calibrate_many(spec, [settings, settings.replace(gradient_checkpointing=False)])
+    assert json.dumps(children, sort_keys=True) == json.dumps(here, sort_keys=True)
+    assert children[0]["candidates"] != children[1]["candidates"]
+    assert forked.run_jobs(divmod, [(7, 2), (9, 4), (1, 1)], workers=2) == [(3, 1), (2, 1), (1, 0)]
+
+
+def test_a_plan_makes_its_fits_before_it_searches(tmp_path, monkeypatch):
+    """The planner hands its grid to `prepare`: every fit it reads is made there, side by side."""
+    from hf_memfit.planner import plan
+
+    monkeypatch.setenv("HF_MEMFIT_CACHE", str(tmp_path))
+    spec = ModelSpec.from_config("qwen3", TINY_QWEN3)
+    made = []
+    original = parametric.calibrate_many
+    monkeypatch.setattr(parametric, "calibrate_many", lambda spec, many, *a: made.append(len(many)) or
+                        original(spec, many, *a))
+    plan(spec, seq_len=256, global_batch_size=8, gpu="A10G")
+    assert made[0] >= 2 and len(made) == 1  # checkpointing on and off (and offloaded), all in the first call

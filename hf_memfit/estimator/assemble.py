@@ -13,6 +13,7 @@ The result is plain data (`MemoryEstimate`); printing lives in `report.py`.
 
 from dataclasses import dataclass, field
 
+from hf_memfit.errors import MemFitError
 from hf_memfit.estimator.breakdown import CATEGORIES, StepMemory
 from hf_memfit.settings import TrainSettings, beyond_positions_note
 from hf_memfit.models.inputs import input_note
@@ -137,6 +138,31 @@ def held_batches(spec: ModelSpec, settings: TrainSettings, step: StepMemory) -> 
             extra = held if region.endswith("|opt") else held - 1
             values["activations"] = values.get("activations", 0) + extra * one
     return step
+
+
+def prepare(spec: ModelSpec, many) -> None:
+    """Make ahead, side by side, what fast mode will read for each of these settings (the planner's grid).
+
+    Only the parametric fits of families without formulas cost anything to make; the planner would
+    otherwise make them one after another as it meets them. Settings that do not validate are left to
+    the estimate that reports them.
+    """
+    if spec.hand_written:
+        return
+    from hf_memfit.estimator.sequence import local_step_settings
+
+    wanted = []
+    for settings in many:
+        if settings.mode != "fast":
+            continue
+        try:
+            wanted.append(local_step_settings(traced_settings(settings.validate(spec))))
+        except MemFitError:
+            continue
+    if wanted:
+        from hf_memfit.estimator.parametric import prepare_fits
+
+        prepare_fits(spec, wanted)
 
 
 def traced_settings(settings: TrainSettings) -> TrainSettings:

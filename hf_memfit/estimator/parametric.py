@@ -40,6 +40,18 @@ formulas are (they are checked against the trace at calibration; a miss keys
 the calibration by optimizer instead). GaLore / APOLLO (their projections run
 in the backward, layerwise ones step inside it) are always keyed by optimizer.
 
+What a fit is keyed by is what changes the traced step: the config and the
+settings that change the model or its step (checkpointing, offload, LoRA,
+4-bit, task, trainer), and of the GPU only whether it is sm80+ (`_gpu_key`).
+bf16-mixed and fp16-mixed share a fit where their steps agree: a mixed
+calibration traces its check point at the other autocast dtype (same build),
+and serves both when the fit predicts that too (`precisions`); otherwise it
+is calibrated again with its own check and serves its own precision only.
+
+Calibration traces run side by side (`forked.py`, one per CPU): the two
+depths of one calibration, and, through `prepare_fits`, every calibration a
+planner's grid will read (checkpointing on and off, offloaded checkpoints).
+
 Imports no torch unless it calibrates.
 """
 
@@ -47,16 +59,23 @@ from __future__ import annotations
 
 import time
 
-from hf_memfit.estimator.breakdown import CATEGORIES, StepMemory
 from hf_memfit.cache import cache_dir, config_key, read_cache, write_cache
+from hf_memfit.estimator.breakdown import CATEGORIES, StepMemory
+from hf_memfit.estimator.parametric_fit import (
+    TERMS,
+    _as_maxima,
+    _check,
+    _fit_depth,
+    _point_series,
+    _prune,
+    _solve_all,
+    _value,
+)
 from hf_memfit.models.generic import moe_note
 
 #: Bumped whenever what a cached fit means changes (part of the cache key, beside generic.CACHE_VERSION).
-PARAMETRIC_VERSION = 1
+PARAMETRIC_VERSION = 2
 CACHE_KIND = "parametric"
-
-#: The terms of the fit, as (batch power, seq power): 1, s, s^2, b*s, b*s^2.
-TERMS = ((0, 0), (0, 1), (0, 2), (1, 1), (1, 2))
 
 #: The shortest sequence the fit is traced at, for models with room for it. Long enough that per-token
 #: tensors (KiB per token) outweigh a layer's gradients and the step's fixed temporaries (MiB), so the
@@ -69,9 +88,12 @@ BASE_SEQ = 2048
 # The relative miss at the check point above which the fit is reported as approximate.
 CHECK_TOLERANCE = 0.01
 
+# The other 16-bit autocast dtype: a mixed-precision fit is checked at it, and serves both where they agree.
+_SIBLING_PRECISION = {"bf16-mixed": "fp16-mixed", "fp16-mixed": "bf16-mixed"}
+
 # Settings that do not change the single-device step (sharding.shard and the planner apply them afterwards).
 _LAYOUT_FIELDS = ("batch_size", "mode", "num_gpus", "num_nodes", "zero_stage", "offload_optimizer", "offload_param",
-                  "expandable_segments")
+                  "expandable_segments", "gpu")  # the GPU: by what the step reads of it (`_gpu_key`)
 # What the fit serves without a new calibration.
 _FITTED_FIELDS = ("seq_len", "gradient_accumulation_steps")
 _OPTIMIZER_FIELDS = ("optim", "optim_args")
@@ -126,32 +148,91 @@ def _regime(spec, settings) -> str:
     return "" if not window else ("within-window" if settings.seq_len <= window else "beyond-window")
 
 
-def _settings_key(spec, settings, by_optimizer: bool) -> dict:
+def _settings_key(spec, settings, by_optimizer: bool, by_precision: bool = False) -> dict:
     key = {k: v for k, v in settings.to_dict().items() if k not in _LAYOUT_FIELDS + _FITTED_FIELDS}
     if _swappable(settings) and not by_optimizer:
         for name in _OPTIMIZER_FIELDS:
             key.pop(name)
     elif settings.optimizer_family == "adam8bit":
         key["optim"] = "adam8bit"  # one traced state layout for every bitsandbytes 8-bit AdamW; paging is applied later
+    if not by_precision and _sibling(settings):
+        key["precision"] = "16-bit mixed"  # one fit for both autocast dtypes where its check shows they agree
+    key["gpu"] = _gpu_key(settings)
     key["regime"] = _regime(spec, settings)
     key["parametric"] = PARAMETRIC_VERSION
     return key
+
+
+def _sibling(settings) -> str | None:
+    """The other 16-bit autocast dtype, where the two can share a fit: the same build, another autocast.
+
+    Not with 4-bit weights: their base is built in the compute dtype (`step._build_model`), so the
+    two precisions build different models. Elsewhere the check point says whether the steps agree.
+    """
+    return None if settings.load_in_4bit else _SIBLING_PRECISION.get(settings.precision)
+
+
+def _gpu_key(settings):
+    """What the traced step reads of the GPU: only whether it is sm80+ (SDPA's flash backend, Liger's in-place
+    accumulation: `trace._flash_supported`, `step_levers.liger_in_place_accumulation`), which is
+    `supports_flash_attention` in the GPU table. No GPU named: a current one, as the trace assumes."""
+    if settings.device != "cuda":
+        return None
+    if settings.gpu is None:
+        return True
+    from hf_memfit.hardware import find_gpu
+
+    return find_gpu(settings.gpu).supports_flash_attention
+
+
+def _lookup(spec, settings) -> tuple[str, dict | None, bool]:
+    """The cache key a fit for `settings` is under, the fit if cached, and whether a new one may be shared.
+
+    First the shared key (both 16-bit autocast dtypes, any optimizer moved by formula); then, where the
+    fit under it does not serve these settings, the key of their own precision and / or optimizer.
+    """
+    by_precision = by_optimizer = False
+    while True:
+        key = config_key(spec.config, _settings_key(spec, settings, by_optimizer, by_precision))
+        fit = _read(key)
+        if fit is None:
+            return key, None, not (by_precision or by_optimizer)
+        if settings.precision not in fit["precisions"] and not by_precision:
+            by_precision = True
+        elif _optimizer_of(settings) != fit["optimizer"] and not fit["optimizer_formula_exact"] and not by_optimizer:
+            by_optimizer = True  # the formula missed the traced optimizer: a different one is calibrated on its own
+        else:
+            return key, fit, False
+
+
+def prepare_fits(spec, many) -> int:
+    """Make the fits that the settings in `many` will read and that are not cached, side by side.
+
+    For a caller that knows what it will ask (the planner's grid): their traces then share the CPUs
+    (`forked.run_jobs`) instead of running one calibration after another. Returns how many were made.
+    """
+    missing = {}
+    for settings in many:
+        key, fit, shared = _lookup(spec, settings)
+        if fit is None and key not in missing:
+            missing[key] = (settings, shared)
+    if not missing:
+        return 0
+    fits = calibrate_many(spec, [s for s, _ in missing.values()], [shared for _, shared in missing.values()])
+    for key, fit in zip(missing, fits):
+        write_cache(CACHE_KIND, key, fit)
+    return len(fits)
 
 
 # --- evaluation ----------------------------------------------------------------------------------------
 
 def parametric_step_memory(spec, settings) -> StepMemory:
     """Single-device peak candidates for `settings`, from a cached parametric fit (made now if missing)."""
-    key = config_key(spec.config, _settings_key(spec, settings, by_optimizer=False))
-    fit = _read(key)
-    if fit is not None and _optimizer_of(settings) != fit["optimizer"] and not fit["optimizer_formula_exact"]:
-        # The formula missed the traced optimizer: a different one is calibrated on its own.
-        key = config_key(spec.config, _settings_key(spec, settings, by_optimizer=True))
-        fit = _read(key)
+    key, fit, shared = _lookup(spec, settings)
     paid = None
     if fit is None:
         started = time.perf_counter()
-        fit = calibrate(spec, settings)
+        fit = calibrate_many(spec, [settings], [shared])[0]
         paid = time.perf_counter() - started
         write_cache(CACHE_KIND, key, fit)
     if fit["check_miss"] > CHECK_TOLERANCE:
@@ -180,7 +261,7 @@ def _traced_instead(spec, settings, fit: dict) -> StepMemory:
     """
     from hf_memfit.estimator.breakdown import StepMemory as Step
 
-    key = config_key(spec.config, _settings_key(spec, settings, by_optimizer=True),
+    key = config_key(spec.config, _settings_key(spec, settings, by_optimizer=True, by_precision=True),
                      [settings.batch_size, settings.seq_len, min(settings.gradient_accumulation_steps, 2)])
     cached = read_cache(CACHE_KIND + "-traced", key)
     paid = None
@@ -225,7 +306,7 @@ def _read(key: str) -> dict | None:
     if memo in _read_fits:
         return _read_fits[memo]
     fit = read_cache(CACHE_KIND, key)
-    needed = ("version", "points", "candidates", "facts", "optimizer", "optimizer_formula_exact", "tensors",
+    needed = ("version", "points", "precisions", "candidates", "facts", "optimizer", "optimizer_formula_exact", "tensors",
               "host", "check_miss", "check_region", "traces", "depths")
     if not isinstance(fit, dict) or fit.get("version") != PARAMETRIC_VERSION or any(k not in fit for k in needed):
         return None
@@ -235,14 +316,6 @@ def _read(key: str) -> dict | None:
 
 def _optimizer_of(settings) -> list:
     return [settings.optim, settings.optim_args]
-
-
-def _term(b: int, s: int, term: tuple[int, int]) -> float:
-    return float(b) ** term[0] * float(s) ** term[1]
-
-
-def _value(coefficients: list[float], b: int, s: int) -> int:
-    return max(0, int(round(sum(c * _term(b, s, t) for c, t in zip(coefficients, TERMS)))))
 
 
 def evaluate(fit: dict, settings) -> StepMemory:
@@ -306,12 +379,59 @@ def _extrapolate(values: list[float], steps: list[float]) -> float:
 
 def calibrate(spec, settings) -> dict:
     """Trace the reduced-depth model at the points, fit every region's bytes, extrapolate to the real depth."""
-    from hf_memfit.estimator.trace import _config_with_depths, _real_depths, progress, trace_step
+    return calibrate_many(spec, [settings])[0]
 
-    import numpy as np
+
+def calibrate_many(spec, many: list, shared: list | None = None) -> list[dict]:
+    """`calibrate` for each settings, their traces (two depths each) run side by side (`forked.run_jobs`).
+
+    A mixed-precision calibration traces its check point at the other 16-bit autocast dtype: when the
+    fit predicts that too, it serves both (`precisions`); when it misses, the calibration is made again
+    with the check at its own precision, and serves only that one.
+    """
+    from hf_memfit.estimator.forked import run_jobs
+
+    plans = [_calibration_plan(spec, s, sibling) for s, sibling in zip(many, shared or [True] * len(many))]
+    jobs = [(spec, plan["traced"], depths, plan["shapes"]) for plan in plans for depths in plan["depth_sets"]]
+    _import_for_traces(many)
+    summaries = run_jobs(_trace_summary, jobs)
+    fits, at = [], 0
+    for settings, plan in zip(many, plans):
+        count = len(plan["depth_sets"])
+        fit = _fit(settings, plan, summaries[at:at + count])
+        at += count
+        if plan["sibling"] and fit["check_miss"] > CHECK_TOLERANCE:  # the sibling differs, or the fit misses
+            plan = _calibration_plan(spec, settings, sibling=False)
+            fit = _fit(settings, plan, run_jobs(_trace_summary, [(spec, plan["traced"], d, plan["shapes"])
+                                                                  for d in plan["depth_sets"]]))
+        fits.append(fit)
+    return fits
+
+
+def _import_for_traces(many) -> None:
+    """Import here what every trace imports on its way (the Trainer's optimizer table, peft, bitsandbytes),
+    so that forked children start with it instead of each importing it again."""
+    import importlib
+
+    wanted = ["transformers.trainer"]
+    if any(s.uses_lora for s in many):
+        wanted.append("peft")
+    if any(s.load_in_4bit or s.optimizer.package == "bitsandbytes" for s in many):
+        wanted.append("bitsandbytes")
+    for name in wanted:
+        try:
+            importlib.import_module(name)
+        except ImportError:  # the trace that needs it reports it
+            pass
+
+
+def _calibration_plan(spec, settings, sibling: bool = True) -> dict:
+    """The points, the traced settings, the depths and the extrapolation steps of one calibration."""
+    from hf_memfit.estimator.trace import _real_depths
 
     points = _points(spec, settings)
-    n = len(TERMS)
+    other = _sibling(settings) if sibling else None
+    shapes = tuple(p + ((other,) if other and i == len(points) - 1 else ()) for i, p in enumerate(points))
     traced = settings.replace(mode="exact", batch_size=points[0][0], seq_len=points[0][1],
                               gradient_accumulation_steps=max(p[2] for p in points))
     real = _real_depths(spec)
@@ -324,13 +444,28 @@ def calibrate(spec, settings) -> dict:
         depth_sets = [base] + [tuple(grown_depth if j == i else base[j] for j in range(len(real)))
                                for i in range(len(real))]
         steps = [(real[i] - base[i]) / period for i in range(len(real))]
-    traces = []
-    for number, depths in enumerate(depth_sets, 1):
-        progress.info("fast mode: tracing %s at depth %s (%d of %d) at %d shapes", spec.name,
-                      "+".join(map(str, depths)), number, len(depth_sets), len(points))
-        traces.append(trace_step(_config_with_depths(spec, depths), traced, depths, shapes=points))
+    return {"points": points, "shapes": shapes, "traced": traced, "depth_sets": depth_sets, "steps": steps,
+            "sibling": other}
 
-    series = [_point_series(t, len(points)) for t in traces]  # [depth][point] -> class -> (clocks, categories)
+
+def _trace_summary(spec, traced, depths, shapes) -> dict:
+    """One traced depth, reduced to what the fit reads (small and picklable: it may come from a child)."""
+    from hf_memfit.estimator.trace import _config_with_depths, progress, trace_step
+
+    progress.info("fast mode: tracing %s at depth %s at %d shapes", spec.name, "+".join(map(str, depths)),
+                  len(shapes))
+    trace = trace_step(_config_with_depths(spec, depths), traced, depths, shapes=shapes)
+    return {"series": _point_series(trace, len(shapes)), "host_peaks": list(trace.host_peaks),
+            "facts": {k: getattr(trace, k) for k in _FACTS}, "trainable_tensors": trace.trainable_tensors}
+
+
+def _fit(settings, plan: dict, summaries: list[dict]) -> dict:
+    """The calibration from its traced depths' summaries."""
+    import numpy as np
+
+    points, steps, depth_sets = plan["points"], plan["steps"], plan["depth_sets"]
+    n = len(TERMS)
+    series = [t["series"] for t in summaries]  # [depth][point] -> class -> (clocks, categories)
     fitted = [_fit_depth(d, points) for d in series]  # [depth] -> class -> (terms, clocks, categories)
     candidates = {}
     for region in set.intersection(*(set(f) for f in fitted)):
@@ -341,18 +476,19 @@ def calibrate(spec, settings) -> dict:
         candidates[region] = _prune(real_depth)
     check_miss, check_region = _check(series, fitted, points)
     host = None
-    if any(any(t.host_peaks) for t in traces):  # offloaded activations: fitted as the region bytes are
-        host_coefficients = [_solve_all(points, np.array(t.host_peaks[1:n + 1], dtype=float)) for t in traces]
+    if any(any(t["host_peaks"]) for t in summaries):  # offloaded activations: fitted as the region bytes are
+        host_coefficients = [_solve_all(points, np.array(t["host_peaks"][1:n + 1], dtype=float)) for t in summaries]
         host = [float(c) for c in _extrapolate(host_coefficients, steps)]
-    facts = {k: int(round(_extrapolate([getattr(t, k) for t in traces], steps))) for k in _FACTS}
-    facts["largest_param_numel"] = traces[0].largest_param_numel
-    facts["largest_linear_numel"] = traces[0].largest_linear_numel
-    tensors = {"lists": [t.trainable_tensors for t in traces], "steps": steps}
+    facts = {k: int(round(_extrapolate([t["facts"][k] for t in summaries], steps))) for k in _FACTS}
+    facts["largest_param_numel"] = summaries[0]["facts"]["largest_param_numel"]
+    facts["largest_linear_numel"] = summaries[0]["facts"]["largest_linear_numel"]
+    tensors = {"lists": [t["trainable_tensors"] for t in summaries], "steps": steps}
     return {
         "version": PARAMETRIC_VERSION,
         "points": [list(p) for p in points],
+        "precisions": [settings.precision] + ([plan["sibling"]] if plan["sibling"] else []),
         "depths": ", ".join("+".join(map(str, d)) for d in depth_sets),
-        "traces": len(traces),
+        "traces": len(summaries),
         "candidates": candidates,
         "host": host,
         "facts": facts,
@@ -362,112 +498,6 @@ def calibrate(spec, settings) -> dict:
         "check_miss": check_miss,
         "check_region": check_region,
     }
-
-
-def _matrix(points):
-    import numpy as np
-
-    return np.array([[_term(b, s, t) for t in TERMS] for b, s, *_ in points])
-
-
-def _solve_all(points, values):
-    """Coefficients of TERMS through the points for every column of `values` (points x ...) at once."""
-    import numpy as np
-
-    n = len(TERMS)
-    matrix = _matrix(points[:n])
-    scale = np.abs(matrix).max(axis=0)  # s^2 is ~1e7 at the points: scale the columns before solving
-    solved = np.linalg.solve(matrix / scale, values.reshape(n, -1)) / scale[:, None]
-    return solved.reshape((n,) + values.shape[1:])
-
-
-def _fit_depth(point_series: list[dict], points) -> dict:
-    """Coefficients (terms x clocks x categories) per region class at one traced depth.
-
-    The same step runs the same ops at every shape, so the k-th clock of a region is the same moment
-    of the step at every point: each clock is fitted on its own, and the region's maximum is taken over
-    the fitted clocks where it is asked for (it moves from clock to clock with the shape: eager
-    attention's probabilities outgrow the MLP's intermediates as the sequence grows). A region whose
-    clocks do not line up across points (a loop over chunks of the sequence) is fitted by its maxima.
-    The first micro-batch's regions ("1.0|...") and the optimizer step are solved from the fit points;
-    a later micro-batch's ("1.1|...") are the first one's plus a constant per category, read at the
-    last fit point (the first with two micro-batches).
-    """
-    import numpy as np
-
-    n = len(TERMS)
-    fit_points = point_series[:n]
-    out = {}
-    for region in set.intersection(*(set(p) for p in fit_points)):
-        if len({p[region].shape for p in fit_points}) == 1:
-            out[region] = _solve_all(points, np.stack([p[region] for p in fit_points]))
-        else:
-            out[region] = _fit_depth_maxima(point_series, points, region)
-    at = fit_points[n - 1]
-    b, s = points[n - 1][:2]
-    row = np.array([_term(b, s, t) for t in TERMS])
-    for region in at:
-        first = "1.0|" + region[4:]
-        if region.startswith("1.1|") and first in out:
-            predicted = np.einsum("t,tlk->lk", row, out[first])
-            seen = at[region][at[region].sum(axis=1).argmax()]
-            shifted = out[first].copy()
-            shifted[0] += seen - predicted[predicted.sum(axis=1).argmax()]
-            out[region] = shifted
-    return out
-
-
-def _fit_depth_maxima(point_series: list[dict], points, region: str):
-    """A region fitted by its maximum at each point (one clock): for clocks that do not line up."""
-    import numpy as np
-
-    n = len(TERMS)
-    maxima = np.stack([p[region][p[region].sum(axis=1).argmax()] for p in point_series[:n]])[:, None, :]
-    return _solve_all(points, maxima)
-
-
-def _as_maxima(coefficients, points):
-    """A clock-by-clock fit refitted by its maximum at each fit point (one clock): for depths whose clocks differ."""
-    import numpy as np
-
-    n = len(TERMS)
-    at = np.einsum("pt,tlk->plk", _matrix(points[:n]), coefficients)
-    maxima = np.stack([at[p][at[p].sum(axis=1).argmax()] for p in range(n)])[:, None, :]
-    return _solve_all(points, maxima)
-
-
-#: Where the fitted clocks are compared to keep only those that can be a region's maximum: micro-batches
-#: 1-256 and sequences of 64-1M tokens, by factors of 2 (what the planner and users ask for).
-_GRID = tuple((b, s) for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) for s in (2 ** k for k in range(6, 21)))
-
-
-def _prune(coefficients) -> list[dict[str, list[float]]]:
-    """The region's clocks that are its maximum somewhere on `_GRID`, as {category: coefficients}."""
-    import numpy as np
-
-    totals = coefficients.sum(axis=2)  # terms x clocks
-    keep = sorted(set(np.argmax(_matrix(_GRID) @ totals, axis=1).tolist()))
-    return [{k: [float(c) for c in coefficients[:, clock, i]] for i, k in enumerate(CATEGORIES)} for clock in keep]
-
-
-def _check(series, fitted, points) -> tuple[float, str]:
-    """The fit's largest miss at the held-out point, relative to the step's peak there, and where."""
-    import numpy as np
-
-    b, s = points[-1][:2]
-    row = np.array([_term(b, s, t) for t in TERMS])
-    worst, where = 0.0, ""
-    for classes, fit in zip(series, fitted):
-        seen = classes[-1]
-        peak = max(float(v.sum(axis=1).max()) for v in seen.values())
-        for region, values in seen.items():
-            if region not in fit:
-                continue
-            predicted = float(np.einsum("t,tlk->l", row, fit[region]).max())
-            miss = abs(predicted - float(values.sum(axis=1).max())) / max(peak, 1.0)
-            if miss > worst:
-                worst, where = miss, region
-    return worst, where
 
 
 def _optimizer_formula_exact(per_depth, tensors, settings) -> bool:
@@ -489,45 +519,3 @@ def _optimizer_formula_exact(per_depth, tensors, settings) -> bool:
     return True
 
 
-def _point_series(trace, count: int) -> list[dict]:
-    """Per point (traced step 1..count): region class -> live bytes by category at each of its clocks.
-
-    Rows are the region's entry and every allocation and release in it, by final category (a gradient
-    made in backward counts as a gradient). The step index is normalised to 1, as exact mode names
-    its steady-state step; the optimizer step is one region whatever the micro-batches before it.
-    """
-    import numpy as np
-
-    from hf_memfit.estimator.trace import _depth_of, _region_class
-
-    tracker = trace.tracker
-    index = {k: i for i, k in enumerate(CATEGORIES)}
-    categories = [index[a.category] for a in tracker.allocations]
-    rows: dict[str, list] = {}
-    totals = [0] * len(CATEGORIES)
-    events, e = tracker.events, 0
-    starts = tracker.region_starts
-    for j, (clock, region) in enumerate(starts):
-        end = starts[j + 1][0] if j + 1 < len(starts) else len(events)
-        while e < clock:  # event e happens at clock e + 1
-            signed, nbytes = events[e]
-            totals[categories[abs(signed) - 1]] += nbytes if signed > 0 else -nbytes
-            e += 1
-        keep = "|" in region and not region.startswith("0.")
-        out = rows.setdefault(region, []) if keep else None
-        if keep:
-            out.append(tuple(totals))
-        while e < end:
-            signed, nbytes = events[e]
-            totals[categories[abs(signed) - 1]] += nbytes if signed > 0 else -nbytes
-            e += 1
-            if keep:
-                out.append(tuple(totals))
-    points = [{} for _ in range(count)]
-    for region, values in rows.items():
-        step, rest = region.split(".", 1)
-        name = "1.0|opt" if rest.endswith("|opt") else "1." + rest
-        stack = name.split("|")[-1].split(".")[0]
-        for cls in _region_class(name, _depth_of(stack, trace.stack_depths or trace.depths)):
-            points[int(step) - 1][cls] = np.array(values, dtype=float)
-    return points

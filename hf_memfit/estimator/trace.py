@@ -274,7 +274,8 @@ def trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], *
     The steady-state peak is the one of the last step, when optimizer states exist.
     `depths` is informational here; the config already carries them.
 
-    `shapes` ((batch, seq, micro-batches) triples, for `parametric.py`): one warm-up
+    `shapes` ((batch, seq, micro-batches) triples, for `parametric.py`; a fourth item is another precision
+    of the same autocast build, for that step): one warm-up
     step of one micro-batch at the settings' own shape, then one steady-state step
     per shape on the same built model, so one build serves every point. Region peaks (with their clocks in
     `tracker.region_peaks`) are then kept for every step but the warm-up, and no
@@ -332,7 +333,8 @@ def trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], *
                 tracker.set_region(f"{step_tag()}|fwd|pre")
                 tracker.markers.append((tracker.clock, f"step {step_index + 1} forward{_micro_label(micro, settings)}"))
                 shaped = settings if not shapes or step_index == 0 else \
-                    settings.replace(batch_size=shapes[step_index - 1][0], seq_len=shapes[step_index - 1][1])
+                    settings.replace(batch_size=shapes[step_index - 1][0], seq_len=shapes[step_index - 1][1],
+                                     precision=(shapes[step_index - 1][3:] or (None,))[0] or settings.precision)
                 batch = training.make_batch(shaped, config)
                 tracker.phase = "forward"
                 _forward_backward(model, batch, shaped, tracker, step_tag)

@@ -16,6 +16,7 @@ import importlib.util
 
 from hf_memfit import optimizers
 from hf_memfit.errors import MemFitError, NothingFits, check_all
+from hf_memfit.estimator.assemble import prepare
 from hf_memfit.models.spec import ModelSpec, resolve_model
 from hf_memfit.planner.candidates import (
     HostLimit,
@@ -193,6 +194,7 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
     # Offloading activation checkpoints is host offload too: searched on GPUs unless `--allow-offload none`.
     offload_acts = base.device == "cuda" and allow_offload != "none"
     tiled = tiled_mlp_searched(spec, base, tiled_mlp)
+
     def search(splits):
         found = []
         for sp, cp in splits:
@@ -204,6 +206,8 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
                 # On the CPU, DeepSpeed's UlyssesSPDataLoaderAdapter leaves each rank's shard a non-contiguous slice
                 # (its `.cpu()` copies only device tensors) and transformers' ForCausalLMLoss `.view`s it: 2+ rows fail
                 grid = (s for s in grid if s.batch_size == 1)
+            grid = list(grid)
+            prepare(spec, grid)  # fits the grid will read, made side by side (families without formulas)
             found += [evaluate_candidate(spec, s, usable, host, gpu_info) for s in grid]
         return found
 

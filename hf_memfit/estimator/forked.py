@@ -1,0 +1,135 @@
+"""Independent calibration traces run side by side in forked processes, one per free CPU.
+
+A parametric calibration (`parametric.py`) traces the reduced-depth model at two depths, and a plan
+asks for a few calibrations (checkpointing on and off, offloaded checkpoints): independent traces of
+a few seconds each, on fake tensors, that share nothing while they run; where the machine has an idle
+CPU (a busy one gains nothing from children taking turns), they run side by side. A forked child has
+torch, transformers and the model spec imported, so it starts in milliseconds; it runs its job and
+sends back the (small, picklable) result through a pipe. Results come back in the jobs' order, the
+same as running them one after another: a trace reads no clock and no random numbers that decide a
+byte. Where fork is unavailable, one CPU is free, or a child fails, the jobs run in this process.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import pickle
+import select
+import signal
+import sys
+import time
+
+# A child that has sent nothing for this long is taken to be stuck, and its job runs in this process.
+# The longest calibration trace measured here took about a minute (docs/benchmarks.md, section 13).
+CHILD_TIMEOUT_S = 900
+
+
+def cpus() -> int:
+    """The CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def idle_cpus() -> float:
+    """CPUs that the last minute's load leaves free: where there are none, children would only take turns."""
+    try:
+        return cpus() - os.getloadavg()[0]
+    except OSError:
+        return 0.0
+
+
+def run_jobs(function, jobs: list, workers: int | None = None) -> list:
+    """`[function(*job) for job in jobs]`, up to `workers` (default: the idle CPUs, and at least 2) at a
+    time in forked children, where there is an idle CPU to run them; else one after another here."""
+    if idle_cpus() < 1:
+        workers = 1
+    workers = min(workers or max(2, int(idle_cpus())), len(jobs) - 1)
+    if workers < 2 or not hasattr(os, "fork") or os.environ.get("HF_MEMFIT_NO_FORK"):
+        return [function(*job) for job in jobs]
+    # The first job runs here: a process's first trace also pays for what torch and transformers set up on
+    # first use (about 1.5 s of CPU), which forked children then inherit instead of each paying it again.
+    results: list = [function(*jobs[0])] + [None] * (len(jobs) - 1)
+    gc.freeze()  # what this process holds now is left out of the children's collections (no copy-on-write churn)
+    try:
+        _run_forked(function, jobs, workers, results, first=1)
+    finally:
+        gc.unfreeze()
+    return results
+
+
+def _run_forked(function, jobs: list, workers: int, results: list, first: int) -> None:
+    failed = []
+    running: dict[int, tuple[int, int, bytearray]] = {}  # read end -> (job index, pid, bytes so far)
+    pending = list(range(first, len(jobs)))
+    started_at: dict[int, float] = {}
+    while pending or running:
+        while pending and len(running) < workers:
+            index = pending.pop(0)
+            started = _start(function, jobs[index])
+            if started is None:
+                failed.append(index)
+            else:
+                running[started[0]] = (index, started[1], bytearray())
+                started_at[started[1]] = time.monotonic()
+        ready, _, _ = select.select(list(running), [], [], 30.0)
+        now = time.monotonic()
+        for fd, (index, pid, _) in list(running.items()):
+            if fd not in ready and now - started_at[pid] > CHILD_TIMEOUT_S:  # stuck (a lock held at fork): here instead
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                os.close(fd)
+                del running[fd]
+                failed.append(index)
+        ready = [fd for fd in ready if fd in running]
+        for fd in ready:
+            index, pid, data = running[fd]
+            chunk = os.read(fd, 1 << 20)
+            if chunk:
+                data += chunk
+                continue
+            os.close(fd)
+            del running[fd]
+            _, status = os.waitpid(pid, 0)
+            try:
+                ok, value = pickle.loads(bytes(data)) if status == 0 else (False, None)
+            except Exception:  # noqa: BLE001 - a child that died mid-write: its job runs here instead
+                ok, value = False, None
+            if ok:
+                results[index] = value
+            else:
+                failed.append(index)
+    for index in sorted(failed):  # here, so that a real error is raised as it would be without children
+        results[index] = function(*jobs[index])
+
+
+def _start(function, job) -> tuple[int, int] | None:
+    """Fork a child that runs `function(*job)` and writes (ok, result) pickled to a pipe: (read end, pid)."""
+    read, write = os.pipe()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        pid = os.fork()
+    except OSError:
+        os.close(read)
+        os.close(write)
+        return None
+    if pid:  # parent
+        os.close(write)
+        return read, pid
+    code = 1
+    try:  # child: never returns into the parent's code
+        os.close(read)
+        try:
+            payload = pickle.dumps((True, function(*job)), protocol=pickle.HIGHEST_PROTOCOL)
+        except BaseException:  # noqa: BLE001 - reported by running the job again in the parent
+            payload = pickle.dumps((False, None))
+        view = memoryview(payload)
+        while view:
+            view = view[os.write(write, view):]
+        os.close(write)
+        code = 0
+    finally:
+        os._exit(code)
