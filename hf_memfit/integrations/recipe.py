@@ -530,6 +530,8 @@ def readme_table(recipes_dir: Path = REPO / "recipes") -> str:
         kind = "QLoRA" if recipe.load_in_4bit else "LoRA" if recipe.lora_r else "full"
         sharding = (f"FSDP{s.fsdp_version} {s.fsdp}" if s.fsdp else f"ZeRO-{s.zero_stage}" if s.zero_stage
                     else "DDP" if s.world_size > 1 else "none")
+        if s.sp_size > 1 or s.cp_size > 1:  # each sequence split over ranks
+            sharding = (f"Ulysses SP {s.sp_size}" if s.sp_size > 1 else f"CP {s.cp_size}") + ", " + sharding
         offload = [f"{what} to {where}" for what, where in (("optimizer", s.offload_optimizer),
                                                            ("params", s.offload_param)) if where != "none"]
         if s.fsdp_offload:
