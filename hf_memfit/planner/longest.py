@@ -185,7 +185,7 @@ def _point(seq_len: int, result: PlanResult, global_batch_size: int) -> LengthPo
     s = result.plan.settings
     seconds = result.plan.predicted_step_seconds
     levers = [name for flag, name in ((s.use_liger_kernel, "Liger"), (s.offload_activations, "checkpoints on host"),
-                                      (getattr(s, "tiled_mlp", False), "tiled MLP"),
+                                      (s.tiled_mlp, "tiled MLP"),
                                       (s.expandable_segments, "expandable segments")) if flag]
     summary = (f"micro {s.batch_size} x acc {s.gradient_accumulation_steps}, ckpt "
                f"{'on' if s.gradient_checkpointing else 'off'}, {layout_text(s)}"

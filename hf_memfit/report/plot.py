@@ -1,4 +1,4 @@
-"""Stacked-area memory charts of traced steps (matplotlib, the `plot` extra)."""
+"""Charts (matplotlib, the `plot` extra): stacked-area memory of traced steps, and `--seq-len max`'s scaling."""
 
 from hf_memfit.estimator.breakdown import CATEGORIES
 from hf_memfit.errors import MemFitError
@@ -7,15 +7,21 @@ _COLORS = {"weights": "#4C72B0", "gradients": "#DD8452", "optimizer": "#55A868",
            "temporary": "#8172B3", "overhead": "#937860"}
 
 
-def plot_timelines(timelines: list, path: str, title: str = "") -> str:
-    """Draw one panel per timeline, side by side with a shared y axis; phases marked, peak annotated."""
+def _pyplot(flag: str):
+    """matplotlib's pyplot on the file-only Agg backend, or a one-line error naming the flag that needs it."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise MemFitError("`--plot` needs matplotlib: pip install 'hf-memfit[plot]'") from None
+        raise MemFitError(f"`{flag}` needs matplotlib: pip install 'hf-memfit[plot]'") from None
+    return plt
+
+
+def plot_timelines(timelines: list, path: str, title: str = "") -> str:
+    """Draw one panel per timeline, side by side with a shared y axis; phases marked, peak annotated."""
+    plt = _pyplot("--plot")
     gib = 2**30
     fig, axes = plt.subplots(1, len(timelines), figsize=(6.5 * len(timelines), 4.8), sharey=True, squeeze=False)
     for ax, timeline in zip(axes[0], timelines):
@@ -50,13 +56,7 @@ def plot_length_scaling(points: list, path: str, title: str = "") -> str:
 
     `points` are `planner.longest.LengthPoint`s; those that do not fit are marked on the budget line.
     """
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise MemFitError("`--explain FILE.png` needs matplotlib: pip install 'hf-memfit[plot]'") from None
+    plt = _pyplot("--explain FILE.png")
     gib = 2**30
     fits = [p for p in points if p.fits]
     fig, memory = plt.subplots(figsize=(7.5, 4.6))
