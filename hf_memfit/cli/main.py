@@ -142,7 +142,7 @@ def _plan_longest(args: argparse.Namespace, shape: dict) -> int:
     longest = longest_seq_len(args.model, **kwargs)
     args.seq_len = longest.seq_len  # what the configs and the TRL fields below are written for
     header = (f"Longest sequence that fits: {longest.seq_len:,} tokens (bounded by {longest.bound}; "
-              f"{longest.probes} lengths planned)")
+              f"{longest.probes} length{'s' if longest.probes != 1 else ''} planned)")
     explained = None
     if args.explain is not None:
         explained = format_scaling(longest)
