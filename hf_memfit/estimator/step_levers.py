@@ -3,7 +3,6 @@ offloading, Liger's fused linear cross-entropy and ALST's TiledMLP, each as the 
 (`step.build_model` installs them).
 """
 
-import math
 import weakref
 
 import torch
@@ -314,16 +313,6 @@ def liger_causal_lm_forward(model, in_place_accumulation: bool):
 
 # --- ALST's TiledMLP ----------------------------------------------------------------------------
 
-def tiled_mlp_shards(tokens: int, hidden_size: int) -> int:
-    """How many sequence shards TiledMLP computes a layer's MLP in: about `hidden_size` tokens each.
-
-    ALST's rule (arXiv 2506.13996 section 3.2; DeepSpeed's `TiledMLP` docstring,
-    `num_shards = math.ceil(seqlen / hidden)`): the shard's intermediate activations are then
-    no larger than a hidden state of `hidden_size` tokens times the MLP's expansion.
-    """
-    return max(1, math.ceil(tokens / hidden_size))
-
-
 def tiled_mlp_modules(model) -> list:
     """The per-layer MLPs TiledMLP wraps: each repeated layer's dense `mlp` child (`models.generic.dense_mlps`).
 
@@ -344,6 +333,8 @@ def tile_mlps(model, hidden_size: int) -> int:
     no reduction. `compute_params` is ALST's list of the MLP's weights (for ZeRO's hooks).
     """
     from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
+
+    from hf_memfit.models.tiling import tiled_mlp_shards
 
     mlps = tiled_mlp_modules(model)
     for mlp in mlps:

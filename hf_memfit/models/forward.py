@@ -573,10 +573,10 @@ class FamilyForward:
                 self.f, self.ctx = main, main.ctx
 
         ctx = main.ctx
-        shards = max(1, -(-ctx.s // self.h))  # step_levers.tiled_mlp_shards: ceil(seq / hidden_size)
-        recompute = replace(ctx, ac=None, wdt=ctx.wdt)  # backward runs without autocast
-        from hf_memfit.models.tiling import tiled
+        from hf_memfit.models.tiling import tiled, tiled_mlp_shards
 
+        shards = tiled_mlp_shards(ctx.s, self.h)
+        recompute = replace(ctx, ac=None, wdt=ctx.wdt)  # backward runs without autocast
         return tiled(main, run, x, ctx.b, ctx.s, self.h, shards, recompute)
 
     def start_decoder(self):

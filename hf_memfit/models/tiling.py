@@ -11,6 +11,16 @@ from __future__ import annotations
 # forward.py calls this module).
 
 
+def tiled_mlp_shards(tokens: int, hidden_size: int) -> int:
+    """How many sequence shards TiledMLP computes a layer's MLP in: about `hidden_size` tokens each.
+
+    ALST's rule (arXiv 2506.13996 section 3.2; DeepSpeed's `TiledMLP` docstring,
+    `num_shards = math.ceil(seqlen / hidden)`): the shard's intermediate activations are then
+    no larger than a hidden state of `hidden_size` tokens times the MLP's expansion.
+    """
+    return max(1, -(-tokens // hidden_size))
+
+
 def tiled(tape: ForwardTape, run, x: SymTensor, rows: int, seq: int, out_width: int, shards: int,
           recompute: StepContext) -> SymTensor:
     """DeepSpeed's `TiledMLP` (ALST) around `run(tape, x)`; `estimator/step_levers.tile_mlps` runs the real one.
