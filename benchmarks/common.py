@@ -13,6 +13,8 @@ from __future__ import annotations
 import queue as queue_module
 import traceback
 
+from hf_memfit.estimator.measure import allocator_peak
+
 
 def run_forked(work, *, timeout_s: float | None = None) -> tuple[dict, str | None]:
     """Run `work(emit)` in a forked child; `emit(dict)` sends partial results to the parent as they are made.
@@ -77,17 +79,6 @@ MARKER_BYTES = 7_777_777
 
 
 def peak_after_marker(prof) -> int:
-    """The allocator's peak in a profiler run (`profile_memory=True`), counted from the MARKER_BYTES allocation on.
-
-    The running sum of the `[memory]` events, sorted by time, is what the allocator holds; bytes live before
-    the marker (model creation, wrapping) still count, but only maxima after it are taken.
-    """
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
-    live, peak, started = 0, 0, False
-    for event in events:
-        live += event.nbytes()
-        started = started or event.nbytes() == MARKER_BYTES
-        if started:
-            peak = max(peak, live)
-    return peak
+    """The allocator's peak in a profiler run, counted from the MARKER_BYTES allocation on (bytes live before
+    the marker, model creation and wrapping, still count; only maxima after it are taken)."""
+    return allocator_peak(prof, from_marker_bytes=MARKER_BYTES)

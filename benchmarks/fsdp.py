@@ -142,7 +142,7 @@ def measure(config: dict, settings) -> int:
     """This rank's allocator peak over STEPS optimizer steps of an FSDP run of `config` under `settings`."""
     import torch
     import torch.distributed as dist
-    from torch.profiler import ProfilerActivity, profile
+    from hf_memfit.estimator.measure import profiled_allocations
 
     from hf_memfit.estimator import step as training
 
@@ -160,7 +160,7 @@ def measure(config: dict, settings) -> int:
     else:
         dist.init_process_group("gloo")
     torch.manual_seed(0)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with profiled_allocations() as prof:
         built = build_4bit(checkpoint, settings) if checkpoint else training.build_model(config, settings)
         model = wrap(built, settings)
         optimizer = training.make_optimizer(model, settings)

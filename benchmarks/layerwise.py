@@ -48,7 +48,7 @@ class Rows(torch.utils.data.Dataset):
 
 
 def run_row(optim: str, emit) -> None:
-    from torch.profiler import ProfilerActivity, profile
+    from hf_memfit.estimator.measure import allocator_peak, profiled_allocations
     from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArguments
 
     from hf_memfit.estimator.assemble import estimate_settings
@@ -61,16 +61,12 @@ def run_row(optim: str, emit) -> None:
                                  per_device_train_batch_size=BATCH, max_steps=2, use_cpu=True, report_to=[],
                                  save_strategy="no", disable_tqdm=True, dataloader_num_workers=0)
         torch.manual_seed(0)
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with profiled_allocations() as prof:
             model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**MODEL), dtype=torch.float32)
             trainer = Trainer(model=model, args=args, train_dataset=Rows())
             trainer.train()
             del trainer, model
-    live = measured = 0
-    for event in sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                        key=lambda e: e.start_ns()):
-        live += event.nbytes()
-        measured = max(measured, live)
+    measured = allocator_peak(prof)
     spec = ModelSpec.from_config("llama-L4", MODEL)
     settings = TrainSettings(batch_size=BATCH, seq_len=SEQ, device="cpu", optim=optim,
                              optim_target_modules=tuple(TARGETS)).validate(spec)

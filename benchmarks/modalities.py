@@ -158,7 +158,7 @@ def make_trainer(name: str, budget: str, out: str, data: list[dict]):
 
 
 def run_row(name: str, emit) -> None:
-    from torch.profiler import ProfilerActivity, profile
+    from hf_memfit.estimator.measure import allocator_peak, profiled_allocations
 
     from hf_memfit.estimator.assemble import estimate_settings
     from hf_memfit.models.spec import ModelSpec
@@ -180,15 +180,10 @@ def run_row(name: str, emit) -> None:
     exact = estimate_settings(ModelSpec.from_config(name, config), settings.replace(mode="exact"))
     del planned, base
     gc.collect()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with profiled_allocations() as prof:
         trainer = make_trainer(name, budget, out, data)
         trainer.train()
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
-    live = measured = 0
-    for event in events:
-        live += event.nbytes()
-        measured = max(measured, live)
+    measured = allocator_peak(prof)
     check = next(h for h in trainer.state.log_history if "memfit/predicted_peak_bytes" in h)
     plan = trainer.memfit_plan
     emit({"row": name, "trainer": type(trainer).__name__, "task": settings.task, "budget": budget,

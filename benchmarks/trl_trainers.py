@@ -149,7 +149,7 @@ def make_trainer(trainer: str, fields: dict, extras: dict, budget: str, out: str
 
 
 def run_row(name: str, emit) -> None:
-    from torch.profiler import ProfilerActivity, profile
+    from hf_memfit.estimator.measure import allocator_peak, profiled_allocations
 
     from hf_memfit.estimator.assemble import estimate_settings
     from hf_memfit.models.spec import ModelSpec
@@ -177,15 +177,10 @@ def run_row(name: str, emit) -> None:
     exact = estimate_settings(ModelSpec.from_config("tiny-llama", base.config.to_dict()), settings.replace(mode="exact"))
     del planned, base
     gc.collect()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with profiled_allocations() as prof:
         trainer = make_trainer(trainer_kind, fields, extras, budget, out)
         trainer.train()
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
-    live = measured = 0
-    for event in events:
-        live += event.nbytes()
-        measured = max(measured, live)
+    measured = allocator_peak(prof)
     check = next(h for h in trainer.state.log_history if "memfit/predicted_peak_bytes" in h)
     assert trainer.memfit_result.estimate.settings == settings, "the measured run planned differently"
     plan = trainer.memfit_plan

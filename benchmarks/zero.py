@@ -51,7 +51,7 @@ def measure(row: tuple) -> int:
     """Run the row's three DeepSpeed steps; return the allocator's peak over them (in this process)."""
     import deepspeed
     import torch
-    from torch.profiler import ProfilerActivity, profile
+    from hf_memfit.estimator.measure import profiled_allocations
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from hf_memfit.planner.deepspeed import deepspeed_config
@@ -72,7 +72,7 @@ def measure(row: tuple) -> int:
     if "optimizer" in ds:  # DeepSpeedCPUAdam for offload
         ds["optimizer"]["params"] = dict(lr=1e-4, betas=[0.9, 0.999], eps=1e-8, weight_decay=0.0)
     torch.manual_seed(0)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with profiled_allocations() as prof:
         hf_config = AutoConfig.for_model(**config)
         if stage == 3:  # the Trainer builds ZeRO-3 models under zero.Init, partitioned from the start
             with deepspeed.zero.Init(config_dict_or_path=ds):

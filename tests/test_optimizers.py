@@ -184,7 +184,7 @@ def _tiny_rows(seq_len: int, vocab: int):
 
 def test_layerwise_with_the_real_trainer_on_the_cpu_allocator(tiny_specs, tmp_path):
     """`Trainer(optim="galore_adamw_layerwise")`: steps inside backward through its own hooks, measured."""
-    from torch.profiler import ProfilerActivity, profile
+    from hf_memfit.estimator.measure import allocator_peak, profiled_allocations
     from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArguments
 
     from tests.conftest import TINY_LLAMA
@@ -194,17 +194,13 @@ def test_layerwise_with_the_real_trainer_on_the_cpu_allocator(tiny_specs, tmp_pa
                              optim_target_modules="all-linear", per_device_train_batch_size=2, max_steps=2,
                              use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True)
     torch.manual_seed(0)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with profiled_allocations() as prof:
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**TINY_LLAMA), dtype=torch.float32)
         trainer = Trainer(model=model, args=args, train_dataset=_tiny_rows(32, TINY_LLAMA["vocab_size"]))
         trainer.train()
         assert all(p.grad is None for p in model.parameters())  # every gradient was freed by its hook
         del trainer, model
-    live = measured = 0
-    for event in sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                        key=lambda e: e.start_ns()):
-        live += event.nbytes()
-        measured = max(measured, live)
+    measured = allocator_peak(prof)
     settings = TrainSettings(batch_size=2, seq_len=32, device="cpu", optim="galore_adamw_layerwise",
                              optim_args="rank=16", optim_target_modules=("all-linear",)).validate(spec)
     exact, fast = exact_candidates(spec, settings), fast_step_memory(spec, settings)
