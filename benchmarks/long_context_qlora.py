@@ -14,11 +14,10 @@ is bisected against the capacity less that difference, and the result is checked
 
     python benchmarks/long_context_qlora.py [--json PATH] [--fast-only] [--breakdown-seq 8192]
 
-It also prints each term of the device total at one length, and what the plain HF QLoRA recipe
-of that time adds that hf-memfit's settings do not describe: peft's
-`prepare_model_for_kbit_training`, which TRL's SFTTrainer called on every 4-bit model then
-(it no longer does in TRL 1.16), casts every parameter that is not 4-bit to fp32: the
-embedding, the LM head and the norms. Sizes from that source are printed beside the gap.
+Each card is solved twice: as peft's QLoRA recipe runs it (`prepare_model_for_kbit_training`, hf-memfit's
+default for the plain Trainer with `--load-in-4bit`: every parameter that is not 4-bit upcast to fp32, so the
+residual stream is fp32), and without it (TRL 1.16's trainers, or TRL's older `peft_module_casting_to_bf16`,
+which cast the embedding and head back to bf16). It also prints each term of the device total at one length.
 """
 
 from __future__ import annotations
@@ -59,19 +58,15 @@ def _quiet(fn, *args, **kwargs):
         return fn(*args, **kwargs)
 
 
-def estimate_at(model: str, seq: int, mode: str):
+def estimate_at(model: str, seq: int, mode: str, prepared: bool = True):
     from hf_memfit.estimator.assemble import estimate
 
-    return _quiet(estimate, model, seq_len=seq, mode=mode, **SETTINGS)
+    return _quiet(estimate, model, seq_len=seq, mode=mode, prepare_model_for_kbit_training=prepared, **SETTINGS)
 
 
-def longest_fast(model: str, capacity: int, low: int = 16, high: int = 1 << 20, prepared: bool = False) -> int | None:
-    """The longest multiple of 16 whose fast device total is at most `capacity`; None if not even `low` fits.
-
-    `prepared` adds what `prepare_model_for_kbit_training` adds (`kbit_prepare_bytes`), as a what-if.
-    """
-    total = lambda s: estimate_at(model, s, "fast").device_total_bytes + (  # noqa: E731
-        kbit_prepare_bytes(model, s) if prepared else 0)
+def longest_fast(model: str, capacity: int, prepared: bool, low: int = 16, high: int = 1 << 20) -> int | None:
+    """The longest multiple of 16 whose fast device total is at most `capacity`; None if not even `low` fits."""
+    total = lambda s: estimate_at(model, s, "fast", prepared).device_total_bytes  # noqa: E731
     if total(low) > capacity:
         return None
     while low + 16 <= high:
@@ -82,63 +77,27 @@ def longest_fast(model: str, capacity: int, low: int = 16, high: int = 1 << 20, 
     return low
 
 
-def longest_exact(model: str, capacity: int, fast_answer: int | None) -> tuple[int | None, int]:
+def longest_exact(model: str, capacity: int, fast_answer: int | None, prepared: bool) -> tuple[int | None, int]:
     """Exact mode's longest length, found through fast mode (see the module docstring); and exact calls made."""
     if fast_answer is None:
         return None, 0
     seq, calls = fast_answer, 0
     for _ in range(2):
-        exact = estimate_at(model, seq, "exact").device_total_bytes
+        exact = estimate_at(model, seq, "exact", prepared).device_total_bytes
         calls += 1
-        delta = exact - estimate_at(model, seq, "fast").device_total_bytes
-        new = longest_fast(model, capacity - delta)
+        delta = exact - estimate_at(model, seq, "fast", prepared).device_total_bytes
+        new = longest_fast(model, capacity - delta, prepared)
         if new is None or new == seq:
             return new, calls
         seq = new
-    return (seq if estimate_at(model, seq, "exact").device_total_bytes <= capacity else None), calls + 1
+    return (seq if estimate_at(model, seq, "exact", prepared).device_total_bytes <= capacity else None), calls + 1
 
 
-def breakdown(model: str, seq: int, mode: str) -> dict:
-    est = estimate_at(model, seq, mode)
-    return {"seq": seq, "mode": mode, "peak_phase": est.peak_region, "device_total": est.device_total_bytes,
-            "peak_allocated": est.peak_allocated_bytes, "peak_reserved": est.peak_reserved_bytes,
-            "breakdown": est.breakdown, "notes": est.notes}
-
-
-def kbit_prepare_terms(model: str, seq: int) -> dict:
-    """What `prepare_model_for_kbit_training` adds at the backward peak, from peft's source (bytes).
-
-    peft/utils/other.py: every parameter in fp16/bf16 that is not `Params4bit` is cast to fp32
-    (`param.data = param.data.to(torch.float32)`): 2 more bytes for each of the embedding, the LM
-    head and the norms. With an fp32 embedding and fp32 norm weights the residual stream stays
-    fp32 (embedding is not an autocast op; LlamaRMSNorm returns `weight * x.to(input_dtype)`, and
-    a bf16 projection added to an fp32 residual is fp32), so each checkpointed layer input is
-    4 bytes per element, not 2: 2 more bytes x hidden x layers per token.
-    """
-    from hf_memfit.models.spec import resolve_model
-
-    spec = resolve_model(model)
-    counts = spec.parameter_count("causal-lm", 2)
-    upcast = 2 * (counts["total"] - spec_quantized(spec))
-    residual = 2 * spec.hidden_size * spec.num_layers * seq
-    return {"non_4bit_params": counts["total"] - spec_quantized(spec), "fp32_upcast_bytes": upcast,
-            "fp32_residual_checkpoints_bytes": residual}
-
-
-def kbit_prepare_bytes(model: str, seq: int) -> int:
-    """The device-total bytes `kbit_prepare_terms` adds: the upcast, and the fp32 checkpoints with their slack.
-
-    The checkpointed layer inputs are activations, so the allocator slack that hf-memfit adds for
-    activations (`ALLOCATOR_FRAGMENTATION_RATIO` of them) is added for the extra bytes too.
-    """
-    from hf_memfit.estimator.cuda_overhead import ALLOCATOR_FRAGMENTATION_RATIO
-
-    terms = kbit_prepare_terms(model, seq)
-    return int(terms["fp32_upcast_bytes"] + (1 + ALLOCATOR_FRAGMENTATION_RATIO) * terms["fp32_residual_checkpoints_bytes"])
-
-
-def spec_quantized(spec) -> int:
-    return sum(m.weight_numel * m.count for m in spec.linear_modules("causal-lm", 2) if m.scope == "layer")
+def breakdown(model: str, seq: int, mode: str, prepared: bool) -> dict:
+    est = estimate_at(model, seq, mode, prepared)
+    return {"seq": seq, "mode": mode, "prepared": prepared, "peak_phase": est.peak_region,
+            "device_total": est.device_total_bytes, "peak_allocated": est.peak_allocated_bytes,
+            "peak_reserved": est.peak_reserved_bytes, "breakdown": est.breakdown, "notes": est.notes}
 
 
 def main(argv=None) -> int:
@@ -150,46 +109,46 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     started = time.time()
     rows = []
-    print("| model | card | published HF+FA2 | fast longest | fast / published | exact longest | exact / published "
-          "| fast total at published | exact total at published | what-if: fast + kbit prepare | / published |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| model | card | published HF+FA2 | recipe | fast longest | / published | exact longest | / published "
+          "| fast total at published | exact total at published |")
+    print("|---|---:|---:|---|---:|---:|---:|---:|---:|---:|")
     for model in args.models.split(","):
         for gb, published in sorted(PUBLISHED[model].items()):
             capacity = gb * GiB
-            fast = longest_fast(model, capacity)
-            exact, calls = (None, 0) if args.fast_only else longest_exact(model, capacity, fast)
-            prepared = longest_fast(model, capacity, prepared=True)
-            row = {"model": model, "card_gb": gb, "published": published, "published_read_here": (model, gb) in READ_HERE,
-                   "fast_longest": fast, "exact_longest": exact, "exact_calls": calls,
-                   "what_if_kbit_prepare_fast_longest": prepared}
-            if published:
-                row["fast_total_at_published"] = estimate_at(model, published, "fast").device_total_bytes
-                if not args.fast_only:
-                    row["exact_total_at_published"] = estimate_at(model, published, "exact").device_total_bytes
-            rows.append(row)
-            ratio = lambda v: f"{v / published:.2f}x" if v and published else "-"  # noqa: E731
-            gib = lambda k: f"{row[k] / GiB:.2f} GiB" if k in row else "-"  # noqa: E731
-            print(f"| {model.split('/')[-1]} | {gb} GB | {published or 'OOM'}{'' if (model, gb) in READ_HERE else '*'} | "
-                  f"{fast or 'none'} | {ratio(fast)} | {exact or ('-' if args.fast_only else 'none')} | {ratio(exact)} | "
-                  f"{gib('fast_total_at_published')} | {gib('exact_total_at_published')} | {prepared or 'none'} | "
-                  f"{ratio(prepared)} |", flush=True)
+            for prepared in (True, False):
+                fast = longest_fast(model, capacity, prepared)
+                exact, calls = (None, 0) if args.fast_only else longest_exact(model, capacity, fast, prepared)
+                row = {"model": model, "card_gb": gb, "published": published, "prepared": prepared,
+                       "published_read_here": (model, gb) in READ_HERE, "fast_longest": fast, "exact_longest": exact,
+                       "exact_calls": calls}
+                if published:
+                    row["fast_total_at_published"] = estimate_at(model, published, "fast", prepared).device_total_bytes
+                    if not args.fast_only:
+                        row["exact_total_at_published"] = estimate_at(model, published, "exact",
+                                                                      prepared).device_total_bytes
+                rows.append(row)
+                ratio = lambda v: f"{v / published:.2f}x" if v and published else "-"  # noqa: E731
+                gib = lambda k: f"{row[k] / GiB:.2f} GiB" if k in row else "-"  # noqa: E731
+                recipe = "prepared (default)" if prepared else "not prepared"
+                print(f"| {model.split('/')[-1]} | {gb} GB | {published or 'OOM'}{'' if (model, gb) in READ_HERE else '*'} "
+                      f"| {recipe} | {fast or 'none'} | {ratio(fast)} | {exact or ('-' if args.fast_only else 'none')} | "
+                      f"{ratio(exact)} | {gib('fast_total_at_published')} | {gib('exact_total_at_published')} |",
+                      flush=True)
     model = "meta-llama/Llama-3.1-8B"
-    terms = {mode: breakdown(model, args.breakdown_seq, mode) for mode in (("fast",) if args.fast_only else ("fast", "exact"))}
-    extra = kbit_prepare_terms(model, args.breakdown_seq)
+    modes = ("fast",) if args.fast_only else ("fast", "exact")
+    terms = {f"{mode}{'' if prepared else ' not prepared'}": breakdown(model, args.breakdown_seq, mode, prepared)
+             for mode in modes for prepared in (True, False)}
     print(f"\nLlama-3.1-8B at {args.breakdown_seq} tokens, A100-80GB overheads:")
-    for mode, entry in terms.items():
-        print(f"  {mode}: peak at {entry['peak_phase']}; " + ", ".join(
+    for name, entry in terms.items():
+        print(f"  {name}: peak at {entry['peak_phase']}; " + ", ".join(
             f"{k} {v / GiB:.2f} GiB" for k, v in entry["breakdown"].items()) +
             f"; allocated {entry['peak_allocated'] / GiB:.2f}, reserved {entry['peak_reserved'] / GiB:.2f}, "
             f"device total {entry['device_total'] / GiB:.2f} GiB")
         for note in entry["notes"]:
             print(f"    note: {note}")
-    print(f"  prepare_model_for_kbit_training (not in hf-memfit's settings): fp32 upcast of "
-          f"{extra['non_4bit_params'] / 1e6:.0f}M non-4-bit parameters +{extra['fp32_upcast_bytes'] / GiB:.2f} GiB; "
-          f"fp32 residual stream in the checkpointed layer inputs +{extra['fp32_residual_checkpoints_bytes'] / GiB:.2f} GiB")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:
-            json.dump({"rows": rows, "breakdown": terms, "kbit_prepare": extra, "settings": {
+            json.dump({"rows": rows, "breakdown": terms, "settings": {
                 k: list(v) if isinstance(v, tuple) else v for k, v in SETTINGS.items()},
                 "seconds": round(time.time() - started)}, handle, indent=2, default=str)
         print(f"wrote {args.json}")

@@ -69,6 +69,10 @@ class TrainSettings:
     fsdp_offload: bool = False  # CPUOffload: sharded parameters, gradients and the optimizer step on the host
     bnb_4bit_use_double_quant: bool = True  # the QLoRA recipe; BitsAndBytesConfig's own default is False
     bnb_4bit_quant_storage: str | None = None  # None: uint8 unsharded, the compute dtype when FSDP/ZeRO-3 shard it
+    # peft's `prepare_model_for_kbit_training(model)` ran on the 4-bit model: every parameter bitsandbytes did
+    # not pack (embeddings, LM head, norms) is upcast to fp32, and with an fp32 embedding the residual stream
+    # stays fp32. None: as each stack does (`kbit_prepared`).
+    prepare_model_for_kbit_training: bool | None = None
     device: str = "cuda"
     gpu: str | None = None  # a hardware.py name; decides flash support and CUDA overheads
     expandable_segments: bool = False  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
@@ -149,6 +153,18 @@ class TrainSettings:
     @property
     def compute_dtype(self) -> str:
         return self.autocast_dtype or self.weights_dtype
+
+    @property
+    def kbit_prepared(self) -> bool:
+        """Whether the 4-bit model runs as `prepare_model_for_kbit_training` leaves it.
+
+        Unset, as each stack does: peft's QLoRA recipe, which user scripts for the plain Trainer follow on one
+        GPU or under DDP; not TRL 1.16's trainers (which no longer call it), nor DeepSpeed or FSDP (which
+        run the model in one dtype, and TRL skips the preparation for sharded QLoRA).
+        """
+        if self.prepare_model_for_kbit_training is not None:
+            return self.prepare_model_for_kbit_training and self.load_in_4bit
+        return self.load_in_4bit and self.trainer == "trainer" and not self.zero_stage and self.fsdp is None
 
     @property
     def reference(self) -> str | None:
@@ -286,14 +302,28 @@ class TrainSettings:
                             "bf16-mixed` (or fp16-mixed), or use `--attn-implementation sdpa`")
         if self.load_in_4bit and self.lora_r is None:
             problems.append("`--load-in-4bit` trains LoRA adapters on the 4-bit base: add `--lora-r` (e.g. 16)")
+        problems += self._kbit_preparation_problems()
         if self.gpu is not None and self.device == "cuda":
             problems += _gpu_problems(self)
         settings = self
         if spec is not None and not problems:
-            settings, model_problems = _validate_against_model(self, spec)
+            settings, model_problems = _validate_against_model(settings, spec)
             problems += model_problems
         check_all(problems)
         return settings
+
+    def _kbit_preparation_problems(self) -> list[str]:
+        if not self.prepare_model_for_kbit_training:
+            return []
+        flag = "`--prepare-model-for-kbit-training yes`"
+        if not self.load_in_4bit:
+            return [f"{flag} upcasts what bitsandbytes left unpacked on a 4-bit model: add `--load-in-4bit`, or "
+                    "`--prepare-model-for-kbit-training no`"]
+        if self.zero_stage or self.fsdp is not None:
+            # DeepSpeed's engine casts the module to its compute dtype; FSDP flattens parameters of one dtype.
+            return [f"{flag}: DeepSpeed and FSDP run the model in one dtype, so its fp32 parameters do not survive "
+                    "(TRL skips it for sharded QLoRA): use `--prepare-model-for-kbit-training no`"]
+        return []
 
     def _sequence_problems(self) -> list[str]:
         """What accelerate 1.15, DeepSpeed 0.19 and torch refuse about sp_size / cp_size (model-free checks)."""

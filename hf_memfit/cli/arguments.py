@@ -70,6 +70,10 @@ def add_step_arguments(parser: argparse.ArgumentParser, *, with_batch: bool = Tr
     parser.add_argument("--load-in-4bit", action="store_true", help="QLoRA: 4-bit NF4 base weights (bitsandbytes)")
     parser.add_argument("--no-double-quant", dest="bnb_4bit_use_double_quant", action="store_false",
                         help="4-bit without double quantisation (bnb_4bit_use_double_quant=False)")
+    parser.add_argument("--prepare-model-for-kbit-training", choices=("auto", "yes", "no"), default="auto",
+                        help="with --load-in-4bit: whether the script calls peft's prepare_model_for_kbit_training "
+                             "(embeddings, LM head and norms upcast to fp32); auto: yes for the plain Trainer on one "
+                             "GPU or DDP (peft's QLoRA recipe), no for TRL's trainers, DeepSpeed and FSDP")
     parser.add_argument("--bnb-4bit-quant-storage", choices=QUANT_STORAGE_DTYPES,
                         help="dtype the packed 4-bit weights are stored in; default: uint8, or the compute dtype "
                              "when FSDP / ZeRO-3 shard them")
@@ -182,9 +186,14 @@ def settings_from_args(args: argparse.Namespace):
         fsdp=args.fsdp, fsdp_version=args.fsdp_version, fsdp_offload=args.fsdp_offload,
         sp_size=args.sp_size, cp_size=args.cp_size,
         bnb_4bit_use_double_quant=args.bnb_4bit_use_double_quant, bnb_4bit_quant_storage=args.bnb_4bit_quant_storage,
-        device=args.device, gpu=args.gpu, mode=args.mode, expandable_segments=args.expandable_segments,
+        prepare_model_for_kbit_training=kbit_preparation(args), device=args.device, gpu=args.gpu, mode=args.mode, expandable_segments=args.expandable_segments,
         **media_inputs(args),
     )
+
+
+def kbit_preparation(args: argparse.Namespace) -> bool | None:
+    """`--prepare-model-for-kbit-training` as the settings field: None (auto), True or False."""
+    return {"auto": None, "yes": True, "no": False}[args.prepare_model_for_kbit_training]
 
 
 def check_writable(path: str, flag: str) -> None:

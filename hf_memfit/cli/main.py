@@ -10,8 +10,8 @@ import json
 import logging
 import sys
 
-from hf_memfit.cli.arguments import (MemFitArgumentParser, add_step_arguments, check_writable, media_inputs,
-                                      positive_int, settings_from_args, step_shape)
+from hf_memfit.cli.arguments import (MemFitArgumentParser, add_step_arguments, check_writable, kbit_preparation,
+                                      media_inputs, positive_int, settings_from_args, step_shape)
 from hf_memfit.cli.cache import add_cache_parser
 from hf_memfit.cli.check import add_check_parser
 from hf_memfit.errors import MemFitError
@@ -130,6 +130,7 @@ def _plan_kwargs(args: argparse.Namespace) -> dict:
         tiled_mlp={"auto": None, "yes": True, "no": False}[args.tiled_mlp],
         optim_target_modules=args.optim_target_modules, optim_args=args.optim_args,
         sp_size=args.sp_size, cp_size=args.cp_size, inputs=media_inputs(args),
+        prepare_model_for_kbit_training=kbit_preparation(args),
     )
 
 

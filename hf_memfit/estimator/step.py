@@ -115,6 +115,8 @@ def _build_model(config: dict, settings: TrainSettings):
         _add_trl_head(model, settings.trainer)
     if settings.frozen:
         freeze(model, settings.frozen)
+    if settings.kbit_prepared:
+        prepare_like_peft_kbit_training(model, settings)
     if settings.uses_lora:
         model = _add_lora(model, settings)
     if settings.activation_offloading:
@@ -165,6 +167,57 @@ def freeze(model, names) -> None:
             modules[name]._freeze_parameters()
         else:
             modules[name].requires_grad_(False)
+
+
+def quantizable_linears(model) -> list:
+    """The Linear modules bitsandbytes packs to 4 bits: every one but the output head and adapters.
+
+    (transformers' bitsandbytes quantizer keeps the output embedding, `get_keys_to_not_convert`; a
+    classification head is trained whole.) Here they are built in the compute dtype and packed by formula
+    afterwards (`sharding._pack_4bit`).
+    """
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return [module for name, module in model.named_modules()
+            if isinstance(module, torch.nn.Linear) and module is not head
+            and not any(part in name for part in ("lora_", "score", "classifier"))]
+
+
+def prepare_like_peft_kbit_training(model, settings: TrainSettings) -> None:
+    """What peft's `prepare_model_for_kbit_training` does to memory, on a model whose 4-bit layers stand in bf16.
+
+    peft (utils/other.py) freezes the model and casts every fp16/bf16 parameter that is not a bitsandbytes
+    `Params4bit` to fp32 ("cast all non INT8 parameters to fp32"): the embeddings, the LM head, the norms.
+    The stand-ins for the packed layers keep their dtype, and run as bitsandbytes' `Linear4bit.forward`
+    does (bitsandbytes nn/modules.py): the input cast to the compute dtype, and the output cast back to the
+    input's dtype, which the fp32 residual stream now makes fp32. (Without the preparation the input is
+    already in the compute dtype and both casts are no-ops, so the stand-ins run as plain Linear layers.)
+    peft's gradient-checkpointing side (`enable_input_require_grads` for reentrant checkpoints) is left to
+    `gradient_checkpointing`, which hf-memfit runs non-reentrant.
+    """
+    if any(type(p).__name__ == "Params4bit" for p in model.parameters()):
+        from peft import prepare_model_for_kbit_training  # a real 4-bit model (`hf-memfit check` on CUDA): peft's own
+
+        prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)  # checkpointing is build_model's
+        return
+    compute = torch_dtype(settings.compute_dtype)
+    packed = quantizable_linears(model)
+    # bitsandbytes casts a packed layer's bias to the compute dtype on its first forward
+    kept = {id(p) for module in packed for p in (module.weight, module.bias) if p is not None}
+    for param in model.parameters():
+        param.requires_grad_(False)
+        if param.dtype in (torch.float16, torch.bfloat16) and id(param) not in kept:
+            param.data = param.data.to(torch.float32)
+    for module in packed:
+        module.forward = _like_linear4bit(module, compute)
+
+
+def _like_linear4bit(module, compute_dtype):
+    plain = module.forward
+
+    def forward(x):
+        return plain(x.to(compute_dtype)).to(x.dtype)
+
+    return forward
 
 
 def _add_lora(model, settings: TrainSettings):

@@ -445,11 +445,8 @@ def _forward_backward(model, batch, settings, tracker, step_tag):
 
 
 def _quantizable_linear_params(model) -> tuple[int, int]:
-    """Parameters bitsandbytes would pack to 4 bits (every Linear but the head and adapters), and the largest one."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    sizes = [module.weight.numel() for name, module in model.named_modules()
-             if isinstance(module, torch.nn.Linear) and module is not head
-             and not any(part in name for part in ("lora_", "score", "classifier"))]
+    """Parameters bitsandbytes would pack to 4 bits, and the largest one (`step.quantizable_linears`)."""
+    sizes = [module.weight.numel() for module in training.quantizable_linears(model)]
     return sum(sizes), max(sizes, default=0)
 
 

@@ -97,6 +97,16 @@ def model_precision(model, args, on_gpu: bool) -> str | None:
     return None
 
 
+def kbit_prepared(base) -> bool:
+    """Whether a 4-bit model went through peft's `prepare_model_for_kbit_training`: its input embedding in fp32.
+
+    The preparation casts every half-precision parameter bitsandbytes did not pack to fp32; a 4-bit model
+    loaded as it is keeps its embedding in the compute dtype.
+    """
+    embedding = base.get_input_embeddings() if hasattr(base, "get_input_embeddings") else None
+    return embedding is not None and embedding.weight.dtype == torch.float32
+
+
 # --- the launcher -----------------------------------------------------------------------
 
 def on_cuda(args) -> bool:
@@ -463,6 +473,7 @@ def plan_inputs(trainer, model, args, fields, train_dataset, collator, tokenizer
         deepspeed_layout=fixed_layout(args), fsdp_layout=run_fsdp,
         bnb_4bit_use_double_quant=bool(quant.get("bnb_4bit_use_double_quant", True)),
         bnb_4bit_quant_storage=quant_storage if quantized else None,
+        prepare_model_for_kbit_training=kbit_prepared(base) if quantized else None,
         cpu_memory="auto",  # the trainer runs on the machine it plans for: its RAM holds what is offloaded
         allow_pure_bf16=fields.allow_pure_bf16,
         allow_optimizers=fields.allow_optimizers, attn_implementation=attention or "sdpa",

@@ -159,6 +159,7 @@ def plan_recipe(recipe: Recipe, args=None):
                 gpu_memory=recipe.memory_budget, task=recipe.task, num_labels=recipe.num_labels,
                 num_gpus=recipe.num_gpus, num_nodes=recipe.num_nodes, lora_r=recipe.lora_r,
                 lora_alpha=recipe.lora_alpha, load_in_4bit=recipe.load_in_4bit,
+                prepare_model_for_kbit_training=False,  # `_with_lora` does not call it
                 bnb_4bit_quant_storage="bfloat16" if recipe.shard_4bit else None,
                 precision="bf16" if _half_precision_base(recipe) else None, cpu_memory=recipe.cpu_memory, **knobs)
 
@@ -463,7 +464,8 @@ def _smoke_budget(recipe: Recipe, model, seq_len: int, headroom: float) -> str:
     precision = "bf16-mixed" if recipe.load_in_4bit else "bf16" if _half_precision_base(recipe) else "fp32"
     peak = estimate(spec, batch_size=2, seq_len=seq_len, task=recipe.task, num_labels=recipe.num_labels,
                     precision=precision, optim="adamw_torch_fused", lora_r=recipe.lora_r, lora_alpha=recipe.lora_alpha,
-                    load_in_4bit=recipe.load_in_4bit, device="cpu").device_total_bytes
+                    load_in_4bit=recipe.load_in_4bit, prepare_model_for_kbit_training=False,
+                    device="cpu").device_total_bytes
     return f"{math.ceil(peak * 1.02 / (1 - headroom))}B"
 
 

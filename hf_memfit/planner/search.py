@@ -66,7 +66,8 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
          reference_model: str | None = None, decoder_seq_len: int | None = None,
          activation_offloading: bool = False, optim_target_modules=None, optim_args: str | None = None,
          sp_size: int | str = "auto", cp_size: int | str = 1, confirm_in_exact: bool = True,
-         tiled_mlp: bool | None = None, inputs: dict | None = None) -> PlanResult:
+         tiled_mlp: bool | None = None, inputs: dict | None = None,
+         prepare_model_for_kbit_training: bool | None = None) -> PlanResult:
     """Pick the fastest configuration that trains `model` within the memory budget.
 
     The budget is `gpu_memory` (a size such as "12GiB", or "auto" for the local
@@ -164,7 +165,7 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
         load_in_4bit=load_in_4bit, num_gpus=num_gpus, num_nodes=num_nodes, device=device,
         gpu=gpu_info.name if gpu_info else None, mode="fast", expandable_segments=expandable_segments,
         bnb_4bit_use_double_quant=bnb_4bit_use_double_quant, bnb_4bit_quant_storage=bnb_4bit_quant_storage,
-        trainer=trainer, padding_free=padding_free, reference_model=reference_model, decoder_seq_len=decoder_seq_len,
+        prepare_model_for_kbit_training=prepare_model_for_kbit_training, trainer=trainer, padding_free=padding_free, reference_model=reference_model, decoder_seq_len=decoder_seq_len,
         activation_offloading=activation_offloading, optim_args=optim_args,
         optim_target_modules=parse_target_modules(optim_target_modules), **(inputs or {}),
     ).validate(spec)
