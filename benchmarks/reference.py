@@ -113,7 +113,8 @@ def rows():
                 21.30, "GB", "NOT COMPARABLE: LitGPT's own model code and chunked LM-head loss, not transformers"))
     out.append(("LitGPT Llama-2-7b QLoRA nf4, b1 s1304", "meta-llama/Llama-2-7b-hf",
                 dict(batch_size=1, seq_len=1304, precision="bf16", lora_r=8, lora_alpha=16, load_in_4bit=True,
-                     lora_target_modules=("q_proj", "v_proj"), optim="paged_adamw_32bit", gpu="a100-40gb"),
+                     lora_target_modules=("q_proj", "v_proj"), optim="paged_adamw_32bit", gpu="a100-40gb",
+                     prepare_model_for_kbit_training=False),  # LitGPT runs no peft
                 14.14, "GB", "NOT COMPARABLE (LitGPT); bnb PagedAdamW"))
     # peft's docs, Llama-2-70B with QLoRA (NF4, double quantisation, quant storage bf16, r8 a16 on all linear
     # layers), 2048 packed tokens, micro-batch 2 x accumulation 2, checkpointing, flash-attention-2, on 2 GPUs.

@@ -21,7 +21,7 @@ def llama():
 
 
 def test_prepared_qlora_step_matches_the_cpu_allocator_in_both_modes(llama):
-    """The real step with the fp32 embedding, head and norms; fast mode reads it off the parametric fit."""
+    """The real step with the fp32 embedding, head and norms, in both modes (fast: the formulas' forward)."""
     prepared = TrainSettings(**QLORA, prepare_model_for_kbit_training=True).validate(llama)
     measured = measure_cpu_peak(llama.config, prepared)
     exact = step_memory(llama, prepared.replace(mode="exact")).peak_bytes

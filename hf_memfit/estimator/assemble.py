@@ -111,23 +111,13 @@ def _mode_step_memory(spec: ModelSpec, settings: TrainSettings, traced: TrainSet
         from hf_memfit.estimator.batch_fit import batch_fit_step_memory  # no free sequence length to fit over
 
         return held_batches(spec, settings, batch_fit_step_memory(spec, traced))
-    if uses_parametric_fit(spec, traced):
+    if not spec.hand_written:
         from hf_memfit.estimator.parametric import parametric_step_memory  # imports torch only to fit
 
         return parametric_step_memory(spec, traced)
     from hf_memfit.estimator.fast import fast_step_memory
 
     return fast_step_memory(spec, traced)
-
-
-def uses_parametric_fit(spec: ModelSpec, settings: TrainSettings) -> bool:
-    """Whether fast mode reads these settings off a parametric fit of exact mode's trace.
-
-    Families without formulas always do. So does a 4-bit model after peft's `prepare_model_for_kbit_training`
-    in every family: its fp32 embedding, head and norms around half-precision 4-bit layers make a step of two
-    weight dtypes, which the formulas' forward (one weight dtype per model) does not describe.
-    """
-    return not spec.hand_written or settings.kbit_prepared
 
 
 def held_batches(spec: ModelSpec, settings: TrainSettings, step: StepMemory) -> StepMemory:
@@ -153,22 +143,22 @@ def held_batches(spec: ModelSpec, settings: TrainSettings, step: StepMemory) -> 
 def prepare(spec: ModelSpec, many) -> None:
     """Make ahead, side by side, what fast mode will read for each of these settings (the planner's grid).
 
-    Only the parametric fits (`uses_parametric_fit`) cost anything to make; the planner would
+    Only the parametric fits of families without formulas cost anything to make; the planner would
     otherwise make them one after another as it meets them. Settings that do not validate are left to
     the estimate that reports them.
     """
+    if spec.hand_written:
+        return
     from hf_memfit.estimator.sequence import local_step_settings
 
     wanted = []
     for settings in many:
-        if settings.mode != "fast" or (spec.hand_written and not settings.load_in_4bit):
-            continue  # (formulas serve a family with them unless its 4-bit model is prepared: below)
+        if settings.mode != "fast":
+            continue
         try:
-            traced = local_step_settings(traced_settings(settings.validate(spec)))
+            wanted.append(local_step_settings(traced_settings(settings.validate(spec))))
         except MemFitError:
             continue
-        if uses_parametric_fit(spec, traced):
-            wanted.append(traced)
     if wanted:
         from hf_memfit.estimator.parametric import prepare_fits
 

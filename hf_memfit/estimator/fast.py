@@ -102,7 +102,10 @@ class _Activations:
 def _ctx(spec, settings) -> StepContext:
     wdt = DTYPE_TAG[settings.weights_dtype]
     ac = DTYPE_TAG.get(settings.autocast_dtype) if settings.autocast_dtype else None
-    if settings.load_in_4bit and wdt == "f32":
+    kbit_compute = None
+    if settings.kbit_prepared:  # peft upcast what is not 4-bit to fp32; the 4-bit layers compute in half precision
+        wdt, kbit_compute = "f32", DTYPE_TAG[settings.compute_dtype]
+    elif settings.load_in_4bit and wdt == "f32":
         wdt = DTYPE_TAG[settings.compute_dtype]  # the base is built in the compute dtype (4-bit packing is applied later)
     attn = "eager" if settings.attn_implementation == "eager" else "sdpa"
     if getattr(family_of(spec), "EAGER_ATTENTION_ONLY", False):
@@ -119,7 +122,7 @@ def _ctx(spec, settings) -> StepContext:
                 attn=attn, full_ft=not settings.uses_lora, lora_r=(settings.lora_r or 8) if settings.uses_lora else None,
                 lora_targets=lora_targets(spec, settings), use_cache=use_cache, flash_ok=flash_ok,
                 checkpointing=settings.gradient_checkpointing, decoder_s=settings.decoder_seq_len,
-                packed=settings.padding_free)
+                packed=settings.padding_free, kbit_compute=kbit_compute)
 
 
 def _stack_summary(f: ForwardTape, name: str, depth: int, carry: SymTensor, gc_f: ForwardTape | None) -> _Stack:
@@ -323,7 +326,7 @@ def fast_step_memory(spec, settings) -> StepMemory:
         settings = settings.validate(spec)
     ctx = _ctx(spec, settings)
     cuda = ctx.cuda
-    params = parameters(spec, settings, ctx.wdt)
+    params = parameters(spec, settings, ctx.wdt, ctx.kbit_compute)
     trainable = [p for p in params if p.trainable]
     W = sum(param_bytes(p, cuda) for p in params)
     if settings.reference == "copy":  # DPO's frozen reference model: the base model again, without adapters

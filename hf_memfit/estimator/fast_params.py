@@ -59,8 +59,12 @@ def lora_targets(spec, settings) -> frozenset:
     return frozenset(spec.default_lora_target_modules())
 
 
-def parameters(spec, settings, wdt: str) -> list[ParamGroup]:
-    """Every parameter tensor of the (peft-wrapped) model, in `model.parameters()` order."""
+def parameters(spec, settings, wdt: str, kbit_compute: str | None = None) -> list[ParamGroup]:
+    """Every parameter tensor of the (peft-wrapped) model, in `model.parameters()` order.
+
+    `kbit_compute`: the dtype of the 4-bit layers' weights (and biases) where peft's preparation put every
+    other parameter in `wdt` (fp32).
+    """
     task, labels = settings.task, settings.num_labels
     counts = spec.parameter_count(task, labels)
     linears = spec.linear_modules(task, labels)
@@ -76,10 +80,11 @@ def parameters(spec, settings, wdt: str) -> list[ParamGroup]:
     head = [m for m in linears if m.scope == "head"]
     for m in body:
         kind = "layer" if m.scope == "layer" else "other"
-        params.append(ParamGroup((m.out_features, m.in_features), m.count, wdt, base_trainable, True, kind, m.name))
+        packed = kbit_compute or wdt
+        params.append(ParamGroup((m.out_features, m.in_features), m.count, packed, base_trainable, True, kind, m.name))
         accounted += m.weight_numel * m.count
         if m.bias:
-            params.append(ParamGroup((m.out_features,), m.count, wdt, base_trainable, False, kind))
+            params.append(ParamGroup((m.out_features,), m.count, packed, base_trainable, False, kind))
             accounted += m.out_features * m.count
     head_params = []
     if not tied_head:

@@ -86,6 +86,9 @@ class StepContext:
     checkpointing: bool = False
     decoder_s: int | None = None  # seq2seq: the decoder's (labels') length; None: s
     packed: bool = False  # padding-free: several sequences in one row, kept apart by a block-diagonal mask
+    # A 4-bit model after peft's `prepare_model_for_kbit_training`: the dtype its 4-bit layers compute in (their
+    # stand-in weights'), while every other weight (`wdt`) is fp32. None: one weight dtype for the whole model.
+    kbit_compute: str | None = None
 
     @property
     def embeddings_need_grad(self) -> bool:
@@ -284,6 +287,8 @@ class ForwardTape:
         when the input does.
         """
         ctx = self.ctx
+        if ctx.kbit_compute and self.scope != "head":  # the head stays unpacked (and fp32 once prepared)
+            return self._prepared_4bit_linear(x, fin, fout, name, lora)
         trainable = ctx.full_ft if trainable is None else trainable
         rows = x.numel // fin
         w = None
@@ -304,6 +309,20 @@ class ForwardTape:
             self.save(w)
         out = self.new(rows * fout, out_dtype, x.rg or trainable, inputs=(xin, w))
         if lora and ctx.lora_r and name in ctx.lora_targets:
+            out = self._lora(x, out, fin, fout)
+        return out
+
+    def _prepared_4bit_linear(self, x: SymTensor, fin: int, fout: int, name: str, lora: bool) -> SymTensor:
+        """bitsandbytes' `Linear4bit.forward` (nn/modules.py) once the residual stream is fp32.
+
+        The input is cast to the compute dtype, the frozen weight (dequantised) is already in it, so autocast
+        casts nothing, and the output is cast back to the input's dtype. The matmul saves the weight for the
+        input's gradient (the parameter itself: no new bytes), and no input: nothing here trains but LoRA.
+        """
+        rows = x.numel // fin
+        xin = self.cast(x, self.ctx.kbit_compute)
+        out = self.cast(self.new(rows * fout, self.ctx.kbit_compute, x.rg, inputs=(xin,)), x.dtype)
+        if lora and self.ctx.lora_r and name in self.ctx.lora_targets:
             out = self._lora(x, out, fin, fout)
         return out
 
