@@ -158,3 +158,21 @@ def test_check_on_cuda(tmp_path, capsys):
     assert abs(slack["measured"] - slack["predicted"]) <= 20 * 2**20, slack
     # the allocated peak: exact mode plus the workspaces, which dominate a tiny model on a GPU
     assert abs(row["error_percent"]["exact"]["peak_allocated"]) <= 10.0, row["error_percent"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("prepared", ["yes", "no"])
+def test_check_qlora_on_cuda(tmp_path, capsys, prepared):
+    """bitsandbytes' real 4-bit layers (and, prepared, peft's own `prepare_model_for_kbit_training`) on a GPU.
+
+    Both modes stand the 4-bit layers in bf16 and pack them by formula; the tolerance is the tiny-model one of
+    `test_check_on_cuda`, where the cuBLAS workspaces dominate.
+    """
+    model = _config(tmp_path, TINY_LLAMA)
+    code, out, err = _run(capsys, model, "--batch-size", "2", "--seq-len", "256", "--precision", "bf16-mixed",
+                          "--load-in-4bit", "--lora-r", "8", "--gradient-checkpointing",
+                          "--prepare-model-for-kbit-training", prepared, "--device", "cuda", "--json")
+    assert code == 0, err
+    row = json.loads(out)
+    for mode in ("exact", "fast"):
+        assert abs(row["error_percent"][mode]["peak_allocated"]) <= 10.0, row["error_percent"]

@@ -82,7 +82,8 @@ def cmd_check(args: argparse.Namespace) -> int:
         return 0
     # What no row could run (several processes, pinned offload on a CPU ...) is refused once, up front; the
     # grid itself varies the adapters, so a 4-bit base on a CPU still runs its full and LoRA rows.
-    check_all(unrunnable(base.replace(load_in_4bit=False, bnb_4bit_quant_storage=None)))
+    check_all(unrunnable(base.replace(load_in_4bit=False, bnb_4bit_quant_storage=None,
+                                      prepare_model_for_kbit_training=None)))
     rows = []
     for label, settings in grid_settings(base, cuda=device == "cuda"):
         print(f"hf-memfit: check {label} ...", file=sys.stderr, flush=True)
@@ -275,7 +276,7 @@ def grid_settings(base, *, cuda: bool) -> list[tuple[str, object]]:
             for name, changes in adapters:
                 label = f"micro-batch {micro}, checkpointing {'on' if checkpointing else 'off'}, {name}"
                 if not changes["load_in_4bit"] and base.load_in_4bit:
-                    changes = dict(changes, bnb_4bit_quant_storage=None)
+                    changes = dict(changes, bnb_4bit_quant_storage=None, prepare_model_for_kbit_training=None)
                 rows.append((label, base.replace(batch_size=micro, gradient_checkpointing=checkpointing,
                                                  offload_activations=base.offload_activations and checkpointing,
                                                  **changes)))

@@ -473,7 +473,9 @@ def plan_inputs(trainer, model, args, fields, train_dataset, collator, tokenizer
         deepspeed_layout=fixed_layout(args), fsdp_layout=run_fsdp,
         bnb_4bit_use_double_quant=bool(quant.get("bnb_4bit_use_double_quant", True)),
         bnb_4bit_quant_storage=quant_storage if quantized else None,
-        prepare_model_for_kbit_training=kbit_prepared(base) if quantized else None,
+        # (DeepSpeed and FSDP cast the model to one dtype when they wrap it, after this plan: left to `auto`)
+        prepare_model_for_kbit_training=kbit_prepared(base) if quantized and not (fixed_layout(args) or run_fsdp)
+        else None,
         cpu_memory="auto",  # the trainer runs on the machine it plans for: its RAM holds what is offloaded
         allow_pure_bf16=fields.allow_pure_bf16,
         allow_optimizers=fields.allow_optimizers, attn_implementation=attention or "sdpa",
