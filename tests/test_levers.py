@@ -93,7 +93,7 @@ def test_planner_offloads_activations_only_when_it_pays():
     short = plan("meta-llama/Llama-3.1-8B", seq_len=12288, **common).plan
     assert short.gradient_checkpointing and not short.offload_activations
     assert any(r.startswith("activation checkpoints stay on the GPU") for r in short.reasons)
-    never = plan("meta-llama/Llama-3.1-8B", seq_len=16384, allow_offload="none", **common)
+    never = plan("meta-llama/Llama-3.1-8B", seq_len=12288, allow_offload="none", **common)
     assert not never.plan.offload_activations
 
 
