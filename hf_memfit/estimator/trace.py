@@ -195,7 +195,7 @@ class TraceResult:
     region_peaks: dict[str, int]
     region_breakdowns: dict[str, dict[str, int]]
     peak_bytes: int
-    tracker: StorageTracker
+    tracker: StorageTracker | None  # None once sent back from a forked child (`_depth_trace`)
     largest_param_numel: int
     trainable_params: int
     total_params: int
@@ -515,11 +515,11 @@ def _exact_candidates(spec, settings: TrainSettings, *, extrapolate: bool = True
 
     base = tuple(min(base_depth, d) for d in real)
     depth_sets = [base] + [tuple(grown_depth if j == i else base[j] for j in range(len(real))) for i in range(len(real))]
-    traces = []
-    for number, depths in enumerate(depth_sets, 1):
-        progress.info("exact mode: tracing %s at depth %s (%d of %d), extrapolated to %s", spec.name,
-                      _depth_text(depths), number, len(depth_sets), _depth_text(real))
-        traces.append(trace_step(_config_with_depths(spec, depths), settings, depths))
+    # The depths' traces are independent: side by side in forked children where CPUs are idle (`forked.py`).
+    from hf_memfit.estimator.forked import run_side_by_side
+
+    traces = run_side_by_side(_depth_trace, [(spec, settings, depths, number, len(depth_sets), real)
+                                             for number, depths in enumerate(depth_sets, 1)])
     base_classes = _by_class(traces[0])
     grown_classes = [_by_class(t) for t in traces[1:]]
     candidates = {}
@@ -546,6 +546,17 @@ def _exact_candidates(spec, settings: TrainSettings, *, extrapolate: bool = True
     result.quantizable_linear_params = grow("quantizable_linear_params")
     result.host_bytes = grow("host_bytes")
     return result
+
+
+def _depth_trace(spec, settings: TrainSettings, depths: tuple[int, ...], number: int, count: int,
+                 real: tuple[int, ...]) -> TraceResult:
+    """One trace of `_exact_candidates`, without its per-allocation records (what extrapolation reads is small
+    enough to send back from a forked child)."""
+    progress.info("exact mode: tracing %s at depth %s (%d of %d), extrapolated to %s", spec.name,
+                  _depth_text(depths), number, count, _depth_text(real))
+    trace = trace_step(_config_with_depths(spec, depths), settings, depths)
+    trace.tracker = None
+    return trace
 
 
 def full_depth_step_memory(trace: TraceResult, settings: TrainSettings, spec=None) -> StepMemory:
