@@ -105,11 +105,17 @@ def longest_seq_len(model: str | ModelSpec, *, progress=None, **plan_kwargs) -> 
 def _search(spec: ModelSpec, limit: int, plan_kwargs: dict):
     """The fast-mode search: (longest length that fits, shortest that does not or None, the points probed).
 
-    A refused request comes back as its `MemFitError` (a value, so that a forked child can send it)."""
+    Settings that did not fit at a length are left out of the probes at longer ones (`plan(not_fitting=...)`:
+    memory grows with the sequence); the length the answer is bounded by is planned again in full, for its
+    one-line reason. A refused request comes back as its `MemFitError` (a value, so that a forked child can
+    send it).
+    """
     points: dict[int, LengthPoint] = {}
+    not_fitting: dict = {}
+    shortened: set[int] = set()  # lengths refused by a probe that left settings out
 
     def probe(seq_len: int) -> bool:
-        return _probe(spec, seq_len, points, plan_kwargs)
+        return _probe(spec, seq_len, points, plan_kwargs, not_fitting, shortened)
 
     try:
         low = min(SCALE_FROM, limit)
@@ -127,19 +133,28 @@ def _search(spec: ModelSpec, limit: int, plan_kwargs: dict):
                 high = nxt
         if high is not None:
             low = _bisect(low, high, probe)
+            over = min(k for k, p in points.items() if not p.fits and k > low)
+            if over in shortened:  # its reason, as a plan at that length gives it
+                del points[over]
+                _probe(spec, over, points, plan_kwargs)
     except MemFitError as refused:
         return refused
     return low, high, points
 
 
-def _probe(spec, seq_len: int, points: dict, plan_kwargs: dict) -> bool:
+def _probe(spec, seq_len: int, points: dict, plan_kwargs: dict, not_fitting: dict | None = None,
+           shortened: set | None = None) -> bool:
     """Plan `seq_len` in fast mode with no exact confirmation, into `points`; whether it fits."""
     if seq_len not in points:
         _progress_log.info("--seq-len max: planning %s tokens", f"{seq_len:,}")
+        leaves_out = not_fitting is not None and any(shortest <= seq_len for shortest in not_fitting.values())
         try:
-            result = plan(spec, seq_len=seq_len, mode="fast", confirm_in_exact=False, **plan_kwargs)
+            result = plan(spec, seq_len=seq_len, mode="fast", confirm_in_exact=False, not_fitting=not_fitting,
+                          **plan_kwargs)
         except NothingFits as refused:
             points[seq_len] = LengthPoint(seq_len, False, why_not=str(refused))
+            if leaves_out:
+                shortened.add(seq_len)
         else:
             points[seq_len] = _point(seq_len, result, plan_kwargs["global_batch_size"])
     return points[seq_len].fits
