@@ -67,6 +67,9 @@ class Allocation:
     module: str  # innermost module running when it was made
 
 
+_TO_COPY = torch.ops.aten._to_copy.default
+
+
 class StorageTracker(TorchDispatchMode):
     """Counts live storage bytes op by op, with a clock, regions and per-allocation records."""
 
@@ -89,12 +92,19 @@ class StorageTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        # Most ops seen here return one tensor, or none (`prim.device`, asked by autograd for every gradient,
+        # is over half of a TiledMLP step's ops): those skip the pytree walk.
+        if isinstance(out, torch.Tensor):
+            values = (out,)
+        elif isinstance(out, (torch.device, int, float, bool)) or out is None:
+            return out
+        else:
+            values = [value for value in tree_flatten(out)[0] if isinstance(value, torch.Tensor)]
         # Autocast's cached low-precision copy of a weight (autocast_mode.cpp
         # cached_cast) lives as long as the autocast region: count it as weights.
-        category = "weights" if func is torch.ops.aten._to_copy.default and self._is_weight(args[0]) else None
-        for value in tree_flatten(out)[0]:
-            if isinstance(value, torch.Tensor):
-                self.track(value, category)
+        category = "weights" if func is _TO_COPY and self._is_weight(args[0]) else None
+        for value in values:
+            self.track(value, category)
         return out
 
     def _is_weight(self, tensor) -> bool:
