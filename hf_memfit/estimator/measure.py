@@ -7,6 +7,8 @@ through the last optimizer step, is the measured peak. The step is the same
 code the exact estimator traces (`step.py`), run on real tensors.
 """
 
+import gc
+
 import torch
 
 from hf_memfit.estimator import step as training
@@ -18,6 +20,9 @@ def measure_cpu_peak(config: dict, settings: TrainSettings, *, steps: int = 2, s
     from torch.profiler import ProfilerActivity, profile
 
     torch.manual_seed(seed)
+    # Garbage from before (tensors in reference cycles) freed by a collection inside the window would count as
+    # frees of this run's memory and lower its peak: collect it first.
+    gc.collect()
     with training.cuda_synchronize_without_cuda(), \
             profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         model = training.build_model(config, settings)
