@@ -7,6 +7,11 @@ then bisecting. Each probe is a whole `plan()` in fast mode, so every lever the 
 (checkpointing, offload, ZeRO / FSDP, sequence parallelism, Liger, tiled MLP ...) is used to get
 there, with the same global batch. Only the answer is confirmed in exact mode (as any plan near
 its budget is); the probes are not, which is what keeps a cold answer to seconds.
+
+Because a setting's memory grows with the sequence, a probe leaves out the settings that did not fit
+at a shorter length (`plan(not_fitting=...)`; the same points as the full search, tested), and the
+search, which imports no torch, runs in a forked child while this process imports what exact mode's
+confirmation needs (`estimator/forked.py`, where a CPU is idle).
 """
 
 import logging
