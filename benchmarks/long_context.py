@@ -2,7 +2,7 @@
 `plan --seq-len max` against ALST's published maxima.
 
     python benchmarks/long_context.py --json benchmarks/results/long_context.json            # all three parts
-    python benchmarks/long_context.py --part tiled | --part scale | --part longest
+    python benchmarks/long_context.py --part tiled | --part scale | --part longest [--fork auto|always|never]
 
 - `tiled`: tiny Llama / Qwen3 steps on the CPU with DeepSpeed's real `TiledMLP` (what
   `hf_memfit.apply_tiled_mlp` installs), measured with the profiler, against both modes.
@@ -91,17 +91,32 @@ def part_scale() -> list[dict]:
     return rows
 
 
-def part_longest() -> list[dict]:
+# `--fork always` runs the CLI as on an idle machine whatever the load here (the forked children of
+# `estimator/forked.py` then run beside each other even on a busy machine, so its wall time is not an idle one).
+_FORCED = ("import sys; from hf_memfit.estimator import forked; forked.idle_cpus = lambda: 2.0; "
+           "from hf_memfit.cli.main import main; sys.exit(main(sys.argv[1:]))")
+
+
+def part_longest(fork: str = "auto") -> list[dict]:
+    import resource
+
     rows = []
     for gpus in (1, 8):
-        argv = [sys.executable, "-m", "hf_memfit.cli", "plan", "meta-llama/Llama-3.1-8B", "--seq-len", "max",
-                "--global-batch-size", str(gpus), "--num-gpus", str(gpus), "--gpu", "h100",
-                "--use-liger-kernel", "yes", "--expandable-segments", "--json"]
+        argv = ["plan", "meta-llama/Llama-3.1-8B", "--seq-len", "max", "--global-batch-size", str(gpus),
+                "--num-gpus", str(gpus), "--gpu", "h100", "--use-liger-kernel", "yes", "--expandable-segments",
+                "--json"]
+        argv = [sys.executable] + (["-c", _FORCED] if fork == "always" else ["-m", "hf_memfit.cli"]) + argv
         with tempfile.TemporaryDirectory() as cache:
             env = dict(os.environ, HF_MEMFIT_CACHE=cache)
+            if fork == "never":
+                env["HF_MEMFIT_NO_FORK"] = "1"
+            load = os.getloadavg()
+            before = resource.getrusage(resource.RUSAGE_CHILDREN)
             start = time.monotonic()
             done = subprocess.run(argv, capture_output=True, text=True, env=env)
             seconds = time.monotonic() - start
+            after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
         if done.returncode != 0:
             rows.append({"gpus": gpus, "error": done.stderr.strip().splitlines()[-1], "seconds": seconds})
             print(f"longest {gpus} x H100: refused in {seconds:.1f} s: {rows[-1]['error']}", flush=True)
@@ -110,11 +125,16 @@ def part_longest() -> list[dict]:
         start = done.stdout.index("\n{") + 1 if not done.stdout.startswith("{") else 0
         data = json.loads(done.stdout[start:])
         answer = data["longest_seq_len"]
+        confirmed = next(p for p in data["scaling"] if p["seq_len"] == answer)
         rows.append({"gpus": gpus, "longest_seq_len": answer, "alst": ALST_MAXIMA[gpus],
-                     "ratio": answer / ALST_MAXIMA[gpus], "seconds_cold": seconds, "bound": data["bound"],
+                     "ratio": answer / ALST_MAXIMA[gpus], "seconds_cold": seconds, "cpu_seconds": cpu,
+                     "load_average_before": list(load), "fork": fork,
+                     "exact_device_total_bytes": confirmed["device_total_bytes"],
+                     "confirmed_in_exact_mode": confirmed["confirmed_in_exact_mode"], "bound": data["bound"],
                      "plan": data["scaling"][-2 if not data["scaling"][-1]["fits"] else -1]["summary"]})
         print(f"longest {gpus} x H100: {answer:,} tokens ({answer / ALST_MAXIMA[gpus]:.2f}x ALST's "
-              f"{ALST_MAXIMA[gpus]:,}) in {seconds:.1f} s cold; {rows[-1]['plan']}", flush=True)
+              f"{ALST_MAXIMA[gpus]:,}) in {seconds:.1f} s cold ({cpu:.1f} s CPU, load {load[0]:.2f}, fork {fork}); "
+              f"{rows[-1]['plan']}", flush=True)
     return rows
 
 
@@ -122,11 +142,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", choices=("tiled", "scale", "longest"), action="append")
     parser.add_argument("--json", metavar="PATH")
+    parser.add_argument("--fork", choices=("auto", "always", "never"), default="auto",
+                        help="--part longest: fork as the CLI decides (idle CPUs), always, or never")
     args = parser.parse_args()
     parts = args.part or ["tiled", "scale", "longest"]
     result = {}
     for part in parts:
-        result[part] = {"tiled": part_tiled, "scale": part_scale, "longest": part_longest}[part]()
+        if part == "longest":  # one key per fork mode: `longest` as the CLI decides, `longest_fork_never` ...
+            result["longest" if args.fork == "auto" else f"longest_fork_{args.fork}"] = part_longest(args.fork)
+        else:
+            result[part] = {"tiled": part_tiled, "scale": part_scale}[part]()
     if args.json:
         previous = json.loads(Path(args.json).read_text()) if Path(args.json).exists() else {}
         Path(args.json).write_text(json.dumps({**previous, **result}, indent=1) + "\n")

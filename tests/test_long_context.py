@@ -119,3 +119,66 @@ def test_seq_len_max_refusals_are_one_line(capsys, tmp_path):
         from hf_memfit.planner.longest import check_seq_len_max_request
 
         check_seq_len_max_request({"decoder_seq_len": 64})
+
+
+def test_seq_len_max_search_leaving_out_what_did_not_fit_is_the_full_search(llama, monkeypatch):
+    """Settings refused at a length are left out at longer ones; every probe's plan is the full search's."""
+    from hf_memfit.planner import candidates, longest
+
+    kwargs = dict(global_batch_size=2, gpu_memory="1100MiB", gpu="h100")  # TiledMLP searched: 64-token shards
+    evaluated = []
+    evaluate = candidates.evaluate_candidate
+    monkeypatch.setattr("hf_memfit.planner.search.evaluate_candidate",
+                        lambda *a: evaluated.append(a[1]) or evaluate(*a))
+    low, high, points = longest._search(llama, longest.LONGEST, kwargs)
+    pruned = len(evaluated)
+    evaluated.clear()
+    full_plan = longest.plan
+    monkeypatch.setattr(longest, "plan", lambda *a, not_fitting=None, **k: full_plan(*a, **k))
+    full_low, full_high, full_points = longest._search(llama, longest.LONGEST, kwargs)
+    assert (low, high) == (full_low, full_high) and sorted(points) == sorted(full_points)
+    assert pruned < 0.7 * len(evaluated), (pruned, len(evaluated))
+    over = min(k for k, p in full_points.items() if not p.fits and k > low)
+    assert points[over] == full_points[over]  # the bound's reason: planned in full
+    for length, point in full_points.items():
+        assert (points[length].fits, points[length].device_total_bytes, points[length].summary,
+                points[length].step_seconds) == (point.fits, point.device_total_bytes, point.summary,
+                                                 point.step_seconds), length
+
+
+def test_seq_len_max_in_forked_children_is_the_answer_of_one_process(llama, monkeypatch, tmp_path):
+    """Where CPUs are idle the search runs in a child beside the imports, and exact mode's two depth traces side
+    by side: the same answer, points and exact figure as one process."""
+    from hf_memfit.estimator import forked, trace
+
+    kwargs = dict(global_batch_size=1, gpu_memory="1100MiB", gpu="h100")
+    monkeypatch.setattr(forked, "idle_cpus", lambda: 2.0)  # as on an idle machine, whatever the load here
+    started = []
+    start = forked._start
+    monkeypatch.setattr(forked, "_start", lambda *a: started.append(a[0].__name__) or start(*a))
+    monkeypatch.setenv("HF_MEMFIT_CACHE", str(tmp_path / "children"))
+    children = longest_seq_len(llama, **kwargs)
+    assert "_search" in started and "_depth_trace" in started
+    monkeypatch.setenv("HF_MEMFIT_NO_FORK", "1")
+    monkeypatch.setenv("HF_MEMFIT_CACHE", str(tmp_path / "here"))
+    here = longest_seq_len(llama, **kwargs)
+    assert json.dumps(children.to_dict(), sort_keys=True) == json.dumps(here.to_dict(), sort_keys=True)
+    assert children.result.estimate.settings.mode == "exact"  # the answer, near its budget, was traced
+    assert trace._depth_trace.__module__ == "hf_memfit.estimator.trace"
+
+
+def test_forked_helpers_run_beside_and_side_by_side(monkeypatch):
+    """`run_beside` returns the child's result after `meanwhile`; a child that fails has its job run here, so its
+    error is raised here; `run_side_by_side` keeps the jobs' order."""
+    from hf_memfit.estimator import forked
+
+    monkeypatch.setattr(forked, "idle_cpus", lambda: 2.0)
+    ran = []
+    assert forked.run_beside(divmod, (7, 2), lambda: ran.append("here")) == (3, 1) and ran == ["here"]
+    with pytest.raises(ZeroDivisionError):
+        forked.run_beside(divmod, (7, 0), lambda: None)
+    with pytest.raises(KeyError):  # an error here stops (and reaps) the child
+        forked.run_beside(divmod, (7, 2), lambda: {}["missing"])
+    assert forked.run_side_by_side(divmod, [(7, 2), (9, 4), (1, 1)]) == [(3, 1), (2, 1), (1, 0)]
+    monkeypatch.setattr(forked, "idle_cpus", lambda: 0.5)  # a busy machine: here, and nothing beside
+    assert forked.run_beside(divmod, (7, 2), lambda: ran.append("again")) == (3, 1) and ran == ["here"]

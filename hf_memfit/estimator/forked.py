@@ -8,6 +8,11 @@ torch, transformers and the model spec imported, so it starts in milliseconds; i
 sends back the (small, picklable) result through a pipe. Results come back in the jobs' order, the
 same as running them one after another: a trace reads no clock and no random numbers that decide a
 byte. Where fork is unavailable, one CPU is free, or a child fails, the jobs run in this process.
+
+Two more shapes of the same idea: `run_side_by_side` runs the first job here while the others run in
+children (exact mode's two depth traces, which share no first-use cost worth waiting for), and
+`run_beside` runs one job in a child while this process does something else it will need anyway
+(`--seq-len max`: the fast-mode search in a child, the imports of exact mode's confirmation here).
 """
 
 from __future__ import annotations
@@ -60,12 +65,57 @@ def run_jobs(function, jobs: list, workers: int | None = None) -> list:
     return results
 
 
-def _run_forked(function, jobs: list, workers: int, results: list, first: int) -> None:
+def forking_pays() -> bool:
+    """Whether a forked child would run beside this process: fork exists, is allowed, and a CPU is idle."""
+    return hasattr(os, "fork") and not os.environ.get("HF_MEMFIT_NO_FORK") and idle_cpus() >= 1
+
+
+def run_side_by_side(function, jobs: list) -> list:
+    """`[function(*job) for job in jobs]`, the first job here while the others run in forked children (as
+    many at a time as the idle CPUs leave beside this process, at least one), where a CPU is idle; else one
+    after another here. Results come back in the jobs' order; a child that fails has its job run here."""
+    if len(jobs) < 2 or not forking_pays():
+        return [function(*job) for job in jobs]
+    results: list = [None] * len(jobs)
+    workers = max(1, int(idle_cpus()) - 1)
+
+    def here():
+        results[0] = function(*jobs[0])
+
+    gc.freeze()
+    try:
+        _run_forked(function, jobs, workers, results, first=1, meanwhile=here)
+    finally:
+        gc.unfreeze()
+    return results
+
+
+def run_beside(function, job: tuple, meanwhile):
+    """`function(*job)` in a forked child while this process runs `meanwhile()`; returns the child's result.
+
+    Where no CPU is idle (or fork is unavailable) `function(*job)` runs here and `meanwhile` does not run:
+    it is for work this process would do later anyway (imports), worth doing early only beside the child.
+    A child that fails has its job run here, so that a real error is raised as it would be without it.
+    """
+    if not forking_pays():
+        return function(*job)
+    results: list = [None]
+    gc.freeze()
+    try:
+        _run_forked(function, [job], 1, results, first=0, meanwhile=meanwhile)
+    finally:
+        gc.unfreeze()
+    return results[0]
+
+
+def _run_forked(function, jobs: list, workers: int, results: list, first: int, meanwhile=None) -> None:
+    """Run `jobs[first:]` in children, `workers` at a time, into `results`; `meanwhile()` runs here once the
+    first children are started (children still running if it raises are killed)."""
     failed = []
     running: dict[int, tuple[int, int, bytearray]] = {}  # read end -> (job index, pid, bytes so far)
     pending = list(range(first, len(jobs)))
     started_at: dict[int, float] = {}
-    while pending or running:
+    while pending or running or meanwhile is not None:
         while pending and len(running) < workers:
             index = pending.pop(0)
             started = _start(function, jobs[index])
@@ -74,6 +124,17 @@ def _run_forked(function, jobs: list, workers: int, results: list, first: int) -
             else:
                 running[started[0]] = (index, started[1], bytearray())
                 started_at[started[1]] = time.monotonic()
+        if meanwhile is not None:
+            work, meanwhile = meanwhile, None
+            try:
+                work()
+            except BaseException:
+                for fd, (_, pid, _) in running.items():
+                    os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
+                    os.close(fd)
+                raise
+            continue
         ready, _, _ = select.select(list(running), [], [], 30.0)
         now = time.monotonic()
         for fd, (index, pid, _) in list(running.items()):
@@ -133,3 +194,25 @@ def _start(function, job) -> tuple[int, int] | None:
         code = 0
     finally:
         os._exit(code)
+
+
+def import_for_traces(model_type: str | None = None) -> None:
+    """Import what an exact-mode trace imports on its way: torch with its fake tensors, transformers' modeling
+    and Trainer code (its optimizer table), the model family's module, and DeepSpeed's sequence-parallel
+    module (Ulysses, TiledMLP) where installed. Seconds of imports, done early only beside a child's work."""
+    import importlib
+    import importlib.util
+
+    names = ["hf_memfit.estimator.trace", "transformers.modeling_utils", "transformers.trainer"]
+    if model_type:
+        from transformers.models.auto.configuration_auto import model_type_to_module_name
+
+        module = model_type_to_module_name(model_type)
+        names.append(f"transformers.models.{module}.modeling_{module}")
+    if importlib.util.find_spec("deepspeed") is not None:
+        names.append("deepspeed.runtime.sequence_parallel.ulysses_sp")
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - only a head start: the trace that needs it reports it
+            pass

@@ -67,6 +67,9 @@ class Allocation:
     module: str  # innermost module running when it was made
 
 
+_TO_COPY = torch.ops.aten._to_copy.default
+
+
 class StorageTracker(TorchDispatchMode):
     """Counts live storage bytes op by op, with a clock, regions and per-allocation records."""
 
@@ -89,12 +92,19 @@ class StorageTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        # Most ops seen here return one tensor, or none (`prim.device`, asked by autograd for every gradient,
+        # is over half of a TiledMLP step's ops): those skip the pytree walk.
+        if isinstance(out, torch.Tensor):
+            values = (out,)
+        elif isinstance(out, (torch.device, int, float, bool)) or out is None:
+            return out
+        else:
+            values = [value for value in tree_flatten(out)[0] if isinstance(value, torch.Tensor)]
         # Autocast's cached low-precision copy of a weight (autocast_mode.cpp
         # cached_cast) lives as long as the autocast region: count it as weights.
-        category = "weights" if func is torch.ops.aten._to_copy.default and self._is_weight(args[0]) else None
-        for value in tree_flatten(out)[0]:
-            if isinstance(value, torch.Tensor):
-                self.track(value, category)
+        category = "weights" if func is _TO_COPY and self._is_weight(args[0]) else None
+        for value in values:
+            self.track(value, category)
         return out
 
     def _is_weight(self, tensor) -> bool:
@@ -195,7 +205,7 @@ class TraceResult:
     region_peaks: dict[str, int]
     region_breakdowns: dict[str, dict[str, int]]
     peak_bytes: int
-    tracker: StorageTracker
+    tracker: StorageTracker | None  # None once sent back from a forked child (`_depth_trace`)
     largest_param_numel: int
     trainable_params: int
     total_params: int
@@ -512,11 +522,11 @@ def _exact_candidates(spec, settings: TrainSettings, *, extrapolate: bool = True
 
     base = tuple(min(base_depth, d) for d in real)
     depth_sets = [base] + [tuple(grown_depth if j == i else base[j] for j in range(len(real))) for i in range(len(real))]
-    traces = []
-    for number, depths in enumerate(depth_sets, 1):
-        progress.info("exact mode: tracing %s at depth %s (%d of %d), extrapolated to %s", spec.name,
-                      _depth_text(depths), number, len(depth_sets), _depth_text(real))
-        traces.append(trace_step(_config_with_depths(spec, depths), settings, depths))
+    # The depths' traces are independent: side by side in forked children where CPUs are idle (`forked.py`).
+    from hf_memfit.estimator.forked import run_side_by_side
+
+    traces = run_side_by_side(_depth_trace, [(spec, settings, depths, number, len(depth_sets), real)
+                                             for number, depths in enumerate(depth_sets, 1)])
     base_classes = _by_class(traces[0])
     grown_classes = [_by_class(t) for t in traces[1:]]
     candidates = {}
@@ -543,6 +553,17 @@ def _exact_candidates(spec, settings: TrainSettings, *, extrapolate: bool = True
     result.quantizable_linear_params = grow("quantizable_linear_params")
     result.host_bytes = grow("host_bytes")
     return result
+
+
+def _depth_trace(spec, settings: TrainSettings, depths: tuple[int, ...], number: int, count: int,
+                 real: tuple[int, ...]) -> TraceResult:
+    """One trace of `_exact_candidates`, without its per-allocation records (what extrapolation reads is small
+    enough to send back from a forked child)."""
+    progress.info("exact mode: tracing %s at depth %s (%d of %d), extrapolated to %s", spec.name,
+                  _depth_text(depths), number, count, _depth_text(real))
+    trace = trace_step(_config_with_depths(spec, depths), settings, depths)
+    trace.tracker = None
+    return trace
 
 
 def full_depth_step_memory(trace: TraceResult, settings: TrainSettings, spec=None) -> StepMemory:

@@ -7,12 +7,18 @@ then bisecting. Each probe is a whole `plan()` in fast mode, so every lever the 
 (checkpointing, offload, ZeRO / FSDP, sequence parallelism, Liger, tiled MLP ...) is used to get
 there, with the same global batch. Only the answer is confirmed in exact mode (as any plan near
 its budget is); the probes are not, which is what keeps a cold answer to seconds.
+
+Because a setting's memory grows with the sequence, a probe leaves out the settings that did not fit
+at a shorter length (`plan(not_fitting=...)`; the same points as the full search, tested), and the
+search, which imports no torch, runs in a forked child while this process imports what exact mode's
+confirmation needs (`estimator/forked.py`, where a CPU is idle).
 """
 
 import logging
 from dataclasses import dataclass, field
 
 from hf_memfit.errors import MemFitError, NothingFits
+from hf_memfit.estimator.forked import import_for_traces, run_beside
 from hf_memfit.models.spec import ModelSpec, resolve_model
 from hf_memfit.planner.explain import layout_text
 from hf_memfit.planner.result import PlanResult
@@ -86,37 +92,13 @@ def longest_seq_len(model: str | ModelSpec, *, progress=None, **plan_kwargs) -> 
     spec = model if isinstance(model, ModelSpec) else resolve_model(model)
     mode = plan_kwargs.pop("mode", "fast")
     limit, limit_reason = _length_limit(spec)
-    points: dict[int, LengthPoint] = {}
-    plans: dict[int, PlanResult] = {}
-
-    def probe(seq_len: int) -> bool:
-        if seq_len not in points:
-            _progress_log.info("--seq-len max: planning %s tokens", f"{seq_len:,}")
-            try:
-                result = plan(spec, seq_len=seq_len, mode="fast", confirm_in_exact=False, **plan_kwargs)
-            except NothingFits as refused:
-                points[seq_len] = LengthPoint(seq_len, False, why_not=str(refused))
-            else:
-                plans[seq_len] = result
-                points[seq_len] = _point(seq_len, result, plan_kwargs["global_batch_size"])
-        return points[seq_len].fits
-
-    low = min(SCALE_FROM, limit)
-    while not probe(low):
-        if low // 2 < SHORTEST:
-            raise NothingFits(f"`--seq-len max`: nothing fits even at {low} tokens; at that length, "
-                              f"{points[low].why_not}")
-        low //= 2
-    high = None  # the shortest length known not to fit
-    while high is None and low < limit:
-        nxt = min(2 * low, limit)
-        if probe(nxt):
-            low = nxt
-        else:
-            high = nxt
-    if high is not None:
-        low = _bisect(low, high, probe)
-    answer, result = _confirm(spec, low, plans, points, probe, mode, progress, plan_kwargs)
+    # The fast-mode search imports no torch; the exact-mode confirmation after it imports torch, transformers
+    # and the model's code (seconds). Where a CPU is idle, the search runs in a forked child meanwhile.
+    searched = run_beside(_search, (spec, limit, plan_kwargs), lambda: import_for_traces(spec.model_type))
+    if isinstance(searched, MemFitError):
+        raise searched
+    low, high, points = searched
+    answer, result = _confirm(spec, low, points, mode, progress, plan_kwargs)
     if high is None and answer == low:
         bound = limit_reason
     else:
@@ -125,7 +107,65 @@ def longest_seq_len(model: str | ModelSpec, *, progress=None, **plan_kwargs) -> 
     return LongestResult(answer, result, bound, [points[k] for k in sorted(points)], len(points))
 
 
-def _confirm(spec, low: int, plans, points, probe, mode: str, progress, plan_kwargs) -> tuple[int, PlanResult]:
+def _search(spec: ModelSpec, limit: int, plan_kwargs: dict):
+    """The fast-mode search: (longest length that fits, shortest that does not or None, the points probed).
+
+    Settings that did not fit at a length are left out of the probes at longer ones (`plan(not_fitting=...)`:
+    memory grows with the sequence); the length the answer is bounded by is planned again in full, for its
+    one-line reason. A refused request comes back as its `MemFitError` (a value, so that a forked child can
+    send it).
+    """
+    points: dict[int, LengthPoint] = {}
+    not_fitting: dict = {}
+    shortened: set[int] = set()  # lengths refused by a probe that left settings out
+
+    def probe(seq_len: int) -> bool:
+        return _probe(spec, seq_len, points, plan_kwargs, not_fitting, shortened)
+
+    try:
+        low = min(SCALE_FROM, limit)
+        while not probe(low):
+            if low // 2 < SHORTEST:
+                raise NothingFits(f"`--seq-len max`: nothing fits even at {low} tokens; at that length, "
+                                  f"{points[low].why_not}")
+            low //= 2
+        high = None  # the shortest length known not to fit
+        while high is None and low < limit:
+            nxt = min(2 * low, limit)
+            if probe(nxt):
+                low = nxt
+            else:
+                high = nxt
+        if high is not None:
+            low = _bisect(low, high, probe)
+            over = min(k for k, p in points.items() if not p.fits and k > low)
+            if over in shortened:  # its reason, as a plan at that length gives it
+                del points[over]
+                _probe(spec, over, points, plan_kwargs)
+    except MemFitError as refused:
+        return refused
+    return low, high, points
+
+
+def _probe(spec, seq_len: int, points: dict, plan_kwargs: dict, not_fitting: dict | None = None,
+           shortened: set | None = None) -> bool:
+    """Plan `seq_len` in fast mode with no exact confirmation, into `points`; whether it fits."""
+    if seq_len not in points:
+        _progress_log.info("--seq-len max: planning %s tokens", f"{seq_len:,}")
+        leaves_out = not_fitting is not None and any(shortest <= seq_len for shortest in not_fitting.values())
+        try:
+            result = plan(spec, seq_len=seq_len, mode="fast", confirm_in_exact=False, not_fitting=not_fitting,
+                          **plan_kwargs)
+        except NothingFits as refused:
+            points[seq_len] = LengthPoint(seq_len, False, why_not=str(refused))
+            if leaves_out:
+                shortened.add(seq_len)
+        else:
+            points[seq_len] = _point(seq_len, result, plan_kwargs["global_batch_size"])
+    return points[seq_len].fits
+
+
+def _confirm(spec, low: int, points, mode: str, progress, plan_kwargs) -> tuple[int, PlanResult]:
     """Re-plan the longest fitting length as a plain plan does (exact mode near the budget); step down if refused."""
     tries = 0
     while True:

@@ -67,7 +67,7 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
          activation_offloading: bool = False, optim_target_modules=None, optim_args: str | None = None,
          sp_size: int | str = "auto", cp_size: int | str = 1, confirm_in_exact: bool = True,
          tiled_mlp: bool | None = None, inputs: dict | None = None,
-         prepare_model_for_kbit_training: bool | None = None) -> PlanResult:
+         prepare_model_for_kbit_training: bool | None = None, not_fitting: dict | None = None) -> PlanResult:
     """Pick the fastest configuration that trains `model` within the memory budget.
 
     The budget is `gpu_memory` (a size such as "12GiB", or "auto" for the local
@@ -108,6 +108,10 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
     where it makes a plan fit or a larger micro-batch pay).
     `confirm_in_exact=False` skips the exact-mode confirmation of near-budget choices (a search over
     many plans, such as `--seq-len max`, confirms only the one it returns).
+    `not_fitting` (for such a search over lengths) maps settings, less their `seq_len`, to the shortest length
+    at which they did not fit: those are left out at that length and longer (a setting's memory grows with the
+    sequence), and those that do not fit here are added. When nothing fits and some were left out, the
+    `NothingFits` says only that (the remedies are not searched).
     Raises `MemFitError` when the request is invalid, `NothingFits` (a `MemFitError`) when nothing fits,
     saying what would.
     """
@@ -209,7 +213,24 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
                 grid = (s for s in grid if s.batch_size == 1)
             grid = list(grid)
             prepare(spec, grid)  # fits the grid will read, made side by side (families without formulas)
-            found += [evaluate_candidate(spec, s, usable, host, gpu_info) for s in grid]
+            found += evaluate(grid)
+        return found
+
+    left_out = []
+
+    def evaluate(grid) -> list:
+        if not_fitting is None:
+            return [evaluate_candidate(spec, s, usable, host, gpu_info) for s in grid]
+        found = []
+        for s in grid:
+            key = s.replace(seq_len=None)
+            if not_fitting.get(key, seq_len + 1) <= seq_len:
+                left_out.append(s)
+                continue
+            candidate = evaluate_candidate(spec, s, usable, host, gpu_info)
+            if not candidate.fits:
+                not_fitting[key] = min(not_fitting.get(key, seq_len), seq_len)
+            found.append(candidate)
         return found
 
     splits = sequence_splits(spec, base, sp_size, cp_size, global_batch_size, nothing_fits_without=False)
@@ -227,15 +248,17 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
     pure_base = pure_bf16_base(base, gpu_info, deepspeed_layout)
     if not fitting and allow_pure_bf16 and pure_base is not None:
         # Only once no mixed-precision plan fits: pure bf16 changes the numerics.
-        pure = [evaluate_candidate(spec, s, usable, host, gpu_info)
-                for s in with_tiled_mlp(with_activation_offload(with_liger(pure_bf16_grid(pure_base, per_rank),
-                                                                           liger), offload_acts), tiled)]
+        pure = evaluate(list(with_tiled_mlp(with_activation_offload(with_liger(pure_bf16_grid(pure_base, per_rank),
+                                                                                liger), offload_acts), tiled)))
         candidates += pure
         fitting = fitting_last_resort_last(pure)
         fast_total = fitting[0].estimate.device_total_bytes if fitting else 0
         if confirm_in_exact:
             fitting = confirm_in_exact_mode(spec, fitting, usable, host, everything=mode == "exact",
                                             progress=progress)
+    if not fitting and left_out:
+        raise NothingFits(f"nothing fits at {seq_len:,} tokens: {len(left_out)} settings left out did not fit at a "
+                          f"shorter sequence, and the {len(candidates)} others do not fit")
     if not fitting:
         raise NothingFits(nothing_fits(spec, base, candidates, usable, budget, allow_offload, world, per_rank,
                                         host, optims, pure_bf16_base=pure_base if not allow_pure_bf16 else None,
