@@ -80,13 +80,56 @@ ROWS = {
     "llava-vlm": ("trainer", LLAVA, "AutoModelForImageTextToText", "llava", {}),
     "llava-vlm-frozen-vision": ("trainer", LLAVA, "AutoModelForImageTextToText", "llava", {"freeze": "vision"}),
     "gemma3-vlm": ("trainer", GEMMA3, "AutoModelForImageTextToText", "gemma3", {}),
+    # TRL's SFTTrainer with its vision collator: PIL images and prompt / completion text, through a processor
+    "llava-sft": ("sft", LLAVA, "AutoModelForImageTextToText", "llava-images", {}),
+    "llava-sft-lora": ("sft", LLAVA, "AutoModelForImageTextToText", "llava-images", {"lora": ["q_proj", "v_proj"]}),
+    "gemma3-sft": ("sft", GEMMA3, "AutoModelForImageTextToText", "gemma3-images", {}),
 }
 BATCH = 4
 SEQ = 256
 AUDIO_SAMPLES = 16000 * 4  # 4 s at 16 kHz
 
 
+def image_rows(kind: str, n: int = 8) -> list[dict]:
+    """TRL's vision rows: one 256-px PIL image, a 64-word prompt after the image's placeholder, 192 words to learn."""
+    import numpy as np
+    from PIL import Image
+
+    g = np.random.default_rng(0)
+    placeholder = "<image> " if kind == "llava-images" else "<boi> "
+    words = lambda n: " ".join(f"w{int(i)}" for i in g.integers(2, 7990, n))  # noqa: E731
+    return [{"images": [Image.fromarray(g.integers(0, 255, (256, 256, 3), dtype=np.uint8))],
+             "prompt": placeholder + words(64), "completion": words(192)} for _ in range(n)]
+
+
+def processor(kind: str):
+    """The model's processor, built offline: its image processor class and a word-level tokenizer with its tokens."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = {"<image>": 7999} if kind == "llava-images" else {"<boi>": 7997, "<eoi>": 7998, "<img>": 7999}
+    vocab = {"<pad>": 0, "<unk>": 1, **{f"w{i}": i for i in range(2, 7990)}, **specials}
+    words = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    named = {"image_token": "<image>"} if kind == "llava-images" else \
+        {"boi_token": "<boi>", "image_token": "<img>", "eoi_token": "<eoi>"}
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, pad_token="<pad>", unk_token="<unk>",
+                                        extra_special_tokens=named)
+    if kind == "llava-images":  # CLIP at 224 px, 16-px patches: 196 tokens once the CLS feature is dropped
+        from transformers import CLIPImageProcessor, LlavaProcessor
+
+        return LlavaProcessor(CLIPImageProcessor(size={"shortest_edge": 224}, crop_size={"height": 224, "width": 224}),
+                              tokenizer, patch_size=16, vision_feature_select_strategy="default",
+                              num_additional_image_tokens=1, image_token="<image>")
+    from transformers import Gemma3ImageProcessor, Gemma3Processor
+
+    return Gemma3Processor(Gemma3ImageProcessor(size={"height": 224, "width": 224}), tokenizer,
+                           image_seq_length=GEMMA3["mm_tokens_per_image"])
+
+
 def rows(kind: str, n: int = 8) -> list[dict]:
+    if kind.endswith("-images"):
+        return image_rows(kind, n)
     g = torch.Generator().manual_seed(0)
     out = []
     for _ in range(n):
@@ -145,6 +188,22 @@ def make_trainer(name: str, budget: str, out: str, data: list[dict]):
         model.freeze_feature_encoder()
     elif extras.get("freeze") == "vision":
         model.model.vision_tower.requires_grad_(False)
+    if kind == "sft":  # TRL wraps the model in peft itself, from `peft_config`
+        from datasets import Dataset
+
+        from hf_memfit.integrations.trl import MemFitSFTConfig, MemFitSFTTrainer
+
+        lora = None
+        if extras.get("lora"):
+            from peft import LoraConfig
+
+            lora = LoraConfig(r=8, target_modules=extras["lora"], task_type="CAUSAL_LM")
+        args = MemFitSFTConfig(output_dir=out, memory_budget=budget, per_device_train_batch_size=BATCH, max_steps=2,
+                               report_to=[], save_strategy="no", use_cpu=True, logging_steps=1, disable_tqdm=True,
+                               bf16=extras.get("bf16", False), learning_rate=1e-4,
+                               max_length=None)
+        return MemFitSFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(data),
+                                processing_class=processor(ROWS[name][3]), peft_config=lora)
     if extras.get("lora"):
         from peft import LoraConfig, get_peft_model
 
@@ -175,10 +234,9 @@ def run_row(name: str, emit) -> None:
         gc.collect()
     planned = make_trainer(name, budget, out, data)
     settings = planned.memfit_result.estimate.settings
-    base = planned.model.get_base_model() if hasattr(planned.model, "get_base_model") else planned.model
-    config = base.config.to_dict()
-    exact = estimate_settings(ModelSpec.from_config(name, config), settings.replace(mode="exact"))
-    del planned, base
+    spec = planned.memfit_inputs["model"]  # the model's config, with its processor config where the run has one
+    exact = estimate_settings(ModelSpec.from_config(name, spec.config), settings.replace(mode="exact"))
+    del planned, spec
     gc.collect()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         trainer = make_trainer(name, budget, out, data)
@@ -196,7 +254,7 @@ def run_row(name: str, emit) -> None:
           "predicted_exact_bytes": exact.peak_allocated_bytes + exact.cpu_bytes,
           "plan": {"micro_batch": plan.per_device_train_batch_size, "accumulation": plan.gradient_accumulation_steps,
                    "checkpointing": plan.gradient_checkpointing, "optim": plan.optim, "seq_len": settings.seq_len,
-                   "precision": settings.precision, "lora_r": settings.lora_r, "image_size": settings.image_size,
+                   "precision": settings.precision, "lora_r": settings.lora_r, "trainer": settings.trainer, "image_size": settings.image_size,
                    "audio_seconds": settings.audio_seconds, "label_len": settings.label_len,
                    "frozen": settings.frozen}})
 

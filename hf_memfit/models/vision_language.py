@@ -34,6 +34,11 @@ def _rule(config: dict) -> str | None:
     return None
 
 
+def reads_image_grid(config: dict) -> bool:
+    """Whether the model's code reads the values of its batch's image grid (`image_grid_thw`): Qwen2-VL's rule."""
+    return _rule(config) == "grid"
+
+
 def _images(settings) -> int:
     """Images per row: 1 unless given (0: text-only rows)."""
     return 1 if settings.images_per_sample is None else settings.images_per_sample
@@ -147,6 +152,7 @@ def make_vlm_inputs(config: dict, settings, floats, device: str) -> dict:
     if "grid" in layout:
         batch["pixel_values"] = torch.randn(b * images * pixels[0], pixels[1], dtype=floats, device=device)
         batch["image_grid_thw"] = torch.tensor([layout["grid"]] * (b * images), device=device)
+        batch["mm_token_type_ids"] = (ids == token).int()  # the processor's: 1 for image tokens (3-D positions)
     elif "tiles" in layout:
         batch["pixel_values"] = torch.randn(b, images * pixels[0], *pixels[1:], dtype=floats, device=device)
         batch["pixel_attention_mask"] = torch.ones(b, images * pixels[0], *pixels[2:], dtype=torch.bool, device=device)
