@@ -58,6 +58,13 @@ GEMMA3 = dict(model_type="gemma3", mm_tokens_per_image=64, image_token_index=799
                                sliding_window=512),
               vision_config=dict(model_type="siglip_vision_model", hidden_size=192, intermediate_size=768,
                                  num_hidden_layers=4, num_attention_heads=3, image_size=224, patch_size=14))
+QWEN25VL = dict(model_type="qwen2_5_vl", hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                num_attention_heads=4, num_key_value_heads=2, vocab_size=8000, image_token_id=7999,
+                video_token_id=7998, vision_start_token_id=7996, vision_end_token_id=7997,
+                rope_scaling={"type": "mrope", "mrope_section": [8, 12, 12]},
+                vision_config=dict(depth=4, hidden_size=192, intermediate_size=768, num_heads=3, out_hidden_size=256,
+                                   patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                                   fullatt_block_indexes=[3]))
 
 # name -> (trainer, config, task Auto class, row maker, argument extras)
 ROWS = {
@@ -84,6 +91,9 @@ ROWS = {
     "llava-sft": ("sft", LLAVA, "AutoModelForImageTextToText", "llava-images", {}),
     "llava-sft-lora": ("sft", LLAVA, "AutoModelForImageTextToText", "llava-images", {"lora": ["q_proj", "v_proj"]}),
     "gemma3-sft": ("sft", GEMMA3, "AutoModelForImageTextToText", "gemma3-images", {}),
+    "qwen2.5vl-sft": ("sft", QWEN25VL, "AutoModelForImageTextToText", "qwen-images", {}),
+    "qwen2.5vl-sft-frozen-vision": ("sft", QWEN25VL, "AutoModelForImageTextToText", "qwen-images",
+                                    {"freeze": "visual"}),
 }
 BATCH = 4
 SEQ = 256
@@ -96,7 +106,8 @@ def image_rows(kind: str, n: int = 8) -> list[dict]:
     from PIL import Image
 
     g = np.random.default_rng(0)
-    placeholder = "<image> " if kind == "llava-images" else "<boi> "
+    placeholder = {"llava-images": "<image> ", "gemma3-images": "<boi> ",
+                   "qwen-images": "<|vision_start|> <|image_pad|> <|vision_end|> "}[kind]
     words = lambda n: " ".join(f"w{int(i)}" for i in g.integers(2, 7990, n))  # noqa: E731
     return [{"images": [Image.fromarray(g.integers(0, 255, (256, 256, 3), dtype=np.uint8))],
              "prompt": placeholder + words(64), "completion": words(192)} for _ in range(n)]
@@ -107,12 +118,15 @@ def processor(kind: str):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    specials = {"<image>": 7999} if kind == "llava-images" else {"<boi>": 7997, "<eoi>": 7998, "<img>": 7999}
+    specials = {"llava-images": {"<image>": 7999}, "gemma3-images": {"<boi>": 7997, "<eoi>": 7998, "<img>": 7999},
+                "qwen-images": {"<|vision_start|>": 7996, "<|vision_end|>": 7997, "<|video_pad|>": 7998,
+                                "<|image_pad|>": 7999}}[kind]
     vocab = {"<pad>": 0, "<unk>": 1, **{f"w{i}": i for i in range(2, 7990)}, **specials}
     words = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    named = {"image_token": "<image>"} if kind == "llava-images" else \
-        {"boi_token": "<boi>", "image_token": "<img>", "eoi_token": "<eoi>"}
+    named = {"llava-images": {"image_token": "<image>"},
+             "gemma3-images": {"boi_token": "<boi>", "image_token": "<img>", "eoi_token": "<eoi>"},
+             "qwen-images": {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"}}[kind]
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, pad_token="<pad>", unk_token="<unk>",
                                         extra_special_tokens=named)
     if kind == "llava-images":  # CLIP at 224 px, 16-px patches: 196 tokens once the CLS feature is dropped
@@ -121,10 +135,30 @@ def processor(kind: str):
         return LlavaProcessor(CLIPImageProcessor(size={"shortest_edge": 224}, crop_size={"height": 224, "width": 224}),
                               tokenizer, patch_size=16, vision_feature_select_strategy="default",
                               num_additional_image_tokens=1, image_token="<image>")
+    if kind == "qwen-images":  # 256 px -> 252 x 252 (smart_resize): 18 x 18 patches of 14 px, 81 tokens
+        from transformers import Qwen2VLImageProcessor
+
+        return _image_only_qwen_processor()(Qwen2VLImageProcessor(patch_size=14, merge_size=2, temporal_patch_size=2),
+                                            tokenizer)
     from transformers import Gemma3ImageProcessor, Gemma3Processor
 
     return Gemma3Processor(Gemma3ImageProcessor(size={"height": 224, "width": 224}), tokenizer,
                            image_seq_length=GEMMA3["mm_tokens_per_image"])
+
+
+def _image_only_qwen_processor():
+    """Qwen2.5-VL's processor without its video processor, which needs torchvision (not installed here)."""
+    from transformers import ProcessorMixin, Qwen2_5_VLProcessor
+
+    class ImageOnlyQwen2_5_VLProcessor(Qwen2_5_VLProcessor):
+        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+            self.image_token, self.video_token = tokenizer.image_token, tokenizer.video_token
+            self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+            self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
+            ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+            self.video_processor = None
+
+    return ImageOnlyQwen2_5_VLProcessor
 
 
 def rows(kind: str, n: int = 8) -> list[dict]:
@@ -188,6 +222,8 @@ def make_trainer(name: str, budget: str, out: str, data: list[dict]):
         model.freeze_feature_encoder()
     elif extras.get("freeze") == "vision":
         model.model.vision_tower.requires_grad_(False)
+    elif extras.get("freeze") == "visual":  # Qwen2.5-VL's vision tower
+        model.model.visual.requires_grad_(False)
     if kind == "sft":  # TRL wraps the model in peft itself, from `peft_config`
         from datasets import Dataset
 
