@@ -94,6 +94,7 @@ ROWS = {
     "qwen2.5vl-sft": ("sft", QWEN25VL, "AutoModelForImageTextToText", "qwen-images", {}),
     "qwen2.5vl-sft-frozen-vision": ("sft", QWEN25VL, "AutoModelForImageTextToText", "qwen-images",
                                     {"freeze": "visual"}),
+    "qwen2.5vl-sft-tight": ("sft", QWEN25VL, "AutoModelForImageTextToText", "qwen-images", {"budget_fraction": 0.45}),
 }
 BATCH = 4
 SEQ = 256

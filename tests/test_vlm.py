@@ -36,6 +36,24 @@ def test_qwen25_vl_traces_its_image_grid_and_matches_the_measured_step():
     assert fast.peak_allocated_bytes == pytest.approx(exact.peak_allocated_bytes, rel=0.02)
 
 
+IDEFICS3 = dict(model_type="idefics3", image_token_id=511, scale_factor=2,
+                text_config=dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=2, num_key_value_heads=2, vocab_size=512),
+                vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                   image_size=64, patch_size=16))
+
+
+def test_idefics3_reads_its_pixels_and_matches_the_measured_step():
+    # a 128-px image in 64-px tiles: 2 x 2 tiles + the global view, (64 / 16)^2 / 2^2 = 4 tokens each
+    config = AutoConfig.for_model(**IDEFICS3).to_dict()
+    config["memfit_processor"] = {"size": {"longest_edge": 128}, "max_image_size": {"longest_edge": 64}}
+    spec = ModelSpec.from_config("tiny-idefics3", config)
+    settings = TrainSettings(batch_size=2, seq_len=16, task="image-text-to-text", device="cpu", mode="exact")
+    exact = estimate_settings(spec, settings)
+    assert "20 tokens each (5 tiles)" in exact.notes[0]
+    assert exact.peak_allocated_bytes == pytest.approx(measure_cpu_peak(spec.config, exact.settings), rel=0.01)
+
+
 def test_real_metadata_mode_keeps_floats_fake_and_integers_real():
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 

@@ -9,7 +9,7 @@ Their step reads the image grid's values (`image_grid_thw`): per-image sequence 
 The values are small integers computed from the batch's ids and grid, never from the weights or the
 activations. Under `real_integer_metadata()` they are real tensors and the real code runs on them:
 
-- a factory op that makes integers or bools (`arange`, `randint`, `zeros(dtype=long)`, ...) runs for real;
+- a factory op that makes integers or bools (`randint`, `zeros(dtype=long)`, ...) or an `arange` runs for real;
 - an op whose tensor arguments are all real tensors runs for real (`grid.prod(-1)`, `cu[1:] - cu[:-1]`,
   `ids == image_token`, `torch.tensor([...])`'s `lift_fresh`), so what is computed from real values is real;
 - an op that mixes a real tensor with a fake one (an embedding lookup, rotary angles from real positions,
@@ -62,8 +62,8 @@ class RealIntegerMetadata(TorchDispatchMode):
         tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
         if tensors:
             real = not any(isinstance(t, FakeTensor) or t.device.type == "meta" for t in tensors)
-        else:
-            real = _integral(_factory_dtype(func, args, kwargs))
+        else:  # an `arange` of any dtype is positions or indices (Idefics3's patch buckets are float ones)
+            real = func._schema.name == "aten::arange" or _integral(_factory_dtype(func, args, kwargs))
         if not real:
             return func(*args, **kwargs)
         with unset_fake_temporarily():

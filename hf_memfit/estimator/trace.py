@@ -45,7 +45,7 @@ from hf_memfit.estimator.fake_patches import (cuda_autocast_policy, deepcopy_fak
                                               grouped_mm_any_dtype, is_experts, masks_as_the_batch_has,
                                               triton_folds_in_place,
                                               truncated_normal_init_in_place)
-from hf_memfit.models.vision_language import reads_image_grid
+from hf_memfit.models.vision_language import reads_batch_values
 from hf_memfit.settings import TrainSettings
 from hf_memfit.units import CUDA_BLOCK_BYTES
 
@@ -305,8 +305,8 @@ def trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], *
             triton_folds_in_place(patches)
         model = training.build_model(config, settings)
         spec_augment_off(model)  # see there
-        # Qwen2-VL's image grid: the ids, the grid and what they compute run as real tensors (see there)
-        patches.enter_context(real_integer_metadata(settings.task == "image-text-to-text" and reads_image_grid(config)))
+        # Qwen2-VL's image grid, Idefics3's pixels: the values the model reads run as real tensors (see there)
+        patches.enter_context(real_integer_metadata(settings.task == "image-text-to-text" and reads_batch_values(config)))
         # A VLM checks that its image tokens match its image features (`torch_compilable_check`, a value fake
         # tensors do not have); transformers' documented switch turns the checks off while the trace runs.
         patches.enter_context(_environment("TRANSFORMERS_DISABLE_TORCH_CHECK", "1"))
