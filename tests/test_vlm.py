@@ -120,3 +120,15 @@ def test_sft_trainer_plans_a_vlm_from_its_vision_collator(tmp_path):
     trainer.train()
     checks = [h for h in trainer.state.log_history if "memfit/relative_error" in h]
     assert checks and abs(checks[0]["memfit/relative_error"]) < 0.05
+
+
+def test_cli_image_size_on_a_vlm_planned_as_text_names_the_task_and_exits_2(capsys):
+    from hf_memfit.cli.main import main
+
+    # Gemma-3's class is its image-text class, but without `--task` it is planned as a causal LM
+    assert main(["estimate", "google/gemma-3-4b-it", "--batch-size", "1", "--seq-len", "64", "--image-size", "448"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "add `--task image-text-to-text`" in err
+    assert main(["estimate", "google/gemma-3-4b-it", "--task", "image-text-to-text", "--batch-size", "1",
+                 "--seq-len", "64", "--image-size", "448"]) == 2
+    assert "resizes every image to 896 px" in capsys.readouterr().err
