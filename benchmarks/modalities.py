@@ -65,6 +65,9 @@ QWEN25VL = dict(model_type="qwen2_5_vl", hidden_size=256, intermediate_size=688,
                 vision_config=dict(depth=4, hidden_size=192, intermediate_size=768, num_heads=3, out_hidden_size=256,
                                    patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
                                    fullatt_block_indexes=[3]))
+SMOLVLM = dict(model_type="idefics3", image_token_id=7999, scale_factor=2, text_config=TEXT,
+               vision_config=dict(hidden_size=192, intermediate_size=768, num_hidden_layers=4, num_attention_heads=3,
+                                  image_size=128, patch_size=16))
 
 # name -> (trainer, config, task Auto class, row maker, argument extras)
 ROWS = {
@@ -95,6 +98,7 @@ ROWS = {
     "qwen2.5vl-sft-frozen-vision": ("sft", QWEN25VL, "AutoModelForImageTextToText", "qwen-images",
                                     {"freeze": "visual"}),
     "qwen2.5vl-sft-tight": ("sft", QWEN25VL, "AutoModelForImageTextToText", "qwen-images", {"budget_fraction": 0.45}),
+    "smolvlm-sft": ("sft", SMOLVLM, "AutoModelForImageTextToText", "smol-images", {}),
 }
 BATCH = 4
 SEQ = 256
@@ -107,9 +111,9 @@ def image_rows(kind: str, n: int = 8) -> list[dict]:
     from PIL import Image
 
     g = np.random.default_rng(0)
-    placeholder = {"llava-images": "<image> ", "gemma3-images": "<boi> ",
+    placeholder = {"llava-images": "<image> ", "gemma3-images": "<boi> ", "smol-images": "<image> ",
                    "qwen-images": "<|vision_start|> <|image_pad|> <|vision_end|> "}[kind]
-    words = lambda n: " ".join(f"w{int(i)}" for i in g.integers(2, 7990, n))  # noqa: E731
+    words = lambda n: " ".join(f"w{int(i)}" for i in g.integers(2, 7950, n))  # noqa: E731
     return [{"images": [Image.fromarray(g.integers(0, 255, (256, 256, 3), dtype=np.uint8))],
              "prompt": placeholder + words(64), "completion": words(192)} for _ in range(n)]
 
@@ -121,13 +125,16 @@ def processor(kind: str):
 
     specials = {"llava-images": {"<image>": 7999}, "gemma3-images": {"<boi>": 7997, "<eoi>": 7998, "<img>": 7999},
                 "qwen-images": {"<|vision_start|>": 7996, "<|vision_end|>": 7997, "<|video_pad|>": 7998,
-                                "<|image_pad|>": 7999}}[kind]
-    vocab = {"<pad>": 0, "<unk>": 1, **{f"w{i}": i for i in range(2, 7990)}, **specials}
+                                "<|image_pad|>": 7999},
+                "smol-images": {"<image>": 7999, "<fake_token_around_image>": 7998, "<end_of_utterance>": 7997,
+                                "<global-img>": 7996, **{f"<row_{i}_col_{j}>": 7943 + 6 * i + j
+                                                         for i in range(1, 7) for j in range(1, 7)}}}[kind]
+    vocab = {"<pad>": 0, "<unk>": 1, **{f"w{i}": i for i in range(2, 7950)}, **specials}
     words = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     named = {"llava-images": {"image_token": "<image>"},
              "gemma3-images": {"boi_token": "<boi>", "image_token": "<img>", "eoi_token": "<eoi>"},
-             "qwen-images": {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"}}[kind]
+             "qwen-images": {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"}, "smol-images": {}}[kind]
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, pad_token="<pad>", unk_token="<unk>",
                                         extra_special_tokens=named)
     if kind == "llava-images":  # CLIP at 224 px, 16-px patches: 196 tokens once the CLS feature is dropped
@@ -141,6 +148,11 @@ def processor(kind: str):
 
         return _image_only_qwen_processor()(Qwen2VLImageProcessor(patch_size=14, merge_size=2, temporal_patch_size=2),
                                             tokenizer)
+    if kind == "smol-images":  # 256 px in 128-px tiles: 2 x 2 tiles + the global view, 16 tokens each
+        from transformers import Idefics3ImageProcessor, Idefics3Processor
+
+        return Idefics3Processor(Idefics3ImageProcessor(size={"longest_edge": 256}, max_image_size={"longest_edge": 128},
+                                                        do_image_splitting=True), tokenizer, image_seq_len=16)
     from transformers import Gemma3ImageProcessor, Gemma3Processor
 
     return Gemma3Processor(Gemma3ImageProcessor(size={"height": 224, "width": 224}), tokenizer,
