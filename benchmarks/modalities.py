@@ -58,6 +58,16 @@ GEMMA3 = dict(model_type="gemma3", mm_tokens_per_image=64, image_token_index=799
                                sliding_window=512),
               vision_config=dict(model_type="siglip_vision_model", hidden_size=192, intermediate_size=768,
                                  num_hidden_layers=4, num_attention_heads=3, image_size=224, patch_size=14))
+QWEN25VL = dict(model_type="qwen2_5_vl", hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                num_attention_heads=4, num_key_value_heads=2, vocab_size=8000, image_token_id=7999,
+                video_token_id=7998, vision_start_token_id=7996, vision_end_token_id=7997,
+                rope_scaling={"type": "mrope", "mrope_section": [8, 12, 12]},
+                vision_config=dict(depth=4, hidden_size=192, intermediate_size=768, num_heads=3, out_hidden_size=256,
+                                   patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                                   fullatt_block_indexes=[3]))
+SMOLVLM = dict(model_type="idefics3", image_token_id=7999, scale_factor=2, text_config=TEXT,
+               vision_config=dict(hidden_size=192, intermediate_size=768, num_hidden_layers=4, num_attention_heads=3,
+                                  image_size=128, patch_size=16))
 
 # name -> (trainer, config, task Auto class, row maker, argument extras)
 ROWS = {
@@ -80,13 +90,93 @@ ROWS = {
     "llava-vlm": ("trainer", LLAVA, "AutoModelForImageTextToText", "llava", {}),
     "llava-vlm-frozen-vision": ("trainer", LLAVA, "AutoModelForImageTextToText", "llava", {"freeze": "vision"}),
     "gemma3-vlm": ("trainer", GEMMA3, "AutoModelForImageTextToText", "gemma3", {}),
+    # TRL's SFTTrainer with its vision collator: PIL images and prompt / completion text, through a processor
+    "llava-sft": ("sft", LLAVA, "AutoModelForImageTextToText", "llava-images", {}),
+    "llava-sft-lora": ("sft", LLAVA, "AutoModelForImageTextToText", "llava-images", {"lora": ["q_proj", "v_proj"]}),
+    "gemma3-sft": ("sft", GEMMA3, "AutoModelForImageTextToText", "gemma3-images", {}),
+    "qwen2.5vl-sft": ("sft", QWEN25VL, "AutoModelForImageTextToText", "qwen-images", {}),
+    "qwen2.5vl-sft-frozen-vision": ("sft", QWEN25VL, "AutoModelForImageTextToText", "qwen-images",
+                                    {"freeze": "visual"}),
+    "qwen2.5vl-sft-tight": ("sft", QWEN25VL, "AutoModelForImageTextToText", "qwen-images", {"budget_fraction": 0.45}),
+    "smolvlm-sft": ("sft", SMOLVLM, "AutoModelForImageTextToText", "smol-images", {}),
 }
 BATCH = 4
 SEQ = 256
 AUDIO_SAMPLES = 16000 * 4  # 4 s at 16 kHz
 
 
+def image_rows(kind: str, n: int = 8) -> list[dict]:
+    """TRL's vision rows: one 256-px PIL image, a 64-word prompt after the image's placeholder, 192 words to learn."""
+    import numpy as np
+    from PIL import Image
+
+    g = np.random.default_rng(0)
+    placeholder = {"llava-images": "<image> ", "gemma3-images": "<boi> ", "smol-images": "<image> ",
+                   "qwen-images": "<|vision_start|> <|image_pad|> <|vision_end|> "}[kind]
+    words = lambda n: " ".join(f"w{int(i)}" for i in g.integers(2, 7950, n))  # noqa: E731
+    return [{"images": [Image.fromarray(g.integers(0, 255, (256, 256, 3), dtype=np.uint8))],
+             "prompt": placeholder + words(64), "completion": words(192)} for _ in range(n)]
+
+
+def processor(kind: str):
+    """The model's processor, built offline: its image processor class and a word-level tokenizer with its tokens."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = {"llava-images": {"<image>": 7999}, "gemma3-images": {"<boi>": 7997, "<eoi>": 7998, "<img>": 7999},
+                "qwen-images": {"<|vision_start|>": 7996, "<|vision_end|>": 7997, "<|video_pad|>": 7998,
+                                "<|image_pad|>": 7999},
+                "smol-images": {"<image>": 7999, "<fake_token_around_image>": 7998, "<end_of_utterance>": 7997,
+                                "<global-img>": 7996, **{f"<row_{i}_col_{j}>": 7943 + 6 * i + j
+                                                         for i in range(1, 7) for j in range(1, 7)}}}[kind]
+    vocab = {"<pad>": 0, "<unk>": 1, **{f"w{i}": i for i in range(2, 7950)}, **specials}
+    words = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    named = {"llava-images": {"image_token": "<image>"},
+             "gemma3-images": {"boi_token": "<boi>", "image_token": "<img>", "eoi_token": "<eoi>"},
+             "qwen-images": {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"}, "smol-images": {}}[kind]
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, pad_token="<pad>", unk_token="<unk>",
+                                        extra_special_tokens=named)
+    if kind == "llava-images":  # CLIP at 224 px, 16-px patches: 196 tokens once the CLS feature is dropped
+        from transformers import CLIPImageProcessor, LlavaProcessor
+
+        return LlavaProcessor(CLIPImageProcessor(size={"shortest_edge": 224}, crop_size={"height": 224, "width": 224}),
+                              tokenizer, patch_size=16, vision_feature_select_strategy="default",
+                              num_additional_image_tokens=1, image_token="<image>")
+    if kind == "qwen-images":  # 256 px -> 252 x 252 (smart_resize): 18 x 18 patches of 14 px, 81 tokens
+        from transformers import Qwen2VLImageProcessor
+
+        return _image_only_qwen_processor()(Qwen2VLImageProcessor(patch_size=14, merge_size=2, temporal_patch_size=2),
+                                            tokenizer)
+    if kind == "smol-images":  # 256 px in 128-px tiles: 2 x 2 tiles + the global view, 16 tokens each
+        from transformers import Idefics3ImageProcessor, Idefics3Processor
+
+        return Idefics3Processor(Idefics3ImageProcessor(size={"longest_edge": 256}, max_image_size={"longest_edge": 128},
+                                                        do_image_splitting=True), tokenizer, image_seq_len=16)
+    from transformers import Gemma3ImageProcessor, Gemma3Processor
+
+    return Gemma3Processor(Gemma3ImageProcessor(size={"height": 224, "width": 224}), tokenizer,
+                           image_seq_length=GEMMA3["mm_tokens_per_image"])
+
+
+def _image_only_qwen_processor():
+    """Qwen2.5-VL's processor without its video processor, which needs torchvision (not installed here)."""
+    from transformers import ProcessorMixin, Qwen2_5_VLProcessor
+
+    class ImageOnlyQwen2_5_VLProcessor(Qwen2_5_VLProcessor):
+        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+            self.image_token, self.video_token = tokenizer.image_token, tokenizer.video_token
+            self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+            self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
+            ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+            self.video_processor = None
+
+    return ImageOnlyQwen2_5_VLProcessor
+
+
 def rows(kind: str, n: int = 8) -> list[dict]:
+    if kind.endswith("-images"):
+        return image_rows(kind, n)
     g = torch.Generator().manual_seed(0)
     out = []
     for _ in range(n):
@@ -145,6 +235,24 @@ def make_trainer(name: str, budget: str, out: str, data: list[dict]):
         model.freeze_feature_encoder()
     elif extras.get("freeze") == "vision":
         model.model.vision_tower.requires_grad_(False)
+    elif extras.get("freeze") == "visual":  # Qwen2.5-VL's vision tower
+        model.model.visual.requires_grad_(False)
+    if kind == "sft":  # TRL wraps the model in peft itself, from `peft_config`
+        from datasets import Dataset
+
+        from hf_memfit.integrations.trl import MemFitSFTConfig, MemFitSFTTrainer
+
+        lora = None
+        if extras.get("lora"):
+            from peft import LoraConfig
+
+            lora = LoraConfig(r=8, target_modules=extras["lora"], task_type="CAUSAL_LM")
+        args = MemFitSFTConfig(output_dir=out, memory_budget=budget, per_device_train_batch_size=BATCH, max_steps=2,
+                               report_to=[], save_strategy="no", use_cpu=True, logging_steps=1, disable_tqdm=True,
+                               bf16=extras.get("bf16", False), learning_rate=1e-4,
+                               max_length=None)
+        return MemFitSFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(data),
+                                processing_class=processor(ROWS[name][3]), peft_config=lora)
     if extras.get("lora"):
         from peft import LoraConfig, get_peft_model
 
@@ -175,10 +283,9 @@ def run_row(name: str, emit) -> None:
         gc.collect()
     planned = make_trainer(name, budget, out, data)
     settings = planned.memfit_result.estimate.settings
-    base = planned.model.get_base_model() if hasattr(planned.model, "get_base_model") else planned.model
-    config = base.config.to_dict()
-    exact = estimate_settings(ModelSpec.from_config(name, config), settings.replace(mode="exact"))
-    del planned, base
+    spec = planned.memfit_inputs["model"]  # the model's config, with its processor config where the run has one
+    exact = estimate_settings(ModelSpec.from_config(name, spec.config), settings.replace(mode="exact"))
+    del planned, spec
     gc.collect()
     with profiled_allocations() as prof:
         trainer = make_trainer(name, budget, out, data)
@@ -191,7 +298,7 @@ def run_row(name: str, emit) -> None:
           "predicted_exact_bytes": exact.peak_allocated_bytes + exact.cpu_bytes,
           "plan": {"micro_batch": plan.per_device_train_batch_size, "accumulation": plan.gradient_accumulation_steps,
                    "checkpointing": plan.gradient_checkpointing, "optim": plan.optim, "seq_len": settings.seq_len,
-                   "precision": settings.precision, "lora_r": settings.lora_r, "image_size": settings.image_size,
+                   "precision": settings.precision, "lora_r": settings.lora_r, "trainer": settings.trainer, "image_size": settings.image_size,
                    "audio_seconds": settings.audio_seconds, "label_len": settings.label_len,
                    "frozen": settings.frozen}})
 

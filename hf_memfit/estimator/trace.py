@@ -40,10 +40,12 @@ from hf_memfit.estimator import step as training
 from hf_memfit.estimator.breakdown import CATEGORIES, StepMemory
 from hf_memfit.estimator.fake_ctc import static_ctc_loss
 from hf_memfit.estimator.fake_optimizers import apollo_on_fake_tensors, make_traced_optimizer, optimizer_state_tensors
+from hf_memfit.estimator.fake_vision import real_integer_metadata
 from hf_memfit.estimator.fake_patches import (cuda_autocast_policy, deepcopy_fake_tensors_as_real_ones, gpu_sdpa,
                                               grouped_mm_any_dtype, is_experts, masks_as_the_batch_has,
                                               triton_folds_in_place,
                                               truncated_normal_init_in_place)
+from hf_memfit.models.vision_language import reads_batch_values
 from hf_memfit.settings import TrainSettings
 from hf_memfit.units import CUDA_BLOCK_BYTES
 
@@ -313,6 +315,8 @@ def trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], *
             triton_folds_in_place(patches)
         model = training.build_model(config, settings)
         spec_augment_off(model)  # see there
+        # Qwen2-VL's image grid, Idefics3's pixels: the values the model reads run as real tensors (see there)
+        patches.enter_context(real_integer_metadata(settings.task == "image-text-to-text" and reads_batch_values(config)))
         # A VLM checks that its image tokens match its image features (`torch_compilable_check`, a value fake
         # tensors do not have); transformers' documented switch turns the checks off while the trace runs.
         patches.enter_context(_environment("TRANSFORMERS_DISABLE_TORCH_CHECK", "1"))

@@ -63,8 +63,10 @@ def resolve_inputs(spec, settings):
     task, config, problems = settings.task, spec.config, []
     for name, tasks in _FLAGS.items():
         if getattr(settings, name) is not None and task not in tasks:
+            fitting = [t for t in tasks if t in (getattr(spec, "supported_tasks", None) or ())]
             problems.append(f"`--{name.replace('_', '-')}` is for {' / '.join(tasks)} models; "
-                            f"{spec.name} is planned as {task}")
+                            f"{spec.name} is planned as {task}"
+                            + (f": add `--task {fitting[0]}`" if fitting else ""))
     for name in ("image_size", "images_per_sample", "label_len"):
         value = getattr(settings, name)
         minimum = 0 if name == "images_per_sample" else 1  # 0 images: text-only VLM rows

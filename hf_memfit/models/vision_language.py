@@ -34,6 +34,12 @@ def _rule(config: dict) -> str | None:
     return None
 
 
+def reads_batch_values(config: dict) -> bool:
+    """Whether the model's code reads values of its batch: Qwen2-VL's image grid (`image_grid_thw`), Idefics3's
+    pixels (it drops the all-zero padding tiles) and pixel mask. The trace keeps these real (estimator/fake_vision)."""
+    return _rule(config) in ("grid", "tiles")
+
+
 def _images(settings) -> int:
     """Images per row: 1 unless given (0: text-only rows)."""
     return 1 if settings.images_per_sample is None else settings.images_per_sample
@@ -147,8 +153,12 @@ def make_vlm_inputs(config: dict, settings, floats, device: str) -> dict:
     if "grid" in layout:
         batch["pixel_values"] = torch.randn(b * images * pixels[0], pixels[1], dtype=floats, device=device)
         batch["image_grid_thw"] = torch.tensor([layout["grid"]] * (b * images), device=device)
+        batch["mm_token_type_ids"] = (ids == token).int()  # the processor's: 1 for image tokens (3-D positions)
     elif "tiles" in layout:
-        batch["pixel_values"] = torch.randn(b, images * pixels[0], *pixels[1:], dtype=floats, device=device)
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        with unset_fake_temporarily():  # real values in a fake trace (the model reads them; see reads_batch_values)
+            batch["pixel_values"] = torch.randn(b, images * pixels[0], *pixels[1:], dtype=floats, device=device)
         batch["pixel_attention_mask"] = torch.ones(b, images * pixels[0], *pixels[2:], dtype=torch.bool, device=device)
     else:
         batch["pixel_values"] = torch.randn(b * images, *pixels, dtype=floats, device=device)

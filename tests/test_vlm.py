@@ -1,0 +1,134 @@
+"""Vision-language models (issue 18): Qwen2.5-VL's image grid in the fake trace, and TRL's SFTTrainer on a VLM."""
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoConfig
+
+from hf_memfit.estimator.assemble import estimate_settings
+from hf_memfit.estimator.measure import measure_cpu_peak
+from hf_memfit.models.spec import ModelSpec
+from hf_memfit.settings import TrainSettings
+
+QWEN25VL = dict(model_type="qwen2_5_vl", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=2, num_key_value_heads=2, vocab_size=512, image_token_id=511, video_token_id=510,
+                vision_start_token_id=509, vision_end_token_id=508, bos_token_id=1, eos_token_id=2,
+                rope_scaling={"type": "mrope", "mrope_section": [4, 6, 6]},
+                vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                                   patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
+                                   fullatt_block_indexes=[1]))
+
+
+def qwen_spec():
+    return ModelSpec.from_config("tiny-qwen2.5-vl", AutoConfig.for_model(**QWEN25VL).to_dict())
+
+
+def test_qwen25_vl_traces_its_image_grid_and_matches_the_measured_step():
+    # 112 px -> 8 x 8 patches of 14 px: four 28-px windows (window_size 56), 16 LM tokens per image
+    spec = qwen_spec()
+    settings = TrainSettings(batch_size=2, seq_len=16, task="image-text-to-text", device="cpu", mode="exact",
+                             image_size=112)
+    exact = estimate_settings(spec, settings)
+    assert "16 tokens each" in exact.notes[0]
+    measured = measure_cpu_peak(spec.config, exact.settings)
+    assert exact.peak_allocated_bytes == pytest.approx(measured, rel=0.01)
+    fast = estimate_settings(spec, settings.replace(mode="fast"))
+    assert fast.peak_allocated_bytes == pytest.approx(exact.peak_allocated_bytes, rel=0.02)
+
+
+IDEFICS3 = dict(model_type="idefics3", image_token_id=511, scale_factor=2,
+                text_config=dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=2, num_key_value_heads=2, vocab_size=512),
+                vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                   image_size=64, patch_size=16))
+
+
+def test_idefics3_reads_its_pixels_and_matches_the_measured_step():
+    # a 128-px image in 64-px tiles: 2 x 2 tiles + the global view, (64 / 16)^2 / 2^2 = 4 tokens each
+    config = AutoConfig.for_model(**IDEFICS3).to_dict()
+    config["memfit_processor"] = {"size": {"longest_edge": 128}, "max_image_size": {"longest_edge": 64}}
+    spec = ModelSpec.from_config("tiny-idefics3", config)
+    settings = TrainSettings(batch_size=2, seq_len=16, task="image-text-to-text", device="cpu", mode="exact")
+    exact = estimate_settings(spec, settings)
+    assert "20 tokens each (5 tiles)" in exact.notes[0]
+    assert exact.peak_allocated_bytes == pytest.approx(measure_cpu_peak(spec.config, exact.settings), rel=0.01)
+
+
+def test_real_metadata_mode_keeps_floats_fake_and_integers_real():
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    from hf_memfit.estimator.fake_vision import real_integer_metadata
+
+    with FakeTensorMode(allow_non_fake_inputs=True), real_integer_metadata():
+        grid = torch.tensor([[1, 4, 6]])
+        lengths = (grid[:, 1] * grid[:, 2]).tolist()  # a value the vision code reads
+        index = torch.arange(24).reshape(4, 6)
+        selected = index[index % 2 == 0]  # a boolean selection: a shape from the values
+        hidden = torch.randn(24, 8)
+        gathered = hidden[selected]  # fake activations, indexed by real integers
+    assert lengths == [24] and selected.shape == (12,) and not isinstance(selected, FakeTensor)
+    assert isinstance(hidden, FakeTensor) and isinstance(gathered, FakeTensor) and gathered.shape == (12, 8)
+
+
+# --- TRL's SFTTrainer with its vision collator ---------------------------------------------------------
+
+LLAVA = dict(model_type="llava", image_token_index=511, image_seq_length=16,
+             text_config=dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                              num_attention_heads=2, num_key_value_heads=2, vocab_size=512),
+             vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64,
+                                num_hidden_layers=2, num_attention_heads=2, image_size=64, patch_size=16,
+                                projection_dim=32))
+
+
+def llava_processor():
+    """LLaVA's processor built offline: CLIP's image processor at 64 px and a word-level tokenizer with <image>."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import CLIPImageProcessor, LlavaProcessor, PreTrainedTokenizerFast
+
+    words = Tokenizer(models.WordLevel({"<pad>": 0, "<unk>": 1, **{f"w{i}": i for i in range(2, 500)},
+                                        "<image>": 511}, unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, pad_token="<pad>", unk_token="<unk>",
+                                        extra_special_tokens={"image_token": "<image>"})
+    return LlavaProcessor(CLIPImageProcessor(size={"shortest_edge": 64}, crop_size={"height": 64, "width": 64}),
+                          tokenizer, patch_size=16, vision_feature_select_strategy="default",
+                          num_additional_image_tokens=1, image_token="<image>")
+
+
+@pytest.mark.slow  # trains two TRL steps after planning (two batch-fit calibrations): about 40 s of CPU
+def test_sft_trainer_plans_a_vlm_from_its_vision_collator(tmp_path):
+    from datasets import Dataset
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText
+
+    from hf_memfit.integrations.trl import MemFitSFTConfig, MemFitSFTTrainer
+
+    g = np.random.default_rng(0)
+    words = lambda n: " ".join(f"w{int(i)}" for i in g.integers(2, 500, n))  # noqa: E731
+    data = Dataset.from_list([{"images": [Image.fromarray(g.integers(0, 255, (80, 80, 3), dtype=np.uint8))],
+                               "prompt": "<image> " + words(8), "completion": words(24)} for _ in range(4)])
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(AutoConfig.for_model(**LLAVA))
+    args = MemFitSFTConfig(output_dir=str(tmp_path / "out"), memory_budget="4GiB", per_device_train_batch_size=2,
+                           max_steps=2, report_to=[], save_strategy="no", use_cpu=True, logging_steps=1,
+                           disable_tqdm=True, bf16=False, max_length=None)
+    trainer = MemFitSFTTrainer(model=model, args=args, train_dataset=data, processing_class=llava_processor())
+    settings = trainer.memfit_result.estimate.settings
+    # 16 image tokens per row (64 px / 16-px patches) are not text: 8 + 24 text tokens
+    assert (settings.task, settings.trainer, settings.images_per_sample, settings.seq_len) == \
+        ("image-text-to-text", "sft", 1, 32)
+    trainer.train()
+    checks = [h for h in trainer.state.log_history if "memfit/relative_error" in h]
+    assert checks and abs(checks[0]["memfit/relative_error"]) < 0.05
+
+
+def test_cli_image_size_on_a_vlm_planned_as_text_names_the_task_and_exits_2(capsys):
+    from hf_memfit.cli.main import main
+
+    # Gemma-3's class is its image-text class, but without `--task` it is planned as a causal LM
+    assert main(["estimate", "google/gemma-3-4b-it", "--batch-size", "1", "--seq-len", "64", "--image-size", "448"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "add `--task image-text-to-text`" in err
+    assert main(["estimate", "google/gemma-3-4b-it", "--task", "image-text-to-text", "--batch-size", "1",
+                 "--seq-len", "64", "--image-size", "448"]) == 2
+    assert "resizes every image to 896 px" in capsys.readouterr().err
