@@ -182,8 +182,10 @@ class Mamba2CombinedMemory(torch.autograd.Function):
         scratch = _chunk_scan_scratch(b, s, heads, headdim, ngroups, d_state, chunk_size, zxbcdt)
         out_x = _empty((b, s, heads, headdim), zxbcdt.dtype, zxbcdt)  # _chunk_scan_fwd's out (z=None)
         del xbc_conv, scratch
-        normed = _empty((b * s, dim), zxbcdt.dtype, zxbcdt)  # _layer_norm_fwd out, gated by z
-        rstd = _empty((ngroups * b * s,), torch.float32, zxbcdt)  # layernorm_gated.py: (ngroups * M,) fp32
+        # with rmsnorm: _layer_norm_fwd's output, gated by z; without (Falcon-H1's default): the scan's own
+        # z-gated output beside out_x
+        normed = _empty((b * s, dim), zxbcdt.dtype, zxbcdt)
+        rstd = _empty((ngroups * b * s,), torch.float32, zxbcdt) if rmsnorm_weight is not None else None
         outproj_w, outproj_b = _cast(outproj_weight, amp), _cast(outproj_bias, amp)
         if amp is not None and normed.dtype != amp:
             normed = normed.to(amp)
@@ -220,8 +222,49 @@ class Mamba2CombinedMemory(torch.autograd.Function):
         dbias = _empty(conv1d_bias.shape, torch.float32, zxbcdt).to(conv1d_bias.dtype) if conv1d_bias is not None \
             else None
         del dxbc
-        small = [_empty(t.shape, t.dtype, t) for t in (dt_bias, A, D, rmsnorm_weight)]
+        small = [_empty(t.shape, t.dtype, t) if t is not None else None for t in (dt_bias, A, D, rmsnorm_weight)]
         return (dzxbcdt, dweight, dbias, *small, doutproj_weight, doutproj_bias, None, None, None)
+
+
+class Mamba2ChunkScanMemory(torch.autograd.Function):
+    """mamba-ssm `MambaChunkScanCombinedFn` (mamba_chunk_scan_combined), as the Mamba-2 mixers call it when the
+    fused call is skipped (a cache in training: the hybrids' models make one when `use_cache` is on).
+
+    Saves out (or out_x with z), x, dt, dA_cumsum fp32 [b, h, nchunks, chunk], B, C, z; returns out and, when
+    asked, the final states fp32 [b, h, p, n]."""
+
+    @staticmethod
+    def forward(ctx, x, dt, A, B, C, D, z, dt_bias, chunk_size, return_final_states):
+        b, s, heads, headdim = x.shape
+        ngroups, d_state = B.shape[2], B.shape[3]
+        scratch = _chunk_scan_scratch(b, s, heads, headdim, ngroups, d_state, chunk_size, x)
+        dA_cumsum = scratch[1]
+        out = _empty(x.shape, x.dtype, x)
+        out_x = _empty(x.shape, x.dtype, x) if z is not None else None
+        final = _empty((b, heads, headdim, d_state), torch.float32, x)
+        del scratch
+        ctx.save_for_backward(out_x if z is not None else out, x, dt, dA_cumsum, A, B, C, D, z, dt_bias)
+        ctx.chunk_size = chunk_size
+        if return_final_states:
+            ctx.mark_non_differentiable(final)
+            return out, final
+        del final
+        return out
+
+    @staticmethod
+    def backward(ctx, dout, *unused):
+        out, x, dt, dA_cumsum, A, B, C, D, z, dt_bias = ctx.saved_tensors
+        b, s, heads, headdim = x.shape
+        ngroups, d_state = B.shape[2], B.shape[3]
+        dt_in = _empty(dt.shape, dt.dtype, dt)  # dt.clone()
+        scratch = _chunk_scan_scratch(b, s, heads, headdim, ngroups, d_state, ctx.chunk_size, x, backward=True)
+        dx = _empty(x.shape, x.dtype, x)
+        dB, dC = _empty(B.shape, B.dtype, B), _empty(C.shape, C.dtype, C)
+        ddt = _empty(dt.shape, dt.dtype, dt)
+        dz = _empty(z.shape, z.dtype, z) if z is not None else None
+        del scratch, dt_in
+        small = [_empty(t.shape, t.dtype, t) if t is not None else None for t in (A, D, dt_bias)]
+        return dx, ddt, small[0], dB, dC, small[1], dz, small[2], None, None
 
 
 def _chunk_scan_scratch(b, s, heads, headdim, ngroups, d_state, chunk, like, backward: bool = False) -> list:
@@ -257,6 +300,11 @@ def mamba2_split_conv1d_scan_combined(zxbcdt, conv1d_weight, conv1d_bias, dt_bia
                                       outproj_weight, outproj_bias, chunk_size, headdim, ngroups)
 
 
+def mamba2_chunk_scan(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None, initial_states=None,
+                      dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False, z=None, **kwargs):
+    return Mamba2ChunkScanMemory.apply(hidden_states, dt, A, B, C, D, z, dt_bias, chunk_size, return_final_states)
+
+
 def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
     return CausalConv1dMemory.apply(hidden_states, weight, bias)
 
@@ -273,6 +321,7 @@ def mamba_selective_scan(hidden_states, dt, A, B, C, D=None, z=None, delta_bias=
 _STAND_INS = {
     "mamba_inner_fn": mamba_inner_fn,
     "mamba2_split_conv1d_scan_combined": mamba2_split_conv1d_scan_combined,
+    "mamba2_chunk_scan": mamba2_chunk_scan,
     "causal_conv1d_fn": causal_conv1d_fn,
     "mamba_selective_scan": mamba_selective_scan,
 }
