@@ -129,6 +129,9 @@ def test_layouts_the_kernels_refuse():
     odd = _spec("mamba2-odd", dict(TINY_MAMBA2, hidden_size=48, num_heads=6))  # in_proj 96*2 + 32 + 6 = 230
     with pytest.raises(MemFitError, match="multiple of 8"):
         TrainSettings(seq_len=32).validate(odd)
+    with pytest.raises(MemFitError, match="peft refuses"):  # peft's own check: the fused kernel reads out_proj
+        TrainSettings(seq_len=32, lora_r=8, lora_target_modules=("all-linear",)).validate(_spec("mamba", TINY_MAMBA))
+    TrainSettings(seq_len=32, lora_r=8, lora_target_modules=("in_proj", "x_proj")).validate(_spec("mamba", TINY_MAMBA))
     with pytest.raises(MemFitError, match="scan the whole sequence"):
         TrainSettings(seq_len=64, num_gpus=2, sp_size=2, zero_stage=1).validate(_spec("jamba", TINY_JAMBA))
 

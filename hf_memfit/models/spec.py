@@ -393,7 +393,7 @@ class ModelSpec:
         """What mamba-ssm / causal-conv1d (or sequence parallelism) refuse for this model's mixers."""
         from hf_memfit.models.ssm import kernel_problems
 
-        return kernel_problems(self.ssm_mixers, settings, self.name)
+        return kernel_problems(self.ssm_mixers, settings, self)
 
     def sequence_shard_problem(self, backend: str) -> str | None:
         """Why the installed transformers / accelerate / DeepSpeed cannot split this model's sequence, else None.

@@ -45,11 +45,39 @@ def mixers(model) -> list[dict]:
     return list(found.values())
 
 
-def kernel_problems(layouts: list[dict], settings, name: str) -> list[str]:
+def _peft_refusal(model_type: str, targets: list[str]) -> str | None:
+    """peft's own check (tuners_utils._check_lora_target_modules_mamba): LoRA on a mixer's `out_proj` or
+    `conv1d` is refused for the model types whose fused kernel reads those weights directly."""
+    from types import SimpleNamespace
+
+    from peft import LoraConfig
+    from peft.tuners.tuners_utils import _check_lora_target_modules_mamba
+
+    config = LoraConfig(target_modules=targets)
+    model = SimpleNamespace(config=SimpleNamespace(model_type=model_type))
+    for target in targets:
+        try:
+            _check_lora_target_modules_mamba(config, model, target)
+        except ValueError as error:
+            return str(error).split(". Please")[0]
+    return None
+
+
+def kernel_problems(layouts: list[dict], settings, spec) -> list[str]:
     """What the CUDA kernels (or the libraries around them) refuse for these mixers under `settings`."""
     if not layouts:
         return []
+    name = spec.name
     problems = []
+    if settings.uses_lora and settings.lora_target_modules:
+        targets = list(settings.lora_target_modules)
+        if "all-linear" in targets:  # peft expands it to every linear but the output head
+            targets = sorted({m.name for m in spec.linear_modules()} | set(targets) - {"all-linear"})
+        refusal = _peft_refusal(spec.model_type, targets)
+        if refusal:
+            kept = [t for t in targets if t not in ("out_proj", "conv1d")]
+            problems.append(f"`--lora-target-modules`: peft refuses it ({refusal}): use "
+                            f"`--lora-target-modules {','.join(kept) or 'in_proj'}`")
     path = settings.ssm_path
     if settings.sp_size > 1 or settings.cp_size > 1:
         flag = f"--sp-size {settings.sp_size}" if settings.sp_size > 1 else f"--cp-size {settings.cp_size}"
