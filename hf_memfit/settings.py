@@ -102,6 +102,14 @@ class TrainSettings:
     # Modules trained frozen (no gradients, no optimizer state): their names in the model, as named_modules()
     # gives them (`wav2vec2.feature_extractor` after freeze_feature_encoder(), `model.vision_tower`, ...)
     frozen: tuple[str, ...] | None = None
+    # State-space mixers (models/ssm.py): "cuda", the mamba-ssm / causal-conv1d kernels a GPU user runs;
+    # "torch", transformers' torch fallback (what a CPU runs); None: "cuda" on --device cuda, else "torch"
+    ssm_kernels: str | None = None
+
+    @property
+    def ssm_path(self) -> str:
+        """The state-space kernel path the estimate is for: "cuda" or "torch"."""
+        return self.ssm_kernels or ("cuda" if self.device == "cuda" else "torch")
 
     @property
     def world_size(self) -> int:
@@ -217,6 +225,8 @@ class TrainSettings:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 problems.append(f"`--{name.replace('_', '-')}` must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")
+        if self.ssm_kernels is not None and self.ssm_kernels not in ("cuda", "torch"):
+            problems.append(f"`--ssm-kernels` must be cuda or torch; got {self.ssm_kernels!r}")
         if self.task is not None and self.task not in TASKS:
             problems.append(f"`--task` must be one of {', '.join(TASKS)}; got {self.task!r}")
         if self.attn_implementation is not None and self.attn_implementation not in ATTN_IMPLEMENTATIONS:
@@ -442,6 +452,7 @@ def _validate_against_model(settings: TrainSettings, spec) -> tuple[TrainSetting
     if limit is not None and spec.learned_positions and task not in MEDIA_TASKS and (settings.seq_len or 0) > limit:
         problems.append(f"`--seq-len {settings.seq_len}` is over {spec.name}'s maximum of {limit} positions; use `--seq-len {limit}` or less")
     problems += _sequence_model_problems(settings, spec, task)
+    problems += spec.ssm_kernel_problems(settings)  # models/ssm.py: what mamba-ssm / causal-conv1d refuse
     if settings.optim_target_modules and settings.optim_target_modules != ("all-linear",):
         known = sorted({m.name for m in spec.linear_modules()})
         missing = [m for m in settings.optim_target_modules if m not in known]

@@ -83,6 +83,9 @@ def add_step_arguments(parser: argparse.ArgumentParser, *, with_batch: bool = Tr
     parser.add_argument("--gpu", help="GPU model (a100, h100, rtx3060, ...): flash support and CUDA overheads")
     parser.add_argument("--expandable-segments", action="store_true",
                         help="the run sets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (less allocator slack)")
+    parser.add_argument("--ssm-kernels", choices=("cuda", "torch"),
+                        help="state-space models (Mamba, Jamba, ...): estimate mamba-ssm / causal-conv1d's CUDA "
+                             "kernels (default on --device cuda) or transformers' torch fallback (default on cpu)")
     parser.add_argument("--mode", choices=("fast", "exact"), default="fast",
                         help="fast: formulas (ms); exact: trace the real model on fake tensors (seconds)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -186,8 +189,8 @@ def settings_from_args(args: argparse.Namespace):
         fsdp=args.fsdp, fsdp_version=args.fsdp_version, fsdp_offload=args.fsdp_offload,
         sp_size=args.sp_size, cp_size=args.cp_size,
         bnb_4bit_use_double_quant=args.bnb_4bit_use_double_quant, bnb_4bit_quant_storage=args.bnb_4bit_quant_storage,
-        prepare_model_for_kbit_training=kbit_preparation(args), device=args.device, gpu=args.gpu, mode=args.mode, expandable_segments=args.expandable_segments,
-        **media_inputs(args),
+        prepare_model_for_kbit_training=kbit_preparation(args), device=args.device, gpu=args.gpu, mode=args.mode,
+        expandable_segments=args.expandable_segments, ssm_kernels=args.ssm_kernels, **media_inputs(args),
     )
 
 

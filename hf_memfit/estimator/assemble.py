@@ -18,6 +18,7 @@ from hf_memfit.estimator.breakdown import CATEGORIES, StepMemory
 from hf_memfit.settings import TrainSettings, beyond_positions_note
 from hf_memfit.models.inputs import input_note
 from hf_memfit.models.spec import ModelSpec, resolve_model
+from hf_memfit.models.ssm import path_note
 from hf_memfit.tasks import MEDIA_TASKS
 
 
@@ -198,6 +199,9 @@ def assemble(spec: ModelSpec, settings: TrainSettings, step: StepMemory) -> Memo
         notes.insert(0, inputs)
     if beyond:
         notes.insert(0, beyond)
+    ssm_path = path_note(spec.ssm_mixers, settings)  # which state-space kernel path (models/ssm.py)
+    if ssm_path:
+        notes.insert(0, ssm_path)
     if settings.device == "cpu":
         reserved = total = allocated
     else:

@@ -158,6 +158,7 @@ def _settings_key(spec, settings, by_optimizer: bool, by_precision: bool = False
     if not by_precision and _sibling(settings):
         key["precision"] = "16-bit mixed"  # one fit for both autocast dtypes where its check shows they agree
     key["gpu"] = _gpu_key(settings)
+    key["ssm_kernels"] = settings.ssm_path if spec.ssm_mixers else None  # models/ssm.py: the path the trace ran
     key["regime"] = _regime(spec, settings)
     key["parametric"] = PARAMETRIC_VERSION
     return key

@@ -41,6 +41,7 @@ from hf_memfit.estimator.breakdown import CATEGORIES, StepMemory
 from hf_memfit.estimator.fake_ctc import static_ctc_loss
 from hf_memfit.estimator.fake_optimizers import apollo_on_fake_tensors, make_traced_optimizer, optimizer_state_tensors
 from hf_memfit.estimator.fake_vision import real_integer_metadata
+from hf_memfit.estimator.ssm_kernels import cuda_kernel_path
 from hf_memfit.estimator.fake_patches import (cuda_autocast_policy, deepcopy_fake_tensors_as_real_ones, gpu_sdpa,
                                               grouped_mm_any_dtype, is_experts, masks_as_the_batch_has,
                                               triton_folds_in_place,
@@ -314,6 +315,8 @@ def trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], *
         if cuda and settings.trainer != "trainer":
             triton_folds_in_place(patches)
         model = training.build_model(config, settings)
+        if settings.ssm_path == "cuda":  # mamba-ssm / causal-conv1d's autograd Functions; see there
+            patches.enter_context(cuda_kernel_path(model))
         spec_augment_off(model)  # see there
         # Qwen2-VL's image grid, Idefics3's pixels: the values the model reads run as real tensors (see there)
         patches.enter_context(real_integer_metadata(settings.task == "image-text-to-text" and reads_batch_values(config)))

@@ -17,6 +17,7 @@ from typing import Any
 
 from hf_memfit.cache import config_key, library_version, read_cache, write_cache
 from hf_memfit.errors import CannotEstimate, MemFitError
+from hf_memfit.models import ssm
 from hf_memfit.models.build import hf_config, instantiate
 from hf_memfit.tasks import TASK_TABLE
 
@@ -259,6 +260,7 @@ def describe(name: str, config: dict) -> dict:
     fields["layer_period"] = facts["layer_period"]
     fields["learned_positions"] = facts["tasks"][_task_key(fields["default_task"], 2)].pop("learned_positions")
     fields["tileable_mlp"] = facts["tasks"][_task_key(fields["default_task"], 2)].pop("tileable_mlp")
+    facts["ssm_mixers"] = facts["tasks"][_task_key(fields["default_task"], 2)].pop("ssm_mixers")
     write_cache("specs", key, facts)
     return facts
 
@@ -295,6 +297,7 @@ def _task_facts(config: dict, task: str, num_labels: int, fields: dict) -> dict:
         "layer_period": layer_period(stack, layer_types) if stack is not None else 1,
         "learned_positions": _has_position_table(model, fields["max_position_embeddings"]),
         "tileable_mlp": bool(stack is not None and dense_mlps(stack)),
+        "ssm_mixers": ssm.mixers(model),
     }
 
 

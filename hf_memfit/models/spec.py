@@ -384,6 +384,17 @@ class ModelSpec:
         """Whether the family has hand-written fast formulas (else fast mode is a parametric fit to traces)."""
         return self.generic is None
 
+    @property
+    def ssm_mixers(self) -> list[dict]:
+        """The model's state-space mixer layouts (`models/ssm.py`); empty for models without them."""
+        return list((self.generic or {}).get("ssm_mixers") or [])
+
+    def ssm_kernel_problems(self, settings) -> list[str]:
+        """What mamba-ssm / causal-conv1d (or sequence parallelism) refuse for this model's mixers."""
+        from hf_memfit.models.ssm import kernel_problems
+
+        return kernel_problems(self.ssm_mixers, settings, self)
+
     def sequence_shard_problem(self, backend: str) -> str | None:
         """Why the installed transformers / accelerate / DeepSpeed cannot split this model's sequence, else None.
 
