@@ -9,6 +9,7 @@ Each item is sourced in `shared/CUDA_MEMORY_FACTS.md` or in the comment beside i
 import contextlib
 import copy
 import functools
+import os
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
@@ -337,3 +338,34 @@ def deepcopy_fake_tensors_as_real_ones():
         else:
             del FakeTensor.__deepcopy__
 
+
+@contextlib.contextmanager
+def environment(name: str, value: str):
+    """An environment variable set for the trace, and restored after."""
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
+
+
+def spec_augment_off(model) -> None:
+    """Trace wav2vec2-style models without SpecAugment's masking, which fake tensors cannot run.
+
+    In training it writes a learned vector into a random mask of frames by boolean indexing
+    (`_mask_hidden_states`), whose shape depends on the data. What it holds is a bool per frame and the
+    masked frames' indices: bytes per frame, against the kilobytes per frame of a layer's activations.
+    LayerDrop (`layerdrop`, `encoder_layerdrop`, `decoder_layerdrop`) skips whole layers at random, decided by
+    comparing a random scalar on the device: traced with every layer run, the step's worst case.
+    """
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "apply_spec_augment", False):
+            config.apply_spec_augment = False
+        for name in ("layerdrop", "encoder_layerdrop", "decoder_layerdrop"):
+            if getattr(config, name, 0):
+                setattr(config, name, 0.0)

@@ -26,7 +26,6 @@ explicitly, each item sourced in `shared/CUDA_MEMORY_FACTS.md`:
 """
 
 import contextlib
-import os
 import logging
 import weakref
 from dataclasses import dataclass, field
@@ -42,10 +41,9 @@ from hf_memfit.estimator.fake_ctc import static_ctc_loss
 from hf_memfit.estimator.fake_optimizers import apollo_on_fake_tensors, make_traced_optimizer, optimizer_state_tensors
 from hf_memfit.estimator.fake_vision import real_integer_metadata
 from hf_memfit.estimator.ssm_kernels import cuda_kernel_path
-from hf_memfit.estimator.fake_patches import (cuda_autocast_policy, deepcopy_fake_tensors_as_real_ones, gpu_sdpa,
-                                              grouped_mm_any_dtype, is_experts, masks_as_the_batch_has,
-                                              triton_folds_in_place,
-                                              truncated_normal_init_in_place)
+from hf_memfit.estimator.fake_patches import (cuda_autocast_policy, deepcopy_fake_tensors_as_real_ones, environment,
+                                              gpu_sdpa, grouped_mm_any_dtype, is_experts, masks_as_the_batch_has,
+                                              spec_augment_off, triton_folds_in_place, truncated_normal_init_in_place)
 from hf_memfit.models.vision_language import reads_batch_values
 from hf_memfit.settings import TrainSettings
 from hf_memfit.units import CUDA_BLOCK_BYTES
@@ -317,12 +315,12 @@ def trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], *
         model = training.build_model(config, settings)
         if settings.ssm_path == "cuda":  # mamba-ssm / causal-conv1d's autograd Functions; see there
             patches.enter_context(cuda_kernel_path(model))
-        spec_augment_off(model)  # see there
+        spec_augment_off(model)  # see there (fake_patches)
         # Qwen2-VL's image grid, Idefics3's pixels: the values the model reads run as real tensors (see there)
         patches.enter_context(real_integer_metadata(settings.task == "image-text-to-text" and reads_batch_values(config)))
         # A VLM checks that its image tokens match its image features (`torch_compilable_check`, a value fake
         # tensors do not have); transformers' documented switch turns the checks off while the trace runs.
-        patches.enter_context(_environment("TRANSFORMERS_DISABLE_TORCH_CHECK", "1"))
+        patches.enter_context(environment("TRANSFORMERS_DISABLE_TORCH_CHECK", "1"))
         patches.enter_context(static_ctc_loss(model))  # CTC's loss with the batch's static shapes
         for tensor in list(model.parameters()) + list(model.buffers()):
             tracker.mark(tensor, "weights")
@@ -402,37 +400,6 @@ def trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], *
             result.region_peaks[region] = live
             result.region_breakdowns[region] = tracker.breakdown_at(clock)
     return result
-
-
-@contextlib.contextmanager
-def _environment(name: str, value: str):
-    before = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = before
-
-
-def spec_augment_off(model) -> None:
-    """Trace wav2vec2-style models without SpecAugment's masking, which fake tensors cannot run.
-
-    In training it writes a learned vector into a random mask of frames by boolean indexing
-    (`_mask_hidden_states`), whose shape depends on the data. What it holds is a bool per frame and the
-    masked frames' indices: bytes per frame, against the kilobytes per frame of a layer's activations.
-    LayerDrop (`layerdrop`, `encoder_layerdrop`, `decoder_layerdrop`) skips whole layers at random, decided by
-    comparing a random scalar on the device: traced with every layer run, the step's worst case.
-    """
-    for module in model.modules():
-        config = getattr(module, "config", None)
-        if getattr(config, "apply_spec_augment", False):
-            config.apply_spec_augment = False
-        for name in ("layerdrop", "encoder_layerdrop", "decoder_layerdrop"):
-            if getattr(config, name, 0):
-                setattr(config, name, 0.0)
 
 
 def _micro_label(micro: int, settings: TrainSettings) -> str:
@@ -530,10 +497,14 @@ def _exact_candidates(spec, settings: TrainSettings, *, extrapolate: bool = True
     base = tuple(min(base_depth, d) for d in real)
     depth_sets = [base] + [tuple(grown_depth if j == i else base[j] for j in range(len(real))) for i in range(len(real))]
     # The depths' traces are independent: side by side in forked children where CPUs are idle (`forked.py`).
-    from hf_memfit.estimator.forked import run_side_by_side
+    from hf_memfit.estimator.forked import forking_pays, run_side_by_side
 
-    traces = run_side_by_side(_depth_trace, [(spec, settings, depths, number, len(depth_sets), real)
-                                             for number, depths in enumerate(depth_sets, 1)])
+    jobs = [(spec, settings, depths, number, len(depth_sets), real) for number, depths in enumerate(depth_sets, 1)]
+    side_by_side = forking_pays()
+    if side_by_side:  # announced here: a forked child's progress would not reach the parent's stream
+        for job in jobs:
+            _announce(*job)
+    traces = run_side_by_side(_depth_trace, [job + (not side_by_side,) for job in jobs])
     base_classes = _by_class(traces[0])
     grown_classes = [_by_class(t) for t in traces[1:]]
     candidates = {}
@@ -562,12 +533,17 @@ def _exact_candidates(spec, settings: TrainSettings, *, extrapolate: bool = True
     return result
 
 
-def _depth_trace(spec, settings: TrainSettings, depths: tuple[int, ...], number: int, count: int,
-                 real: tuple[int, ...]) -> TraceResult:
-    """One trace of `_exact_candidates`, without its per-allocation records (what extrapolation reads is small
-    enough to send back from a forked child)."""
+def _announce(spec, settings, depths, number: int, count: int, real) -> None:
     progress.info("exact mode: tracing %s at depth %s (%d of %d), extrapolated to %s", spec.name,
                   _depth_text(depths), number, count, _depth_text(real))
+
+
+def _depth_trace(spec, settings: TrainSettings, depths: tuple[int, ...], number: int, count: int,
+                 real: tuple[int, ...], announce: bool = True) -> TraceResult:
+    """One trace of `_exact_candidates`, without its per-allocation records (what extrapolation reads is small
+    enough to send back from a forked child)."""
+    if announce:
+        _announce(spec, settings, depths, number, count, real)
     trace = trace_step(_config_with_depths(spec, depths), settings, depths)
     trace.tracker = None
     return trace
