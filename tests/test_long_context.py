@@ -182,3 +182,20 @@ def test_forked_helpers_run_beside_and_side_by_side(monkeypatch):
     assert forked.run_side_by_side(divmod, [(7, 2), (9, 4), (1, 1)]) == [(3, 1), (2, 1), (1, 0)]
     monkeypatch.setattr(forked, "idle_cpus", lambda: 0.5)  # a busy machine: here, and nothing beside
     assert forked.run_beside(divmod, (7, 2), lambda: ran.append("again")) == (3, 1) and ran == ["here"]
+
+
+def test_json_output_stays_json_when_exact_mode_imports_deepspeed(tmp_path):
+    """DeepSpeed logs to the stdout of its first import (its accelerator check warns on a machine without a
+    GPU); a fresh process that first imports it for TiledMLP must still print nothing but the JSON."""
+    import os
+    import subprocess
+    import sys
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(LONG_LLAMA))
+    env = dict(os.environ, HF_MEMFIT_CACHE=str(tmp_path / "cache"))
+    run = subprocess.run([sys.executable, "-m", "hf_memfit.cli.main", "estimate", str(config), "--batch-size", "1",
+                          "--seq-len", "256", "--device", "cpu", "--tiled-mlp", "--mode", "exact", "--json"],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert json.loads(run.stdout)["mode"] == "exact", run.stdout[:300]

@@ -211,8 +211,10 @@ def import_for_traces(model_type: str | None = None) -> None:
         names.append(f"transformers.models.{module}.modeling_{module}")
     if importlib.util.find_spec("deepspeed") is not None:
         names.append("deepspeed.runtime.sequence_parallel.ulysses_sp")
+    from hf_memfit.estimator.step_levers import deepspeed_import  # DeepSpeed's log on stderr, not in --json
+
     for name in names:
         try:
-            importlib.import_module(name)
+            deepspeed_import(name) if name.startswith("deepspeed") else importlib.import_module(name)
         except Exception:  # noqa: BLE001 - only a head start: the trace that needs it reports it
             pass

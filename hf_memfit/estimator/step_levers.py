@@ -323,6 +323,22 @@ def tiled_mlp_modules(model) -> list:
     return [mlp for _, stack in layer_stacks(model) for mlp in dense_mlps(stack)]
 
 
+def deepspeed_import(name: str):
+    """Import a DeepSpeed module with DeepSpeed's log on stderr.
+
+    DeepSpeed's logger writes to whatever `sys.stdout` was when it was first imported
+    (deepspeed/utils/logging.py, `StreamHandler(stream=sys.stdout)`), and on a machine without a GPU its
+    accelerator check warns there on import: a line before `hf-memfit ... --json`'s JSON. Imported with
+    stdout pointed at stderr, the handler keeps stderr for good.
+    """
+    import contextlib
+    import importlib
+    import sys
+
+    with contextlib.redirect_stdout(sys.stderr):
+        return importlib.import_module(name)
+
+
 def tile_mlps(model, hidden_size: int) -> int:
     """Run every layer's MLP through DeepSpeed's `TiledMLP`, as ALST's `tiled_mlp_forward` does; returns how many.
 
@@ -332,9 +348,9 @@ def tile_mlps(model, hidden_size: int) -> int:
     shard count is all-reduced to the maximum over ranks in ALST's example; one process needs
     no reduction. `compute_params` is ALST's list of the MLP's weights (for ZeRO's hooks).
     """
-    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
-
     from hf_memfit.models.tiling import tiled_mlp_shards
+
+    TiledMLP = deepspeed_import("deepspeed.runtime.sequence_parallel.ulysses_sp").TiledMLP
 
     mlps = tiled_mlp_modules(model)
     for mlp in mlps:
