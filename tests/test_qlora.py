@@ -39,17 +39,17 @@ def test_the_preparation_casts_what_peft_casts():
     from peft import prepare_model_for_kbit_training
 
     from hf_memfit.estimator.step import prepare_like_peft_kbit_training, quantizable_linears
-    from hf_memfit.integrations.introspect import kbit_prepared
+    from hf_memfit.integrations.introspect import model_is_kbit_prepared
     from hf_memfit.models.build import instantiate
 
     settings = TrainSettings(**QLORA)
     ours = instantiate(TINY_LLAMA, "causal-lm", 2, dtype=torch.bfloat16, attn_implementation="sdpa")
     peft_model = instantiate(TINY_LLAMA, "causal-lm", 2, dtype=torch.bfloat16, attn_implementation="sdpa")
-    assert not kbit_prepared(peft_model)
+    assert not model_is_kbit_prepared(peft_model)
     packed = {name + ".weight" for name, module in ours.named_modules() if module in quantizable_linears(ours)}
     prepare_like_peft_kbit_training(ours, settings)
     prepare_model_for_kbit_training(peft_model, use_gradient_checkpointing=False)
-    assert kbit_prepared(peft_model) and kbit_prepared(ours)
+    assert model_is_kbit_prepared(peft_model) and model_is_kbit_prepared(ours)
     peft_dtypes = dict((n, p.dtype) for n, p in peft_model.named_parameters())
     for name, param in ours.named_parameters():
         # peft upcasts bitsandbytes' packed weights too when they are not `Params4bit`, as in this bf16 model

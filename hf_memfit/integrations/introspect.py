@@ -97,7 +97,7 @@ def model_precision(model, args, on_gpu: bool) -> str | None:
     return None
 
 
-def kbit_prepared(base) -> bool:
+def model_is_kbit_prepared(base) -> bool:
     """Whether a 4-bit model went through peft's `prepare_model_for_kbit_training`: its input embedding in fp32.
 
     The preparation casts every half-precision parameter bitsandbytes did not pack to fp32; a 4-bit model
@@ -440,6 +440,7 @@ def plan_inputs(trainer, model, args, fields, train_dataset, collator, tokenizer
         shape = longest_batch(spec, train_dataset, collator, tokenizer, getattr(args, "max_length", None))
     notes = list(shape.notes) + media_notes
     run_fsdp = fsdp_layout_run(args, on_gpu, notes)
+    run_deepspeed = fixed_layout(args)
     padding_free = step.get("padding_free", False) or shape.padding_free
     if task == "seq2seq" and not spec.is_encoder_decoder:
         task = spec.default_task  # a decoder's *ForConditionalGeneration (Gemma-3 with vision) trains as a causal LM
@@ -470,11 +471,11 @@ def plan_inputs(trainer, model, args, fields, train_dataset, collator, tokenizer
         allow_offload=fields.allow_offload if on_gpu else "none", headroom=fields.headroom,
         keep_optimizer=fields.keep_optimizer, optim=str(getattr(args.optim, "value", args.optim)),
         device="cuda" if on_gpu else "cpu", mode=fields.memfit_mode, precision=model_precision(model, args, on_gpu),
-        deepspeed_layout=fixed_layout(args), fsdp_layout=run_fsdp,
+        deepspeed_layout=run_deepspeed, fsdp_layout=run_fsdp,
         bnb_4bit_use_double_quant=bool(quant.get("bnb_4bit_use_double_quant", True)),
         bnb_4bit_quant_storage=quant_storage if quantized else None,
         # (DeepSpeed and FSDP cast the model to one dtype when they wrap it, after this plan: left to `auto`)
-        prepare_model_for_kbit_training=kbit_prepared(base) if quantized and not (fixed_layout(args) or run_fsdp)
+        prepare_model_for_kbit_training=model_is_kbit_prepared(base) if quantized and not (run_deepspeed or run_fsdp)
         else None,
         cpu_memory="auto",  # the trainer runs on the machine it plans for: its RAM holds what is offloaded
         allow_pure_bf16=fields.allow_pure_bf16,
