@@ -176,3 +176,21 @@ def test_check_qlora_on_cuda(tmp_path, capsys, prepared):
     row = json.loads(out)
     for mode in ("exact", "fast"):
         assert abs(row["error_percent"][mode]["peak_allocated"]) <= 10.0, row["error_percent"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_check_attention_kernels_on_cuda(tmp_path, capsys, attn):
+    """SDPA's CUDA kernels and eager attention at a length where the choice decides the peak.
+
+    At 4,096 tokens a tiny Llama's eager attention keeps its [b, h, s, s] scores and probabilities for the
+    backward (GBs), while the flash backend SDPA picks for bf16 with no mask keeps O(s) (`fake_patches.
+    GpuAttentionMemory`): a prediction for the wrong kernel is off by a multiple, not by percent.
+    """
+    model = _config(tmp_path, TINY_LLAMA)
+    code, out, err = _run(capsys, model, "--batch-size", "1", "--seq-len", "4096", "--precision", "bf16-mixed",
+                          "--attn-implementation", attn, "--device", "cuda", "--steps", "1", "--json")
+    assert code == 0, err
+    row = json.loads(out)
+    for mode in ("exact", "fast"):
+        assert abs(row["error_percent"][mode]["peak_allocated"]) <= 10.0, (mode, row["error_percent"])

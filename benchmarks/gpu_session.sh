@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Everything a GPU session measures, in one prepared run (docs/benchmarks.md section 19 records the results):
+#   1. the suite's GPU-marked tests (CUDA constants, attention kernels, 4-bit QLoRA, the trainer's snapshot);
+#   2. the long-context QLoRA sweep (benchmarks/gpu_qlora_sweep.py measure), one real 4-bit Llama-3.1-8B;
+#   3. `hf-memfit check --grid` on Qwen2.5-0.5B (fast predictions; `predict`-style exact ones are added after).
+# Each step has its own time limit and writes its results under $OUT as it goes, so a slow step costs only itself.
+#
+#   OUT=gpu-results bash benchmarks/gpu_session.sh [SEQ_LENGTHS]
+set -u
+OUT=${OUT:-gpu-results}
+SEQS=${1:-1024,8192,28454,49152}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+export HF_MEMFIT_CACHE=${HF_MEMFIT_CACHE:-$(mktemp -d)}
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+PY=${PYTHON:-python3}
+
+{
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+    "$PY" -c "import torch, transformers, peft, accelerate, bitsandbytes as b; print('torch', torch.__version__, 'cuda', torch.version.cuda, '| transformers', transformers.__version__, '| peft', peft.__version__, '| accelerate', accelerate.__version__, '| bitsandbytes', b.__version__)"
+} 2>&1 | tee "$OUT/session.log"
+
+echo "== 1. GPU-marked tests" | tee -a "$OUT/session.log"
+timeout 240 "$PY" -m pytest -m gpu tests/test_check.py tests/test_trainer.py -q -p no:cacheprovider -rA \
+    2>&1 | tee -a "$OUT/session.log" | tail -40
+
+echo "== 2. long-context QLoRA sweep: $SEQS" | tee -a "$OUT/session.log"
+timeout 330 "$PY" benchmarks/gpu_qlora_sweep.py measure --seq "$SEQS" --json "$OUT/qlora_sweep.json" \
+    2>&1 | tee -a "$OUT/session.log"
+
+echo "== 3. hf-memfit check --grid" | tee -a "$OUT/session.log"
+timeout 200 "$PY" -m hf_memfit.cli check Qwen/Qwen2.5-0.5B --batch-size 2 --seq-len 512 --precision bf16-mixed \
+    --mode fast --grid --out "$OUT/check_grid.json" 2>&1 | tee -a "$OUT/session.log"
+echo "== done" | tee -a "$OUT/session.log"
