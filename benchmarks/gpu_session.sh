@@ -2,7 +2,8 @@
 # Everything a GPU session measures, in one prepared run (docs/benchmarks.md section 19 records the results):
 #   1. the suite's GPU-marked tests (CUDA constants, attention kernels, 4-bit QLoRA, the trainer's snapshot);
 #   2. the long-context QLoRA sweep (benchmarks/gpu_qlora_sweep.py measure), one real 4-bit Llama-3.1-8B;
-#   3. `hf-memfit check --grid` on Qwen2.5-0.5B (fast predictions; `predict`-style exact ones are added after).
+#   3. the attention kernels (SDPA, eager) of the suite's tiny Llama at 4K and 16K tokens, `check --json`;
+#   4. `hf-memfit check --grid` on Qwen2.5-0.5B (fast predictions; benchmarks/gpu_results.py predicts both modes).
 # Each step has its own time limit and writes its results under $OUT as it goes, so a slow step costs only itself.
 #
 #   OUT=gpu-results bash benchmarks/gpu_session.sh [SEQ_LENGTHS]
@@ -28,7 +29,16 @@ echo "== 2. long-context QLoRA sweep: $SEQS" | tee -a "$OUT/session.log"
 timeout 330 "$PY" benchmarks/gpu_qlora_sweep.py measure --seq "$SEQS" --json "$OUT/qlora_sweep.json" \
     2>&1 | tee -a "$OUT/session.log"
 
-echo "== 3. hf-memfit check --grid" | tee -a "$OUT/session.log"
-timeout 200 "$PY" -m hf_memfit.cli check Qwen/Qwen2.5-0.5B --batch-size 2 --seq-len 512 --precision bf16-mixed \
+echo "== 3. attention kernels: the suite's tiny Llama at 4K and 16K tokens" | tee -a "$OUT/session.log"
+"$PY" -c "import json, sys; sys.path.insert(0, 'tests'); from conftest import TINY_LLAMA; json.dump(TINY_LLAMA, open('$OUT/tiny_llama.json', 'w'))"
+for seq in 4096 16384; do
+    for attn in sdpa eager; do
+        timeout 90 "$PY" -m hf_memfit.cli check "$OUT/tiny_llama.json" --batch-size 1 --seq-len $seq \
+            --precision bf16-mixed --attn-implementation $attn --device cuda --json > "$OUT/attn_${attn}_$seq.json"
+    done
+done
+
+echo "== 4. hf-memfit check --grid" | tee -a "$OUT/session.log"
+timeout 240 "$PY" -m hf_memfit.cli check Qwen/Qwen2.5-0.5B --batch-size 2 --seq-len 512 --precision bf16-mixed \
     --mode fast --grid --out "$OUT/check_grid.json" 2>&1 | tee -a "$OUT/session.log"
 echo "== done" | tee -a "$OUT/session.log"

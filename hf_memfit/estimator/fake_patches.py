@@ -31,6 +31,10 @@ class GpuAttentionMemory(torch.autograd.Function):
     - backward: dq, dk, dv; flash adds `dq_accum` fp32 [b, round128(s), h, round32(d)]
       and `softmax_d` fp32 [b, h, round128(s)]; memory-efficient adds `delta` fp32
       [b,h,s] and a grad-q accumulation workspace of q's size in fp32.
+    - grouped-query attention: flash takes k and v with fewer heads as they are (sdp_utils.cpp
+      `can_use_flash_attention`: `backend_supports_grouped_query_attention = true` on CUDA), and its
+      backward writes dk and dv for every query head into `dk_expanded` / `dv_expanded` [b, s_k, h, d]
+      before summing each group (flash_api.cpp `mha_bwd`, "MQA / GQA").
     """
 
     @staticmethod
@@ -50,6 +54,8 @@ class GpuAttentionMemory(torch.autograd.Function):
         if ctx.backend == "flash":
             scratch = [torch.empty((b, _round_up(s, 128), h, _round_up(d, 32)), dtype=torch.float32, device=q.device),
                        torch.empty((b, h, _round_up(s, 128)), dtype=torch.float32, device=q.device)]
+            if k.shape[1] != h:  # dk_expanded, dv_expanded
+                scratch += [torch.empty((b, k.shape[2], h, t.shape[-1]), dtype=q.dtype, device=q.device) for t in (k, v)]
         else:
             scratch = [torch.empty((b, h, s), dtype=torch.float32, device=q.device),
                        torch.empty(q.shape, dtype=torch.float32, device=q.device)]
@@ -63,15 +69,26 @@ def gpu_sdpa(flash_supported: bool):
     original = torch.nn.functional.scaled_dot_product_attention
 
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, **kw):
+        device_type = query.device.type
+        if torch.is_autocast_enabled(device_type):
+            # CUDA autocast runs scaled_dot_product_attention in the lower precision (autocast_mode.cpp, its
+            # lower_precision_fp list), casting every floating input. This stand-in is Python, above the
+            # dispatcher, so autocast never sees the aten op: cast as it would. (A half-precision model's RoPE
+            # makes q and k fp32 under mixed precision, since its cos/sin follow the fp32 hidden states.)
+            low = torch.get_autocast_dtype(device_type)
+            query, key, value = (t.to(low) if t.is_floating_point() and t.dtype != low else t
+                                 for t in (query, key, value))
+            if attn_mask is not None and attn_mask.is_floating_point() and attn_mask.dtype != low:
+                attn_mask = attn_mask.to(low)
         half = query.dtype in (torch.float16, torch.bfloat16)
         head_dim = query.shape[-1]
-        if key.shape[1] != query.shape[1]:  # GQA: the kernels see k/v expanded to all heads
+        # sdp_utils.cpp: flash needs no mask, fp16/bf16, sm80+, head_dim <= 256; it runs GQA as it is.
+        if flash_supported and attn_mask is None and half and head_dim <= 256:
+            return GpuAttentionMemory.apply(query, key, value, "flash")
+        if key.shape[1] != query.shape[1]:  # GQA elsewhere: the kernels see k/v expanded to all heads
             repeat = query.shape[1] // key.shape[1]
             key = key.repeat_interleave(repeat, dim=1)
             value = value.repeat_interleave(repeat, dim=1)
-        # sdp_utils.cpp: flash needs no mask, fp16/bf16, sm80+, head_dim <= 256.
-        if flash_supported and attn_mask is None and half and head_dim <= 256:
-            return GpuAttentionMemory.apply(query, key, value, "flash")
         # memory-efficient takes masks and fp32; its own limits are far above our head dims.
         if head_dim % 8 == 0:
             out = GpuAttentionMemory.apply(query, key, value, "efficient")

@@ -19,15 +19,12 @@ DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "u8": 1, "bool": 1, "i64": 8}
 DTYPE_TAG = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 
 
-# Exact mode emulates CUDA on fake CPU tensors. Two CPU behaviours survive in
-# it, and fast mode follows them so that both modes agree (they are real
-# differences from a GPU; flip these to model the GPU instead):
+# Exact mode emulates CUDA on fake CPU tensors. One CPU behaviour survives in
+# it, and fast mode follows it so that both modes agree (a real difference from
+# a GPU; flip it to model the GPU instead):
 # - dropout on a CPU tensor saves a mask of the input's dtype (`_dropout_impl`),
-#   where CUDA's fused `native_dropout` saves a bool mask;
-# - the SDPA stand-in is not autocast-wrapped, so under *-mixed it sees the
-#   fp32 q/k that rotary embeddings produce and keeps them fp32, where CUDA
-#   autocast would cast q, k and v to the compute dtype first.
-_EXACT_CUDA_EMULATION = {"cpu_dropout_mask": True, "sdpa_autocast": False}
+#   where CUDA's fused `native_dropout` saves a bool mask.
+_EXACT_CUDA_EMULATION = {"cpu_dropout_mask": True}
 
 
 # ---------------------------------------------------------------------------
@@ -435,19 +432,22 @@ class ForwardTape:
         if ctx.attn == "eager":
             return self._eager(q, k, v, heads, kv_heads, head_dim, dropout, mask, causal, eager_style, softcap)
         if ctx.cuda:
-            if _EXACT_CUDA_EMULATION["sdpa_autocast"] and ctx.ac:
+            if ctx.ac:  # CUDA autocast casts SDPA's inputs (the fp32 q and k of RoPE under *-mixed) to its dtype
                 q, k, v = self.cast(q, ctx.ac), self.cast(k, ctx.ac), self.cast(v, ctx.ac)
-            if kv_heads != heads:  # the kernels see k and v expanded to every head
-                k = self.new(k.numel * heads // kv_heads, k.dtype, k.rg, inputs=(k,))
-                v = self.new(v.numel * heads // kv_heads, v.dtype, v.rg, inputs=(v,))
             half = q.dtype in ("bf16", "f16")
             flash = ctx.flash_ok and mask is None and half and head_dim <= 256
-            # flash / memory-efficient kernels save q, k, v, the output and the fp32 logsumexp
-            # (memory-efficient pads s to a multiple of 32); no s x s matrix.
+            # flash runs GQA as it is, its backward writing dk, dv for every head before summing each group
+            # (`fake_patches.GpuAttentionMemory`); the other kernels see k and v expanded to every head
+            gqa_scratch = 2 * self.bytes_of(k) * heads // kv_heads if kv_heads != heads and flash else 0
+            if kv_heads != heads and not flash:
+                k = self.new(k.numel * heads // kv_heads, k.dtype, k.rg, inputs=(k,))
+                v = self.new(v.numel * heads // kv_heads, v.dtype, v.rg, inputs=(v,))
+            # the kernels save q, k, v, the output and the fp32 logsumexp (efficient pads s to 32s); no s x s
             q_len = rows // (b * heads)
             lse_s = q_len if flash else -(-q_len // 32) * 32
             out = self.new(out_numel, q.dtype, True, layout="bshd", inputs=(q, k, v, mask))
             self.save(q, k, v, out, self.new(b * heads * lse_s, "f32", False))
+            self.backward_extra[out.idx] = self.backward_extra.get(out.idx, 0) + gqa_scratch
             if mask is not None and mask.rg:
                 out = self.new(out_numel, q.dtype, True, layout="bshd", inputs=(out, mask))  # out + 0 * mask.sum()
             return self._merge_heads(out)

@@ -1,0 +1,137 @@
+"""Tables of a GPU session's `hf-memfit check` results, with both modes' predictions (docs/benchmarks.md section 19).
+
+`benchmarks/gpu_session.sh` runs `check --grid` with fast predictions only, so that the GPU's time goes to
+measuring. Predictions are deterministic and offline, so this makes both modes' afresh from each row's
+recorded settings (the GPU named as the run found it), with the estimator of this checkout: rerun it when the
+estimator changes. The attention rows (`attn_*.json`, single `check --json` runs) are the suite's tiny Llama.
+
+    python benchmarks/gpu_results.py benchmarks/results/gpu_h200 [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import io
+import json
+import os
+import statistics
+import sys
+from contextlib import redirect_stderr, redirect_stdout
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+GiB, MiB = 2**30, 2**20
+
+
+def settings_from_row(row: dict):
+    from hf_memfit.settings import TrainSettings
+
+    fields = {k: tuple(v) if isinstance(v, list) else v for k, v in row["settings"].items()}
+    return TrainSettings(**fields)
+
+
+def predict_row(spec, row: dict) -> None:
+    """Predict `row`'s settings in both modes with this checkout's estimator, as `check` writes them.
+
+    The predictions the GPU run wrote are replaced: the measurements stand, the estimator moves on.
+    """
+    from hf_memfit.cli.check import _errors, _prediction, cuda_constants
+    from hf_memfit.estimator.assemble import estimate_settings
+    from hf_memfit.estimator.measure_device import Measurement
+
+    measured = Measurement(**row["measured"])
+    for mode in ("fast", "exact"):
+        sink = io.StringIO()
+        with redirect_stdout(sink), redirect_stderr(sink):
+            est = estimate_settings(spec, settings_from_row(row).replace(mode=mode))
+        row["predicted"][mode] = _prediction(est)
+        row["error_percent"][mode] = _errors(est, measured)
+    row["constants"] = cuda_constants(est, measured)
+
+
+def constants_lines(rows: list[dict], label) -> list[str]:
+    """Each CUDA constant family (exact mode's prediction) beside the run's measurement, in MiB."""
+    lines = ["| row | cuBLAS workspace (predicted / measured) | CUDA context | reserved - allocated |",
+             "|---|---:|---:|---:|"]
+    for row in rows:
+        c = row["constants"]
+        cells = [f"{c[k]['predicted'] / MiB:.0f} / {c[k]['measured'] / MiB:.0f}" if c[k]["measured"] is not None
+                 else "-" for k in ("cublas_workspace_bytes", "cuda_context_bytes",
+                                    "allocator_reserved_minus_allocated_bytes")]
+        lines.append(f"| {label(row)} | " + " | ".join(cells) + " |")
+    lines.append("(a grid's rows after its first find the workspaces already allocated: measured 0 there)")
+    return lines
+
+
+def tiny_llama_spec():
+    """The attention rows' model: the suite's tiny Llama (tests/conftest.py), which `gpu_session.sh` writes out."""
+    from hf_memfit.models.spec import ModelSpec
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+    from conftest import TINY_LLAMA
+
+    return ModelSpec.from_config("tiny-llama", TINY_LLAMA)
+
+
+def _size(b) -> str:
+    return f"{b / GiB:.2f} GiB" if b >= GiB else f"{b / MiB:.0f} MiB"
+
+
+def table(rows: list[dict], label) -> list[str]:
+    lines = ["| settings | measured allocated | fast | exact | measured reserved | fast | exact | measured device "
+             "total | fast | exact |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for row in rows:
+        m, e = row["measured"], row["error_percent"]
+        cells = [label(row)]
+        for key in ("peak_allocated", "peak_reserved", "device_total"):
+            cells.append(_size(m[key + "_bytes"]))
+            cells += [f"{e[mode][key]:+.1f}%" if mode in e else "-" for mode in ("fast", "exact")]
+        lines.append("| " + " | ".join(cells) + " |")
+    for mode in ("fast", "exact"):
+        errors = [abs(row["error_percent"][mode]["peak_allocated"]) for row in rows if mode in row["error_percent"]]
+        if errors:
+            lines.append(f"\n{mode}: peak allocated |error| median {statistics.median(errors):.1f}%, "
+                         f"max {max(errors):.1f}% over {len(errors)} rows")
+    return lines
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("folder")
+    parser.add_argument("--json", metavar="PATH", help="write the grid with exact predictions added")
+    args = parser.parse_args(argv)
+    grid_path = os.path.join(args.folder, "check_grid.json")
+    if os.path.exists(grid_path):
+        with open(grid_path, encoding="utf-8") as f:
+            grid = json.load(f)
+        from hf_memfit.models.spec import resolve_model
+
+        spec = resolve_model(grid["model"])
+        for row in grid["rows"]:
+            if "measured" in row:
+                predict_row(spec, row)
+        print(f"`hf-memfit check --grid`: {grid['model']} on {grid['machine']['device_name']}, seq "
+              f"{grid['rows'][0]['settings']['seq_len']}, bf16-mixed, AdamW, {grid['steps']} steps a row\n")
+        print("\n".join(table([r for r in grid["rows"] if "measured" in r], lambda r: r["label"])))
+        print()
+        print("\n".join(constants_lines([r for r in grid["rows"] if "measured" in r], lambda r: r["label"])))
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump(grid, f, indent=2)
+    singles = sorted(glob.glob(os.path.join(args.folder, "attn_*.json")))
+    if singles:
+        rows, spec = [], tiny_llama_spec()
+        for path in singles:
+            with open(path, encoding="utf-8") as f:
+                rows.append(json.load(f))
+            predict_row(spec, rows[-1])
+        print("\nAttention kernels (tiny Llama, config tests/conftest.py TINY_LLAMA, batch 1, bf16-mixed, one step):\n")
+        label = lambda r: f"{r['settings']['attn_implementation']}, seq {r['settings']['seq_len']:,}"  # noqa: E731
+        print("\n".join(table(rows, label)))
+        print()
+        print("\n".join(constants_lines(rows, label)[:-1]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
