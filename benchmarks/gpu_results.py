@@ -118,14 +118,20 @@ def main(argv=None) -> int:
         if args.json:
             with open(args.json, "w", encoding="utf-8") as f:
                 json.dump(grid, f, indent=2)
-    singles = sorted(glob.glob(os.path.join(args.folder, "attn_*.json")))
+    singles = sorted(glob.glob(os.path.join(args.folder, "attn_*.json")) +
+                     glob.glob(os.path.join(args.folder, "dropout_*.json")))
     if singles:
-        rows, spec = [], tiny_llama_spec()
+        from hf_memfit.models.spec import resolve_model
+
+        rows = []
         for path in singles:
             with open(path, encoding="utf-8") as f:
                 rows.append(json.load(f))
-            predict_row(spec, rows[-1])
-        print("\nAttention kernels (tiny Llama, config tests/conftest.py TINY_LLAMA, batch 1, bf16-mixed, one step):\n")
+            # the first session's attention rows predate `check --json` naming its model: the suite's tiny Llama
+            model = rows[-1].get("model")
+            tiny = model is None or model.endswith("tiny_llama.json")  # gpu_session.sh writes it to /tmp there
+            predict_row(tiny_llama_spec() if tiny else resolve_model(model), rows[-1])
+        print("\nSingle `check --json` rows (attention: the suite's tiny Llama, batch 1, bf16-mixed):\n")
         label = lambda r: f"{r['settings']['attn_implementation']}, seq {r['settings']['seq_len']:,}"  # noqa: E731
         print("\n".join(table(rows, label)))
         print()

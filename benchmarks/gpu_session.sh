@@ -5,6 +5,8 @@
 #   3. the attention kernels (SDPA, eager) of the suite's tiny Llama at 4K and 16K tokens, `check --json`;
 #   4. `hf-memfit check --grid` on Qwen2.5-0.5B (fast predictions; benchmarks/gpu_results.py predicts both modes).
 # Each step has its own time limit and writes its results under $OUT as it goes, so a slow step costs only itself.
+# It writes 8 files under $OUT, the most the device tool brings back. Building the 8B model from random weights
+# took 276 s of one H200 session's CPU time: give step 2 a call of its own when device time is short.
 #
 #   OUT=gpu-results bash benchmarks/gpu_session.sh [SEQ_LENGTHS]
 set -u
@@ -30,13 +32,18 @@ timeout 330 "$PY" benchmarks/gpu_qlora_sweep.py measure --seq "$SEQS" --json "$O
     2>&1 | tee -a "$OUT/session.log"
 
 echo "== 3. attention kernels: the suite's tiny Llama at 4K and 16K tokens" | tee -a "$OUT/session.log"
-"$PY" -c "import json, sys; sys.path.insert(0, 'tests'); from conftest import TINY_LLAMA; json.dump(TINY_LLAMA, open('$OUT/tiny_llama.json', 'w'))"
+"$PY" -c "import json, sys; sys.path.insert(0, 'tests'); from conftest import TINY_LLAMA; json.dump(TINY_LLAMA, open('/tmp/tiny_llama.json', 'w'))"
 for seq in 4096 16384; do
     for attn in sdpa eager; do
-        timeout 90 "$PY" -m hf_memfit.cli check "$OUT/tiny_llama.json" --batch-size 1 --seq-len $seq \
+        timeout 90 "$PY" -m hf_memfit.cli check /tmp/tiny_llama.json --batch-size 1 --seq-len $seq \
             --precision bf16-mixed --attn-implementation $attn --device cuda --json > "$OUT/attn_${attn}_$seq.json"
     done
 done
+
+# Dropout on CUDA: the fused kernel keeps a bool mask where exact mode's CPU emulation keeps the input's dtype
+# (docs/benchmarks.md section 19, open): GPT-2 has dropout 0.1 on its embeddings, attention and residuals.
+timeout 90 "$PY" -m hf_memfit.cli check gpt2 --batch-size 4 --seq-len 512 --precision bf16-mixed \
+    --attn-implementation eager --device cuda --json > "$OUT/dropout_gpt2_eager.json"
 
 echo "== 4. hf-memfit check --grid" | tee -a "$OUT/session.log"
 timeout 240 "$PY" -m hf_memfit.cli check Qwen/Qwen2.5-0.5B --batch-size 2 --seq-len 512 --precision bf16-mixed \

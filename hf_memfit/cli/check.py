@@ -78,7 +78,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     machine = machine_info(device)
     if not args.grid:
         row = check_row(spec, base, steps=args.steps, terms=args.terms, exact=args.mode == "exact")
-        print(json.dumps({"machine": machine, **row}, indent=2) if args.json else format_row(spec.name, row, machine))
+        print(json.dumps({"model": spec.name, "machine": machine, **row}, indent=2) if args.json
+              else format_row(spec.name, row, machine))
         return 0
     # What no row could run (several processes, pinned offload on a CPU ...) is refused once, up front; the
     # grid itself varies the adapters, so a 4-bit base on a CPU still runs its full and LoRA rows.
