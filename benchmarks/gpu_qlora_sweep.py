@@ -22,6 +22,7 @@ card of section 16.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -59,26 +60,27 @@ def measure(args) -> int:
     import torch
 
     from hf_memfit.cli.check import _local_gpu_name, machine_info
-    from hf_memfit.estimator import step as training
-    from hf_memfit.estimator.measure_device import _cublas_workspace_probe, _process_device_bytes, _quantized_build
+    from hf_memfit.estimator.measure_device import (
+        build_on_cuda,
+        cublas_workspace_probe,
+        process_device_bytes,
+        train_on_cuda,
+    )
 
+    if not torch.cuda.is_available():
+        print("gpu_qlora_sweep.py measure: needs a CUDA GPU (run `predict` here on a measured JSON)", file=sys.stderr)
+        return 2
     seqs = sorted(int(s) for s in args.seq.split(","))
     gpu = _local_gpu_name(None)
-    try:
-        import flash_attn  # noqa: F401
-
-        attn = "flash_attention_2"
-    except ImportError:  # SDPA's flash backend (bf16, causal, no padding mask): the same O(n) memory
-        attn = "sdpa"
+    # without the flash-attn package, SDPA's flash backend (bf16, causal, no padding mask): the same O(n) memory
+    attn = "flash_attention_2" if importlib.util.find_spec("flash_attn") else "sdpa"
     spec = _spec(args.layers)
     settings = _settings(spec, seqs[0], attn, gpu, args.layers)
     torch.cuda.init()
     torch.manual_seed(0)
-    workspace = _cublas_workspace_probe(settings)
+    workspace = cublas_workspace_probe(settings)
     started = time.perf_counter()
-    with _quantized_build(settings):
-        model = training.build_model(spec.config, settings)
-    optimizer = training.make_optimizer(model, settings, cuda_semantics=True)
+    model, optimizer = build_on_cuda(spec.config, settings)
     build_seconds = time.perf_counter() - started
     print(f"built {spec.name} in {build_seconds:.0f} s; attention {attn}; GPU {torch.cuda.get_device_name()}",
           flush=True)
@@ -97,14 +99,11 @@ def measure(args) -> int:
             for _ in range(steps):
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                batch = training.make_batch(at, spec.config, device="cuda")
-                training.forward_backward(model, batch, at, device_type="cuda")
-                del batch
-                training.optimizer_step(model, optimizer, cuda_semantics=True)
+                train_on_cuda(model, optimizer, spec.config, at, steps=1)
                 torch.cuda.synchronize()
                 times.append(time.perf_counter() - t0)
             allocated, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
-            context = _process_device_bytes() - torch.cuda.memory_reserved()
+            context = process_device_bytes() - torch.cuda.memory_reserved()
             row.update(peak_allocated_bytes=allocated, peak_reserved_bytes=reserved, cuda_context_bytes=context,
                        device_total_bytes=reserved + context, step_seconds=times[-1],
                        tokens_per_second=seq / times[-1])
@@ -118,6 +117,10 @@ def measure(args) -> int:
         with open(args.json, "w", encoding="utf-8") as f:  # after every row: a killed run keeps what it measured
             json.dump(document, f, indent=2)
     return 0
+
+
+def _error(row: dict, mode: str, key: str) -> float:
+    return 100 * (row["predicted"][mode][key] - row[key]) / row[key]
 
 
 def predict(args) -> int:
@@ -145,11 +148,10 @@ def predict(args) -> int:
                                    "peak_reserved_bytes": e.peak_reserved_bytes,
                                    "device_total_bytes": e.device_total_bytes, "breakdown": e.breakdown,
                                    "peak_region": e.peak_region} for mode, e in est.items()}
-        err = lambda mode, key: 100 * (row["predicted"][mode][key] - row[key]) / row[key]  # noqa: E731
         cells = [f"{row['seq_len']:,}", f"{row['peak_allocated_bytes'] / GiB:.2f} GiB"]
         for mode in est:
             cells += [f"{row['predicted'][mode]['peak_allocated_bytes'] / GiB:.2f} GiB",
-                      f"{err(mode, 'peak_allocated_bytes'):+.1f}%"]
+                      f"{_error(row, mode, 'peak_allocated_bytes'):+.1f}%"]
         cells.append(f"{row['peak_reserved_bytes'] / GiB:.2f} GiB")
         cells += [f"{row['predicted'][mode]['peak_reserved_bytes'] / GiB:.2f} GiB" for mode in est]
         cells.append(f"{row['device_total_bytes'] / GiB:.2f} GiB")

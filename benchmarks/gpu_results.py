@@ -132,7 +132,7 @@ def main(argv=None) -> int:
             tiny = model is None or model.endswith("tiny_llama.json")  # gpu_session.sh writes it to /tmp there
             predict_row(tiny_llama_spec() if tiny else resolve_model(model), rows[-1])
         print("\nSingle `check --json` rows (attention: the suite's tiny Llama, batch 1, bf16-mixed):\n")
-        label = lambda r: f"{r['settings']['attn_implementation']}, seq {r['settings']['seq_len']:,}"  # noqa: E731
+        label = lambda r: f"{r['settings']['attn_implementation']}, seq {r['settings']['seq_len']:,}"
         print("\n".join(table(rows, label)))
         print()
         print("\n".join(constants_lines(rows, label)[:-1]))

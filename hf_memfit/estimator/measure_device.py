@@ -87,7 +87,10 @@ def cpu_terms_at_peak(config: dict, settings: TrainSettings, *, steps: int = 2) 
     stacks, which its memory analysis needs to follow each tensor's role.
     """
     from torch.profiler import ProfilerActivity, profile
-    from torch.profiler._memory_profiler import _CATEGORY_TO_INDEX, MemoryProfileTimeline
+    from torch.profiler._memory_profiler import (
+        _CATEGORY_TO_INDEX,
+        MemoryProfileTimeline,
+    )
 
     torch.manual_seed(0)
     with training.cuda_synchronize_without_cuda(), \
@@ -121,25 +124,15 @@ def _measure_cuda(config: dict, settings: TrainSettings, steps: int) -> Measurem
     torch.cuda.empty_cache()
     torch.cuda.synchronize()
     torch.manual_seed(0)
-    constants = {"cublas_workspace_bytes": _cublas_workspace_probe(settings)}
+    constants = {"cublas_workspace_bytes": cublas_workspace_probe(settings)}
     torch.cuda.reset_peak_memory_stats()  # the workspaces stay allocated, so the peaks below include them
-    # A 4-bit build places itself (`from_pretrained(device_map=...)`, and peft puts each adapter on its base
-    # layer's device); everything else is built straight on the GPU.
-    placement = contextlib.nullcontext() if settings.load_in_4bit else torch.device("cuda")
-    with _quantized_build(settings), placement:
-        model = training.build_model(config, settings)
-    optimizer = training.make_optimizer(model, settings, cuda_semantics=True)
-    for _ in range(steps):
-        for _ in range(min(settings.gradient_accumulation_steps, 2)):
-            batch = training.make_batch(settings, config, device="cuda")
-            training.forward_backward(model, batch, settings, device_type="cuda")
-            del batch
-        training.optimizer_step(model, optimizer, cuda_semantics=True)
+    model, optimizer = build_on_cuda(config, settings)
+    train_on_cuda(model, optimizer, config, settings, steps)
     torch.cuda.synchronize()
     allocated, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
     # The context is what the process holds beyond the allocator's segments, read after the steps: kernels load
     # lazily (CUDA_MODULE_LOADING=LAZY), so only now does it hold a training step's kernel images, as predicted.
-    constants["cuda_context_bytes"] = _process_device_bytes() - torch.cuda.memory_reserved()
+    constants["cuda_context_bytes"] = process_device_bytes() - torch.cuda.memory_reserved()
     constants["allocator_reserved_minus_allocated_bytes"] = reserved - allocated
     total = constants["cuda_context_bytes"] + reserved  # nvidia-smi at the peak: the context and every segment
     del model, optimizer
@@ -148,7 +141,27 @@ def _measure_cuda(config: dict, settings: TrainSettings, steps: int) -> Measurem
     return Measurement("cuda", steps, allocated, reserved, total, None, constants, notes=notes)
 
 
-def _cublas_workspace_probe(settings: TrainSettings) -> int:
+def build_on_cuda(config: dict, settings: TrainSettings):
+    """The model (plus adapters) and optimizer of `settings` on the GPU, 4-bit bases packed by bitsandbytes."""
+    # A 4-bit build places itself (`from_pretrained(device_map=...)`, and peft puts each adapter on its base
+    # layer's device); everything else is built straight on the GPU.
+    placement = contextlib.nullcontext() if settings.load_in_4bit else torch.device("cuda")
+    with _quantized_build(settings), placement:
+        model = training.build_model(config, settings)
+    return model, training.make_optimizer(model, settings, cuda_semantics=True)
+
+
+def train_on_cuda(model, optimizer, config: dict, settings: TrainSettings, steps: int) -> None:
+    """`steps` optimizer steps of `settings` (at most two micro-batches each: the second accumulates)."""
+    for _ in range(steps):
+        for _ in range(min(settings.gradient_accumulation_steps, 2)):
+            batch = training.make_batch(settings, config, device="cuda")
+            training.forward_backward(model, batch, settings, device_type="cuda")
+            del batch
+        training.optimizer_step(model, optimizer, cuda_semantics=True)
+
+
+def cublas_workspace_probe(settings: TrainSettings) -> int:
     """The allocator bytes cuBLAS keeps after a matmul forward (main thread) and backward (autograd's thread).
 
     cuBLAS takes its workspace from the caching allocator per handle, and a training
@@ -174,7 +187,7 @@ def _nvml():
         return None
 
 
-def _process_device_bytes() -> int:
+def process_device_bytes() -> int:
     """This process's device memory as nvidia-smi lists it (NVML), else the device's used memory."""
     nvml = _nvml()
     if nvml is not None:
