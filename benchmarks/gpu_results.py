@@ -118,21 +118,28 @@ def main(argv=None) -> int:
         if args.json:
             with open(args.json, "w", encoding="utf-8") as f:
                 json.dump(grid, f, indent=2)
-    singles = sorted(glob.glob(os.path.join(args.folder, "attn_*.json")) +
-                     glob.glob(os.path.join(args.folder, "dropout_*.json")))
-    if singles:
+    rows = []
+    for path in sorted(glob.glob(os.path.join(args.folder, "attn_*.json"))):  # the first session's, one a file
+        with open(path, encoding="utf-8") as f:
+            rows.append(json.load(f))
+    if os.path.exists(os.path.join(args.folder, "single_rows.json")):  # gpu_session.sh gathers them since
+        with open(os.path.join(args.folder, "single_rows.json"), encoding="utf-8") as f:
+            rows += json.load(f)
+    if rows:
         from hf_memfit.models.spec import resolve_model
 
-        rows = []
-        for path in singles:
-            with open(path, encoding="utf-8") as f:
-                rows.append(json.load(f))
+        for row in rows:
             # the first session's attention rows predate `check --json` naming its model: the suite's tiny Llama
-            model = rows[-1].get("model")
+            model = row.get("model")
             tiny = model is None or model.endswith("tiny_llama.json")  # gpu_session.sh writes it to /tmp there
-            predict_row(tiny_llama_spec() if tiny else resolve_model(model), rows[-1])
-        print("\nSingle `check --json` rows (attention: the suite's tiny Llama, batch 1, bf16-mixed):\n")
-        label = lambda r: f"{r['settings']['attn_implementation']}, seq {r['settings']['seq_len']:,}"
+            predict_row(tiny_llama_spec() if tiny else resolve_model(model), row)
+        print("\nSingle `check --json` rows (bf16-mixed; tiny-llama is the suite's tiny Llama):\n")
+
+        def label(row: dict) -> str:
+            s = row["settings"]
+            name = "tiny-llama" if row.get("model") is None or row["model"].endswith("tiny_llama.json") else row["model"]
+            return f"{name}, {s['attn_implementation'] or 'sdpa'}, batch {s['batch_size']}, seq {s['seq_len']:,}"
+
         print("\n".join(table(rows, label)))
         print()
         print("\n".join(constants_lines(rows, label)[:-1]))

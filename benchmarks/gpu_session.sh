@@ -2,10 +2,11 @@
 # Everything a GPU session measures, in one prepared run (docs/benchmarks.md section 19 records the results):
 #   1. the suite's GPU-marked tests (CUDA constants, attention kernels, 4-bit QLoRA, the trainer's snapshot);
 #   2. the long-context QLoRA sweep (benchmarks/gpu_qlora_sweep.py measure), one real 4-bit Llama-3.1-8B;
-#   3. the attention kernels (SDPA, eager) of the suite's tiny Llama at 4K and 16K tokens, `check --json`;
+#   3. single `check --json` rows: the attention kernels (SDPA, eager) of the suite's tiny Llama at 4K and 16K
+#      tokens, GPT-2 with dropout, and Qwen2.5-0.5B at micro-batch 2 with the allocator's memory snapshot;
 #   4. `hf-memfit check --grid` on Qwen2.5-0.5B (fast predictions; benchmarks/gpu_results.py predicts both modes).
 # Each step has its own time limit and writes its results under $OUT as it goes, so a slow step costs only itself.
-# It writes 8 files under $OUT, the most the device tool brings back. Building the 8B model from random weights
+# It leaves 5 files under $OUT (the device tool brings back at most 8). Building the 8B model from random weights
 # took 276 s of one H200 session's CPU time: give step 2 a call of its own when device time is short.
 #
 #   OUT=gpu-results bash benchmarks/gpu_session.sh [SEQ_LENGTHS]
@@ -44,6 +45,12 @@ done
 # (docs/benchmarks.md section 19, open): GPT-2 has dropout 0.1 on its embeddings, attention and residuals.
 timeout 90 "$PY" -m hf_memfit.cli check gpt2 --batch-size 4 --seq-len 512 --precision bf16-mixed \
     --attn-implementation eager --device cuda --json > "$OUT/dropout_gpt2_eager.json"
+# The open Qwen2.5-0.5B under-count (section 19): the allocator's history names every block alive at the peak.
+timeout 120 "$PY" -m hf_memfit.cli check Qwen/Qwen2.5-0.5B --batch-size 2 --seq-len 512 --precision bf16-mixed \
+    --mode fast --device cuda --json --memory-snapshot "$OUT/qwen_b2_snapshot.pickle" > "$OUT/qwen_b2.json"
+gzip -f "$OUT/qwen_b2_snapshot.pickle"  # the device tool brings back files up to 16 MiB; gunzip it for memory_viz
+# One file for the single rows: the device tool brings back at most 8 files.
+"$PY" -c "import glob, json, os, sys; paths = sorted(glob.glob('$OUT/attn_*.json') + glob.glob('$OUT/dropout_*.json') + ['$OUT/qwen_b2.json']); rows = [json.load(open(p)) | {'file': os.path.basename(p)} for p in paths if os.path.getsize(p)]; json.dump(rows, open('$OUT/single_rows.json', 'w'), indent=2); [os.remove(p) for p in paths]"
 
 echo "== 4. hf-memfit check --grid" | tee -a "$OUT/session.log"
 timeout 240 "$PY" -m hf_memfit.cli check Qwen/Qwen2.5-0.5B --batch-size 2 --seq-len 512 --precision bf16-mixed \

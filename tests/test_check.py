@@ -85,6 +85,7 @@ def test_grid_writes_a_report_with_the_machine_and_every_row(tmp_path, capsys):
 
 REFUSALS = [
     (["--load-in-4bit", "--lora-r", "8"], "--load-in-4bit"),
+    (["--memory-snapshot", "snap.pickle"], "--memory-snapshot"),
     (["--num-gpus", "2"], "--num-gpus"),
     (["--zero-stage", "2"], "--zero-stage"),
     (["--gradient-checkpointing", "--offload-activations"], "--offload-activations"),
@@ -196,3 +197,15 @@ def test_check_attention_kernels_on_cuda(tmp_path, capsys, attn):
     row = json.loads(out)
     for mode in ("exact", "fast"):
         assert abs(row["error_percent"][mode]["peak_allocated"]) <= 10.0, (mode, row["error_percent"])
+
+
+@pytest.mark.gpu
+def test_check_writes_a_memory_snapshot_on_cuda(tmp_path, capsys):
+    import pickle
+
+    snapshot = tmp_path / "snaps" / "check.pickle"
+    code, _, err = _run(capsys, _config(tmp_path, TINY_LLAMA), "--batch-size", "1", "--seq-len", "64", "--device",
+                        "cuda", "--mode", "fast", "--memory-snapshot", str(snapshot))
+    assert code == 0, err
+    recorded = pickle.loads(snapshot.read_bytes())
+    assert recorded["segments"] and any(trace for trace in recorded["device_traces"])

@@ -57,6 +57,10 @@ def add_check_parser(sub) -> None:
                              "off/on, LoRA off/on, and 4-bit QLoRA on CUDA) and write it to --out")
     parser.add_argument("--out", default="hf-memfit-check.json",
                         help="with --grid: the JSON file to write (default: hf-memfit-check.json)")
+    parser.add_argument("--memory-snapshot", metavar="FILE",
+                        help="CUDA, one row: also write the caching allocator's history of the run to FILE (a "
+                             "pickle that pytorch.org/memory_viz draws: every block alive at the peak, with the "
+                             "Python stack that allocated it)")
     parser.set_defaults(func=cmd_check)
 
 
@@ -65,11 +69,18 @@ def cmd_check(args: argparse.Namespace) -> int:
 
     if args.steps < 1:
         raise MemFitError(f"`--steps` must be at least 1, got {args.steps}; 2 reaches the steady state")
-    if args.grid:
-        from hf_memfit.cli.arguments import check_writable
+    from hf_memfit.cli.arguments import check_writable
 
+    if args.grid:
         check_writable(args.out, "--out")  # before the runs, not after
     device = _device(args.device)
+    if args.memory_snapshot:
+        if device != "cuda":
+            raise MemFitError("`--memory-snapshot` records the CUDA caching allocator, and this check runs on the "
+                              "CPU: drop it, or check on a GPU")
+        if args.grid:
+            raise MemFitError("`--memory-snapshot` records one run: drop `--grid`, or check that row alone")
+        check_writable(args.memory_snapshot, "--memory-snapshot")
     args.device, args.gpu = device, _local_gpu_name(args.gpu) if device == "cuda" else args.gpu
     spec = resolve_model(args.model)
     from hf_memfit.cli.arguments import settings_from_args
@@ -77,7 +88,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     base = settings_from_args(args).validate(spec)
     machine = machine_info(device)
     if not args.grid:
-        row = check_row(spec, base, steps=args.steps, terms=args.terms, exact=args.mode == "exact")
+        row = check_row(spec, base, steps=args.steps, terms=args.terms, exact=args.mode == "exact",
+                        memory_snapshot=args.memory_snapshot)
         print(json.dumps({"model": spec.name, "machine": machine, **row}, indent=2) if args.json
               else format_row(spec.name, row, machine))
         return 0
@@ -175,7 +187,7 @@ def _available_bytes(device: str) -> tuple[int, str]:
     return int(psutil.virtual_memory().available) - RUN_RESERVE_BYTES, "of RAM available (less 1 GiB for the run)"
 
 
-def check_row(spec, settings, *, steps: int, terms: bool, exact: bool) -> dict:
+def check_row(spec, settings, *, steps: int, terms: bool, exact: bool, memory_snapshot: str | None = None) -> dict:
     """Predict (fast, and exact unless told not to), refuse what cannot run here, measure, and compare."""
     from hf_memfit.estimator.assemble import estimate_settings
 
@@ -195,7 +207,7 @@ def check_row(spec, settings, *, steps: int, terms: bool, exact: bool) -> dict:
             raise
         except Exception as error:  # noqa: BLE001 - exact mode failing is a finding to report, not a reason to stop
             errors["exact"] = f"{type(error).__name__}: {error}".splitlines()[0][:300]
-    measured = _measure(spec, settings.replace(mode="exact"), steps, terms)
+    measured = _measure(spec, settings.replace(mode="exact"), steps, terms, memory_snapshot)
     row = {"settings": settings.to_dict(),
            "predicted": {mode: _prediction(est) for mode, est in predicted.items()},
            "measured": measured.to_dict(),
@@ -207,7 +219,7 @@ def check_row(spec, settings, *, steps: int, terms: bool, exact: bool) -> dict:
     return row
 
 
-def _measure(spec, settings, steps: int, terms: bool):
+def _measure(spec, settings, steps: int, terms: bool, memory_snapshot: str | None = None):
     import warnings
 
     from hf_memfit.estimator.measure_device import measure_step
@@ -217,7 +229,7 @@ def _measure(spec, settings, steps: int, terms: bool):
             # peft and transformers warn about the randomly initialised model check builds (e.g. LoRA on GPT-2's
             # Conv1D sets fan_in_fan_out); the user wrote none of that code and the memory is the same.
             warnings.simplefilter("ignore", UserWarning)
-            return measure_step(spec.config, settings, steps=steps, terms=terms)
+            return measure_step(spec.config, settings, steps=steps, terms=terms, memory_snapshot=memory_snapshot)
     except MemFitError:
         raise
     except Exception as error:  # noqa: BLE001 - one line for the user; the step is the libraries' code, not ours

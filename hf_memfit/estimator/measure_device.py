@@ -58,11 +58,17 @@ class Measurement:
         return dataclasses.asdict(self)
 
 
-def measure_step(config: dict, settings: TrainSettings, *, steps: int = 2, terms: bool = True) -> Measurement:
-    """Run `steps` real training steps of `settings` on `settings.device` and measure them."""
+def measure_step(config: dict, settings: TrainSettings, *, steps: int = 2, terms: bool = True,
+                 memory_snapshot: str | None = None) -> Measurement:
+    """Run `steps` real training steps of `settings` on `settings.device` and measure them.
+
+    On CUDA, `memory_snapshot` names a file for the caching allocator's history of the run
+    (`torch.cuda.memory._dump_snapshot`, which pytorch.org/memory_viz draws): every block
+    alive at the peak, with the Python stack that allocated it.
+    """
     started = time.perf_counter()
     if settings.device == "cuda":
-        result = _measure_cuda(config, settings, steps)
+        result = _measure_cuda(config, settings, steps, memory_snapshot)
     else:
         result = Measurement("cpu", steps, measure_cpu_peak(config, settings, steps=steps))
         result.peak_reserved_bytes = result.device_total_bytes = result.peak_allocated_bytes
@@ -119,16 +125,28 @@ def cpu_terms_at_peak(config: dict, settings: TrainSettings, *, steps: int = 2) 
 # --- CUDA ----------------------------------------------------------------------------------------------
 
 
-def _measure_cuda(config: dict, settings: TrainSettings, steps: int) -> Measurement:
+# Allocator events a snapshot keeps (the newest): a few training steps of a small model stay well inside it.
+SNAPSHOT_MAX_ENTRIES = 100_000
+
+
+def _measure_cuda(config: dict, settings: TrainSettings, steps: int, memory_snapshot: str | None = None) -> Measurement:
     torch.cuda.init()
     torch.cuda.empty_cache()
     torch.cuda.synchronize()
     torch.manual_seed(0)
     constants = {"cublas_workspace_bytes": cublas_workspace_probe(settings)}
     torch.cuda.reset_peak_memory_stats()  # the workspaces stay allocated, so the peaks below include them
-    model, optimizer = build_on_cuda(config, settings)
-    train_on_cuda(model, optimizer, config, settings, steps)
-    torch.cuda.synchronize()
+    if memory_snapshot:
+        torch.cuda.memory._record_memory_history(max_entries=SNAPSHOT_MAX_ENTRIES, stacks="python")
+    try:
+        model, optimizer = build_on_cuda(config, settings)
+        train_on_cuda(model, optimizer, config, settings, steps)
+        torch.cuda.synchronize()
+        if memory_snapshot:
+            torch.cuda.memory._dump_snapshot(memory_snapshot)
+    finally:
+        if memory_snapshot:
+            torch.cuda.memory._record_memory_history(enabled=None)
     allocated, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
     # The context is what the process holds beyond the allocator's segments, read after the steps: kernels load
     # lazily (CUDA_MODULE_LOADING=LAZY), so only now does it hold a training step's kernel images, as predicted.
