@@ -7,7 +7,8 @@
 #   4. `hf-memfit check --grid` on Qwen2.5-0.5B (fast predictions; benchmarks/gpu_results.py predicts both modes).
 # Each step has its own time limit and writes its results under $OUT as it goes, so a slow step costs only itself.
 # It leaves 5 files under $OUT (the device tool brings back at most 8). Building the 8B model from random weights
-# took 276 s of one H200 session's CPU time: give step 2 a call of its own when device time is short.
+# took 276 s of one H200 session (where, not profiled: writing and loading the checkpoint took 9 s of it):
+# give step 2 a call of its own when device time is short.
 #
 #   OUT=gpu-results bash benchmarks/gpu_session.sh [SEQ_LENGTHS]
 set -u
