@@ -41,7 +41,7 @@ SETTINGS = dict(batch_size=1, precision="bf16-mixed", load_in_4bit=True, bnb_4bi
 CARDS_GB = (12, 16, 24, 40, 48, 80)
 
 
-def _settings(spec, seq: int, attn: str, gpu: str | None, num_layers: int | None):
+def _settings(spec, seq: int, attn: str, gpu: str | None):
     from hf_memfit.settings import TrainSettings
 
     return TrainSettings(**SETTINGS, seq_len=seq, attn_implementation=attn, device="cuda", gpu=gpu).validate(spec)
@@ -75,7 +75,7 @@ def measure(args) -> int:
     # without the flash-attn package, SDPA's flash backend (bf16, causal, no padding mask): the same O(n) memory
     attn = "flash_attention_2" if importlib.util.find_spec("flash_attn") else "sdpa"
     spec = _spec(args.layers)
-    settings = _settings(spec, seqs[0], attn, gpu, args.layers)
+    settings = _settings(spec, seqs[0], attn, gpu)
     torch.cuda.init()
     torch.manual_seed(0)
     workspace = cublas_workspace_probe(settings)
@@ -140,7 +140,7 @@ def predict(args) -> int:
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     measured_rows = [row for row in document["rows"] if "peak_allocated_bytes" in row]
     for row in measured_rows:
-        settings = _settings(spec, row["seq_len"], attn, gpu, document["num_layers"])
+        settings = _settings(spec, row["seq_len"], attn, gpu)
         sink = io.StringIO()
         with redirect_stdout(sink), redirect_stderr(sink):
             est = {mode: estimate_settings(spec, settings.replace(mode=mode)) for mode in args.modes.split(",")}

@@ -49,6 +49,12 @@ def predict_row(spec, row: dict) -> None:
     row["constants"] = cuda_constants(est, measured)
 
 
+def _is_tiny_llama(row: dict) -> bool:
+    """A row of the suite's tiny Llama: the first session's attention rows name no model (they predate `check
+    --json` naming it), and `gpu_session.sh` writes the config to /tmp/tiny_llama.json on the GPU machine."""
+    return row.get("model") is None or row["model"].endswith("tiny_llama.json")
+
+
 def constants_lines(rows: list[dict], label) -> list[str]:
     """Each CUDA constant family (exact mode's prediction) beside the run's measurement, in MiB."""
     lines = ["| row | cuBLAS workspace (predicted / measured) | CUDA context | reserved - allocated |",
@@ -129,15 +135,12 @@ def main(argv=None) -> int:
         from hf_memfit.models.spec import resolve_model
 
         for row in rows:
-            # the first session's attention rows predate `check --json` naming its model: the suite's tiny Llama
-            model = row.get("model")
-            tiny = model is None or model.endswith("tiny_llama.json")  # gpu_session.sh writes it to /tmp there
-            predict_row(tiny_llama_spec() if tiny else resolve_model(model), row)
+            predict_row(tiny_llama_spec() if _is_tiny_llama(row) else resolve_model(row["model"]), row)
         print("\nSingle `check --json` rows (bf16-mixed; tiny-llama is the suite's tiny Llama):\n")
 
         def label(row: dict) -> str:
             s = row["settings"]
-            name = "tiny-llama" if row.get("model") is None or row["model"].endswith("tiny_llama.json") else row["model"]
+            name = "tiny-llama" if _is_tiny_llama(row) else row["model"]
             return f"{name}, {s['attn_implementation'] or 'sdpa'}, batch {s['batch_size']}, seq {s['seq_len']:,}"
 
         print("\n".join(table(rows, label)))

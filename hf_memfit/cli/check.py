@@ -69,7 +69,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
     if args.steps < 1:
         raise MemFitError(f"`--steps` must be at least 1, got {args.steps}; 2 reaches the steady state")
-    from hf_memfit.cli.arguments import check_writable
+    from hf_memfit.cli.arguments import check_writable, settings_from_args
 
     if args.grid:
         check_writable(args.out, "--out")  # before the runs, not after
@@ -83,8 +83,6 @@ def cmd_check(args: argparse.Namespace) -> int:
         check_writable(args.memory_snapshot, "--memory-snapshot")
     args.device, args.gpu = device, _local_gpu_name(args.gpu) if device == "cuda" else args.gpu
     spec = resolve_model(args.model)
-    from hf_memfit.cli.arguments import settings_from_args
-
     base = settings_from_args(args).validate(spec)
     machine = machine_info(device)
     if not args.grid:

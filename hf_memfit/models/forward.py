@@ -447,7 +447,7 @@ class ForwardTape:
             lse_s = q_len if flash else -(-q_len // 32) * 32
             out = self.new(out_numel, q.dtype, True, layout="bshd", inputs=(q, k, v, mask))
             self.save(q, k, v, out, self.new(b * heads * lse_s, "f32", False))
-            self.backward_extra[out.idx] = self.backward_extra.get(out.idx, 0) + gqa_scratch
+            self.backward_extra[out.idx] = gqa_scratch  # `out` is new here: nothing recorded at its position yet
             if mask is not None and mask.rg:
                 out = self.new(out_numel, q.dtype, True, layout="bshd", inputs=(out, mask))  # out + 0 * mask.sum()
             return self._merge_heads(out)
