@@ -83,13 +83,14 @@ def replay(events, capacity):
 def measure(name: str, settings: dict) -> dict:
     from hf_memfit.estimator import trace
     from hf_memfit.settings import TrainSettings
+    from hf_memfit.models.depths import config_with_depths, real_depths
     from hf_memfit.models.spec import resolve_model
 
     spec = resolve_model(name)
     s = TrainSettings(device="cuda", mode="exact", **settings).validate(spec)
-    depths = trace._real_depths(spec)
+    depths = real_depths(spec)
     t0 = time.perf_counter()
-    traced = trace.trace_step(trace._config_with_depths(spec, depths), s, depths)
+    traced = trace.trace_step(config_with_depths(spec, depths), s, depths)
     events, allocated = traced.tracker.events, traced.peak_bytes
     free_reserved = replay(events, None).peak_reserved_bytes
     lo, hi = allocated, free_reserved  # the sequence runs at `hi`; find the smallest capacity that does

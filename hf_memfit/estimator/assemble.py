@@ -144,8 +144,9 @@ def held_batches(spec: ModelSpec, settings: TrainSettings, step: StepMemory) -> 
 def prepare(spec: ModelSpec, many) -> None:
     """Make ahead, side by side, what fast mode will read for each of these settings (the planner's grid).
 
-    Only the parametric fits of families without formulas cost anything to make; the planner would
-    otherwise make them one after another as it meets them. Settings that do not validate are left to
+    Only the fitted fast modes cost anything to make: the parametric fits of families without formulas,
+    and the batch fits of image, audio and VLM inputs; the planner would otherwise make them one after
+    another as it meets them. Settings that do not validate are left to
     the estimate that reports them.
     """
     if spec.hand_written:
@@ -160,10 +161,16 @@ def prepare(spec: ModelSpec, many) -> None:
             wanted.append(local_step_settings(traced_settings(settings.validate(spec))))
         except MemFitError:
             continue
-    if wanted:
+    media = [s for s in wanted if s.task in MEDIA_TASKS]  # their fast mode is the batch fit, not the parametric one
+    if media:
+        from hf_memfit.estimator.batch_fit import prepare_batch_fits
+
+        prepare_batch_fits(spec, media)
+    text = [s for s in wanted if s.task not in MEDIA_TASKS]
+    if text:
         from hf_memfit.estimator.parametric import prepare_fits
 
-        prepare_fits(spec, wanted)
+        prepare_fits(spec, text)
 
 
 def traced_settings(settings: TrainSettings) -> TrainSettings:

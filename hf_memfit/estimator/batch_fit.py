@@ -22,8 +22,7 @@ import time
 from hf_memfit.cache import cache_dir, config_key, read_cache, write_cache
 from hf_memfit.estimator.breakdown import CATEGORIES, StepMemory
 from hf_memfit.estimator.parametric import (_FACTS, _LAYOUT_FIELDS, _OPTIMIZER_FIELDS, _extrapolate,
-                                            _move_optimizer, _optimizer_formula_exact, _optimizer_of,
-                                            _point_series, _swappable)
+                                            _move_optimizer, _optimizer_formula_exact, _optimizer_of, _swappable)
 
 BATCH_FIT_VERSION = 1
 CACHE_KIND = "batch-fit"
@@ -108,30 +107,61 @@ def evaluate(fit: dict, settings) -> StepMemory:
     return step
 
 
+def prepare_batch_fits(spec, many) -> int:
+    """Make the lines that the settings in `many` will read and that are not cached, their traces side by
+    side (`forked.run_jobs`): the planner's grid asks for one per precision and lever. Returns how many.
+    A model that cannot be traced is left to the estimate that reports it."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+
+    missing = {}
+    for settings in many:
+        key = _key(spec, settings, by_optimizer=False)
+        if key not in missing and _read(key) is None:
+            missing[key] = settings
+    if not missing:
+        return 0
+    try:
+        fits = calibrate_many(spec, list(missing.values()))
+    except (DataDependentOutputException, DynamicOutputShapeException):
+        return 0
+    for key, fit in zip(missing, fits):
+        write_cache(CACHE_KIND, key, fit)
+        _fits[key] = fit
+    return len(fits)
+
+
 def calibrate(spec, settings) -> dict:
     """Trace the reduced-depth copies at the points and fit every region's clocks as lines in the batch."""
-    import numpy as np
+    return calibrate_many(spec, [settings])[0]
 
-    from hf_memfit.estimator.trace import _config_with_depths, _real_depths, progress, trace_step
 
-    micro = 1 if settings.optimizer.layerwise else 2  # layerwise optimizers step inside backward: no accumulation
-    points = tuple((b, settings.seq_len, min(m, micro)) for b, _, m in POINTS)
-    traced = settings.replace(mode="exact", batch_size=1, gradient_accumulation_steps=micro)
-    real = _real_depths(spec)
-    period = getattr(spec, "layer_period", 1) or 1
-    if max(real) <= 3 * period:
-        depth_sets, steps = [real], []
-    else:
-        base = tuple(min(2 * period, d) for d in real)
-        depth_sets = [base] + [tuple(3 * period if j == i else base[j] for j in range(len(real)))
-                               for i in range(len(real))]
-        steps = [(real[i] - base[i]) / period for i in range(len(real))]
-    traces = []
-    for number, depths in enumerate(depth_sets, 1):
-        progress.info("fast mode: tracing %s at depth %s (%d of %d) at batch 1, 2 and 3", spec.name,
-                      "+".join(map(str, depths)), number, len(depth_sets))
-        traces.append(trace_step(_config_with_depths(spec, depths), traced, depths, shapes=points))
-    series = [_point_series(t, len(points)) for t in traces]
+def calibrate_many(spec, many: list) -> list[dict]:
+    """`calibrate` for each settings, every depth's trace of every one side by side (`forked.run_jobs`)."""
+    from hf_memfit.estimator.forked import run_jobs
+    from hf_memfit.estimator.parametric import _import_for_traces, _trace_summary
+    from hf_memfit.models.depths import depth_plan
+
+    plans = []
+    for settings in many:
+        micro = 1 if settings.optimizer.layerwise else 2  # layerwise optimizers step inside backward: no accumulation
+        points = tuple((b, settings.seq_len, min(m, micro)) for b, _, m in POINTS)
+        traced = settings.replace(mode="exact", batch_size=1, gradient_accumulation_steps=micro)
+        plans.append((points, traced, depth_plan(spec)))
+    jobs = [(spec, traced, depths, points) for points, traced, plan in plans for depths in plan.depth_sets]
+    _import_for_traces(many)
+    summaries = run_jobs(_trace_summary, jobs)
+    fits, at = [], 0
+    for settings, (points, _, plan) in zip(many, plans):
+        count = len(plan.depth_sets)
+        fits.append(_fit(settings, plan, summaries[at:at + count]))
+        at += count
+    return fits
+
+
+def _fit(settings, plan, summaries: list[dict]) -> dict:
+    """The calibration from its traced depths' summaries (`parametric._trace_summary`)."""
+    depth_sets, steps = plan.depth_sets, plan.steps
+    series = [t["series"] for t in summaries]
     fitted = [_fit_lines(s) for s in series]
     candidates = {}
     for region in set.intersection(*(set(f) for f in fitted)):
@@ -142,16 +172,18 @@ def calibrate(spec, settings) -> dict:
         candidates[region] = _prune(real_depth)
     check_miss, check_region = _check(series, fitted)
     host = None
-    if any(any(t.host_peaks) for t in traces):
-        lines = [np.array([2 * t.host_peaks[1] - t.host_peaks[2], t.host_peaks[2] - t.host_peaks[1]], dtype=float)
-                 for t in traces]
+    if any(any(t["host_peaks"]) for t in summaries):
+        import numpy as np
+
+        lines = [np.array([2 * t["host_peaks"][1] - t["host_peaks"][2], t["host_peaks"][2] - t["host_peaks"][1]],
+                          dtype=float) for t in summaries]
         host = [float(c) for c in _extrapolate(lines, steps)]
-    facts = {k: int(round(_extrapolate([getattr(t, k) for t in traces], steps))) for k in _FACTS}
-    facts["largest_param_numel"] = traces[0].largest_param_numel
-    facts["largest_linear_numel"] = traces[0].largest_linear_numel
-    tensors = {"lists": [t.trainable_tensors for t in traces], "steps": steps}
+    facts = {k: int(round(_extrapolate([t["facts"][k] for t in summaries], steps))) for k in _FACTS}
+    facts["largest_param_numel"] = summaries[0]["facts"]["largest_param_numel"]
+    facts["largest_linear_numel"] = summaries[0]["facts"]["largest_linear_numel"]
+    tensors = {"lists": [t["trainable_tensors"] for t in summaries], "steps": steps}
     return {"version": BATCH_FIT_VERSION, "depths": ", ".join("+".join(map(str, d)) for d in depth_sets),
-            "traces": len(traces), "candidates": candidates, "host": host, "facts": facts,
+            "traces": len(summaries), "candidates": candidates, "host": host, "facts": facts,
             "optimizer": _optimizer_of(settings), "tensors": tensors, "check_miss": check_miss,
             "check_region": check_region,
             "optimizer_formula_exact": _optimizer_formula_exact(series, tensors, settings)}

@@ -428,34 +428,27 @@ def _import_for_traces(many) -> None:
 
 def _calibration_plan(spec, settings, sibling: bool = True) -> dict:
     """The points, the traced settings, the depths and the extrapolation steps of one calibration."""
-    from hf_memfit.estimator.trace import _real_depths
+    from hf_memfit.models.depths import depth_plan
 
     points = _points(spec, settings)
     other = _sibling(settings) if sibling else None
     shapes = tuple(p + ((other,) if other and i == len(points) - 1 else ()) for i, p in enumerate(points))
     traced = settings.replace(mode="exact", batch_size=points[0][0], seq_len=points[0][1],
                               gradient_accumulation_steps=max(p[2] for p in points))
-    real = _real_depths(spec)
-    period = getattr(spec, "layer_period", 1) or 1
-    base_depth, grown_depth = 2 * period, 3 * period
-    if max(real) <= grown_depth:
-        depth_sets, steps = [real], []
-    else:
-        base = tuple(min(base_depth, d) for d in real)
-        depth_sets = [base] + [tuple(grown_depth if j == i else base[j] for j in range(len(real)))
-                               for i in range(len(real))]
-        steps = [(real[i] - base[i]) / period for i in range(len(real))]
+    plan = depth_plan(spec)
+    depth_sets, steps = plan.depth_sets, plan.steps
     return {"points": points, "shapes": shapes, "traced": traced, "depth_sets": depth_sets, "steps": steps,
             "sibling": other}
 
 
 def _trace_summary(spec, traced, depths, shapes) -> dict:
     """One traced depth, reduced to what the fit reads (small and picklable: it may come from a child)."""
-    from hf_memfit.estimator.trace import _config_with_depths, progress, trace_step
+    from hf_memfit.estimator.trace import progress, trace_step
+    from hf_memfit.models.depths import config_with_depths
 
     progress.info("fast mode: tracing %s at depth %s at %d shapes", spec.name, "+".join(map(str, depths)),
                   len(shapes))
-    trace = trace_step(_config_with_depths(spec, depths), traced, depths, shapes=shapes)
+    trace = trace_step(config_with_depths(spec, depths), traced, depths, shapes=shapes)
     return {"series": _point_series(trace, len(shapes)), "host_peaks": list(trace.host_peaks),
             "facts": {k: getattr(trace, k) for k in _FACTS}, "trainable_tensors": trace.trainable_tensors}
 

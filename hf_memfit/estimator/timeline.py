@@ -53,11 +53,12 @@ def trace_timeline(spec, settings: TrainSettings, label: str = "", samples: int 
     """
     from hf_memfit.estimator.assemble import assemble, traced_settings
     from hf_memfit.estimator.sequence import local_step_settings, with_sequence_terms
-    from hf_memfit.estimator.trace import _config_with_depths, _real_depths, full_depth_step_memory, trace_step
+    from hf_memfit.estimator.trace import full_depth_step_memory, trace_step
+    from hf_memfit.models.depths import config_with_depths, real_depths
 
-    depths = _real_depths(spec)
+    depths = real_depths(spec)
     local = local_step_settings(traced_settings(settings))  # a sequence-parallel rank's share of each row
-    trace = trace_step(_config_with_depths(spec, depths), local, depths)
+    trace = trace_step(config_with_depths(spec, depths), local, depths)
     step = full_depth_step_memory(trace, local)
     estimate = assemble(spec, settings, with_sequence_terms(spec, traced_settings(settings), step))
     rank = _RankLayout(spec, settings, step)

@@ -44,6 +44,7 @@ from hf_memfit.estimator.ssm_kernels import cuda_kernel_path
 from hf_memfit.estimator.fake_patches import (cuda_autocast_policy, deepcopy_fake_tensors_as_real_ones, environment,
                                               gpu_sdpa, grouped_mm_any_dtype, is_experts, masks_as_the_batch_has,
                                               spec_augment_off, triton_folds_in_place, truncated_normal_init_in_place)
+from hf_memfit.models.depths import config_with_depths, depth_plan
 from hf_memfit.models.vision_language import reads_batch_values
 from hf_memfit.settings import TrainSettings
 from hf_memfit.units import CUDA_BLOCK_BYTES
@@ -506,19 +507,14 @@ def exact_candidates(spec, settings: TrainSettings, *, extrapolate: bool = True)
 
 
 def _exact_candidates(spec, settings: TrainSettings, *, extrapolate: bool = True) -> StepMemory:
-    real = _real_depths(spec)
-    period = getattr(spec, "layer_period", 1) or 1
-    # The first layer of a stack can differ from the rest (T5's relative position
-    # bias lives in layer 0), so extrapolate from 2p to 3p layers, where the first
-    # and the last layer are distinct and only ordinary layers are added.
-    base_depth, grown_depth = 2 * period, 3 * period
-    if not extrapolate or max(real) <= grown_depth:
+    plan = depth_plan(spec, extrapolate)
+    real = plan.real
+    if not plan.reduced:
         progress.info("exact mode: tracing %s at its full depth %s", spec.name, _depth_text(real))
-        return full_depth_step_memory(trace_step(_config_with_depths(spec, real), settings, real), settings,
+        return full_depth_step_memory(trace_step(config_with_depths(spec, real), settings, real), settings,
                                       spec)
 
-    base = tuple(min(base_depth, d) for d in real)
-    depth_sets = [base] + [tuple(grown_depth if j == i else base[j] for j in range(len(real))) for i in range(len(real))]
+    depth_sets = plan.depth_sets
     # The depths' traces are independent: side by side in forked children where CPUs are idle (`forked.py`).
     from hf_memfit.estimator.forked import forking_pays, run_side_by_side
 
@@ -533,22 +529,21 @@ def _exact_candidates(spec, settings: TrainSettings, *, extrapolate: bool = True
     candidates = {}
     for cls, (_, base_breakdown) in base_classes.items():
         extrapolated = dict(base_breakdown)
-        for i, classes in enumerate(grown_classes):
+        for steps, classes in zip(plan.steps, grown_classes):
             if cls not in classes:
                 continue
             grown_breakdown = classes[cls][1]
-            steps = (real[i] - base[i]) / period
             for key in extrapolated:
                 extrapolated[key] += steps * (grown_breakdown[key] - base_breakdown[key])
         candidates[cls] = {k: max(0, int(round(v))) for k, v in extrapolated.items()}
-    result = _exact_result(candidates, traces, real, base_depth, traces[0], settings, spec)
+    result = _exact_result(candidates, traces, real, depth_sets[0][0], traces[0], settings, spec)
 
     def grow(attr):  # parameter counts grow linearly with depth too
         base_value = getattr(traces[0], attr)
-        # (real - base) / period periods are added; a depth that is not a whole number of
-        # periods (Gemma-3: 26 layers, period 6) adds a fraction of one, which is what it adds on average.
-        return base_value + int(round(sum((real[i] - base[i]) / period * (getattr(t, attr) - base_value)
-                                          for i, t in enumerate(traces[1:]))))
+        # `steps` periods are added per axis; a depth that is not a whole number of periods (Gemma-3: 26
+        # layers, period 6) adds a fraction of one, which is what it adds on average.
+        return base_value + int(round(sum(steps * (getattr(t, attr) - base_value)
+                                          for steps, t in zip(plan.steps, traces[1:]))))
     result.trainable_params = grow("trainable_params")
     result.total_params = grow("total_params")
     result.quantizable_linear_params = grow("quantizable_linear_params")
@@ -567,7 +562,7 @@ def _depth_trace(spec, settings: TrainSettings, depths: tuple[int, ...], number:
     enough to send back from a forked child)."""
     if announce:
         _announce(spec, settings, depths, number, count, real)
-    trace = trace_step(_config_with_depths(spec, depths), settings, depths)
+    trace = trace_step(config_with_depths(spec, depths), settings, depths)
     trace.tracker = None
     return trace
 
@@ -596,20 +591,3 @@ def _depth_text(depths: tuple[int, ...]) -> str:
 def _depth_of(stack: str, depths: tuple[int, ...]) -> int:
     index = int(stack[1:]) if stack.startswith("s") and stack[1:].isdigit() else 0
     return depths[min(index, len(depths) - 1)]
-
-
-def _real_depths(spec) -> tuple[int, ...]:
-    depths = [spec.num_layers]
-    if spec.is_encoder_decoder and getattr(spec, "num_decoder_layers", 0):
-        depths.append(spec.num_decoder_layers)
-    return tuple(depths)
-
-
-def _config_with_depths(spec, depths: tuple[int, ...]) -> dict:
-    from hf_memfit.models.spec import _set_path
-
-    config = spec.with_layers(depths[0])
-    keys = spec.layer_count_keys
-    for key, depth in zip(keys, depths):
-        _set_path(config, key, depth)
-    return config

@@ -261,6 +261,7 @@ def describe(name: str, config: dict) -> dict:
     fields["learned_positions"] = facts["tasks"][_task_key(fields["default_task"], 2)].pop("learned_positions")
     fields["tileable_mlp"] = facts["tasks"][_task_key(fields["default_task"], 2)].pop("tileable_mlp")
     facts["ssm_mixers"] = facts["tasks"][_task_key(fields["default_task"], 2)].pop("ssm_mixers")
+    facts["towers"] = facts["tasks"][_task_key(fields["default_task"], 2)].pop("towers")
     write_cache("specs", key, facts)
     return facts
 
@@ -282,16 +283,19 @@ def _task_facts(config: dict, task: str, num_labels: int, fields: dict) -> dict:
     stacks = layer_stacks(model)
     names = [n for n, _ in stacks]
     depth = fields["num_layers"]
-    # The stack whose length is the configured depth is the one the depth key sets.
-    main = next((n for n, s in stacks if len(s) == depth), names[0] if names else "")
+    towers = _tower_axes(config, stacks)
+    # The stack whose length is the configured depth is the one the depth key sets (not a tower of that depth).
+    main = next((n for n, s in stacks if len(s) == depth and n not in {t["stack"] for t in towers}),
+                names[0] if names else "")
     stack = dict(stacks).get(main)
     layer_types = _layer_types(model, depth)
     counts = _parameter_counts(model, names, main, depth)
     if fields["is_encoder_decoder"]:  # Whisper: one layer of each stack (layer 1; layer 0 may differ)
-        for stack_name, stack in stacks:
+        for stack_name, layers in stacks:
             side = "decoder" if "decoder" in stack_name.split(".") else "encoder"
-            counts.setdefault(f"per_{side}_layer", sum(p.numel() for p in stack[min(1, len(stack) - 1)].parameters()))
+            counts.setdefault(f"per_{side}_layer", sum(p.numel() for p in layers[min(1, len(layers) - 1)].parameters()))
     return {
+        "towers": towers,
         "linears": _linear_entries(model, names),
         "counts": counts,
         "layer_period": layer_period(stack, layer_types) if stack is not None else 1,
@@ -299,6 +303,46 @@ def _task_facts(config: dict, task: str, num_labels: int, fields: dict) -> dict:
         "tileable_mlp": bool(stack is not None and dense_mlps(stack)),
         "ssm_mixers": ssm.mixers(model),
     }
+
+
+# Where a sub-config (`vision_config`, `audio_config`) sets its tower's depth.
+_TOWER_DEPTH_KEYS = ("depth", "num_hidden_layers", "num_layers", "encoder_layers")
+
+
+def _tower_axes(config: dict, stacks: list) -> list[dict]:
+    """The towers beside the language model that a sub-config sets the depth of (a VLM's vision encoder),
+    each a depth axis of its own (`models/depths.py`): {stack, key, depth, period, index_key, special}.
+
+    A stack is its sub-config's when its path names the sub-config's kind (`vision_config` -> `visual`,
+    `vision_tower`, `vision_model`) and its length is the sub-config's depth. A tower whose layers come in
+    two kinds by an index list in its sub-config (Qwen2.5-VL's `fullatt_block_indexes`), two or more of
+    each, gets one axis per kind; a tower of one layer signature gets one axis; any other runs at its full
+    depth (period = depth). So does a tower whose features are read at a layer a shallower copy would not
+    have (`vision_feature_layer` deeper than -2, or a list of layers)."""
+    feature_layers = [v for k, v in config.items() if "feature_layer" in k]
+    readable = all(isinstance(v, int) and not isinstance(v, bool) and -2 <= v < 0 for v in feature_layers)
+    found = []
+    for sub, holder in config.items():
+        if not isinstance(holder, dict) or not sub.endswith("_config") or sub == "text_config":
+            continue
+        stem = sub[:3]
+        for name, stack in stacks:
+            key = next((k for k in _TOWER_DEPTH_KEYS if holder.get(k) == len(stack)), None)
+            if key is None or len(stack) < 2 or not any(part.startswith(stem) for part in name.split(".")):
+                continue
+            lists = {k: v for k, v in holder.items() if ("index" in k or "indices" in k) and isinstance(v, list)
+                     and v and all(isinstance(i, int) and 0 <= i < len(stack) for i in v)}
+            tower = {"stack": name, "key": f"{sub}.{key}", "depth": len(stack), "period": len(stack),
+                     "index_key": None, "special": None}
+            if len(lists) == 1 and readable:
+                (index_key, special), = lists.items()
+                if len(set(special)) >= 2 and len(stack) - len(set(special)) >= 2:
+                    tower.update(period=1, index_key=index_key, special=sorted(set(special)))
+            elif not lists and readable and layer_period(stack, None) == 1:
+                tower["period"] = 1
+            found.append(tower)
+            break
+    return found
 
 
 def dense_mlps(layers) -> list:
@@ -343,6 +387,7 @@ def task_facts(name: str, config: dict, facts: dict, task: str, num_labels: int)
     if key not in facts["tasks"]:
         found = _task_facts(config, task, num_labels, facts["fields"])
         found.pop("layer_period", None)
+        found.pop("towers", None)
         found.pop("learned_positions", None)
         found.pop("tileable_mlp", None)
         facts["tasks"][key] = found

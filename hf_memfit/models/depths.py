@@ -1,0 +1,129 @@
+"""The depths a model is traced at, and the steps that extrapolate its bytes to the real depth.
+
+Exact mode and the fitted fast modes (`parametric.py`, `batch_fit.py`) trace copies of the model with few
+layers and extrapolate linearly in the layers added. A model has one depth axis per repeated stack whose
+length a config key sets:
+
+- the main stack (a decoder, an encoder) and a seq2seq model's decoder, both with the model's
+  `layer_period` (Gemma-2's sliding / global pair is one step of 2 layers);
+- a multimodal model's tower beside them (a VLM's vision encoder: CLIP, SigLIP, Qwen2.5-VL's windowed
+  ViT), with its own key (`vision_config.depth`, `vision_config.num_hidden_layers`). Before these
+  axes the tower ran at its full depth in every trace: Qwen2.5-VL-7B's 32 vision blocks were 95% of a
+  7B VLM's trace time.
+
+A tower whose layers come in two kinds named by an index list (Qwen2.5-VL's `fullatt_block_indexes`: full
+attention in blocks 7, 15, 23 and 31, windowed attention in the other 28) has two axes, one per kind,
+each extrapolated layer by layer from two layers of its kind to three: four or five traced blocks stand
+for 32. The bytes are linear in each kind's count (each layer saves its own activations, and a layer's
+transients do not depend on how many came before), and the traced order keeps the real first and last
+layers' kinds, which decide the first / last layer regions extrapolation reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class DepthPlan:
+    """What to trace: `depth_sets[0]` is the base; each later set grows one axis, whose added bytes times its
+    entry in `steps` are what the real depth adds (`steps` is aligned with `depth_sets[1:]`)."""
+
+    real: tuple[int, ...]
+    depth_sets: list[tuple[int, ...]]
+    steps: list[float]
+
+    @property
+    def reduced(self) -> bool:
+        return len(self.depth_sets) > 1 or self.depth_sets[0] != self.real
+
+
+def _axes(spec) -> list[tuple[int, int]]:
+    """(real count, period) per depth axis, main stacks first."""
+    period = getattr(spec, "layer_period", 1) or 1
+    axes = [(spec.num_layers, period)]
+    if spec.is_encoder_decoder and getattr(spec, "num_decoder_layers", 0):
+        axes.append((spec.num_decoder_layers, period))
+    for tower in towers(spec):
+        if tower["special"] is not None:
+            specials = len(tower["special"])
+            axes += [(tower["depth"] - specials, 1), (specials, 1)]
+        else:
+            axes.append((tower["depth"], tower["period"]))
+    return axes
+
+
+def towers(spec) -> list[dict]:
+    """The generic facts' towers: {key, depth, period, index_key, special} (`generic._tower_axes`)."""
+    generic = getattr(spec, "generic", None) or {}
+    return list(generic.get("towers", ()))
+
+
+def real_depths(spec) -> tuple[int, ...]:
+    return tuple(count for count, _ in _axes(spec))
+
+
+def depth_plan(spec, extrapolate: bool = True) -> DepthPlan:
+    """The base depths (two periods of each axis) and one grown set (three periods) per axis that is deeper
+    than three periods; every axis at its real depth where none is (or `extrapolate` is off).
+
+    The first layer of a stack can differ from the rest (T5's relative position bias lives in layer 0),
+    so an axis is extrapolated from 2p to 3p layers, where the first and the last layer are distinct and
+    only ordinary layers are added."""
+    axes = _axes(spec)
+    real = tuple(count for count, _ in axes)
+    if not extrapolate or all(count <= 3 * period for count, period in axes):
+        return DepthPlan(real, [real], [])
+    base = tuple(min(2 * period, count) for count, period in axes)
+    depth_sets, steps = [base], []
+    for i, (count, period) in enumerate(axes):
+        if count > base[i]:
+            depth_sets.append(base[:i] + (3 * period,) + base[i + 1:])
+            steps.append((count - base[i]) / period)
+    return DepthPlan(real, depth_sets, steps)
+
+
+def config_with_depths(spec, depths: tuple[int, ...]) -> dict:
+    """The model's config with each depth axis set to `depths` (as `real_depths` orders them)."""
+    from hf_memfit.models.spec import _set_path
+
+    main = 2 if spec.is_encoder_decoder and getattr(spec, "num_decoder_layers", 0) else 1
+    config = spec.with_layers(depths[0])
+    for key, depth in zip(spec.layer_count_keys, depths[:main]):
+        _set_path(config, key, depth)
+    at = main
+    for tower in towers(spec):
+        holder = _holder(config, tower["key"])
+        *_, depth_key = tower["key"].split(".")
+        if tower["special"] is None:
+            holder[depth_key] = depths[at]
+            at += 1
+            continue
+        ordinary, special = depths[at], depths[at + 1]
+        at += 2
+        if ordinary + special == tower["depth"] and special == len(tower["special"]):
+            continue  # the real tower, as configured
+        kinds = _kinds_at(tower["depth"], tower["special"], ordinary, special)
+        holder[depth_key] = len(kinds)
+        holder[tower["index_key"]] = [i for i, is_special in enumerate(kinds) if is_special]
+    return config
+
+
+def _holder(config: dict, dotted: str) -> dict:
+    *parents, _ = dotted.split(".")
+    for part in parents:
+        config = config[part]
+    return config
+
+
+def _kinds_at(depth: int, special: list[int], ordinary_count: int, special_count: int) -> list[bool]:
+    """A layer order with these counts of each kind (two or more each), whose first and last layers are of the
+    real tower's kinds: two of each, [O, S, O, S] (or [O, S, S, O] where the real tower starts and ends with
+    one kind), and a kind grown by repeating its first layer: [O, O, S, O, S] or [O, S, S, O, S]."""
+    real = [i in set(special) for i in range(depth)]
+    first, last = real[0], real[-1]
+    kinds = [first, not first, first, not first] if first != last else [first, not first, not first, first]
+    for kind, wanted in ((False, ordinary_count), (True, special_count)):
+        while sum(k == kind for k in kinds) < wanted:
+            kinds.insert(kinds.index(kind) + 1, kind)
+    return kinds

@@ -1,0 +1,68 @@
+"""Depth axes (`models/depths.py`): a VLM's vision tower is traced at a few layers and extrapolated, per kind
+of layer where an index list names two kinds (Qwen2.5-VL's full-attention blocks among windowed ones)."""
+
+import copy
+
+import pytest
+from transformers import AutoConfig
+
+from hf_memfit.estimator.assemble import estimate_settings
+from hf_memfit.estimator.measure import measure_cpu_peak
+from hf_memfit.estimator.trace import exact_candidates
+from hf_memfit.models.depths import _kinds_at, config_with_depths, depth_plan, towers
+from hf_memfit.models.spec import ModelSpec, resolve_model
+from hf_memfit.settings import TrainSettings
+from tests.test_vlm import LLAVA, QWEN25VL
+
+
+def test_kinds_keep_the_real_first_and_last_layer_and_grow_one_kind_at_a_time():
+    qwen = [7, 15, 23, 31]  # Qwen2.5-VL-7B: full attention closes each group of eight blocks
+    assert _kinds_at(32, qwen, 2, 2) == [False, True, False, True]
+    assert _kinds_at(32, qwen, 3, 2) == [False, False, True, False, True]
+    assert _kinds_at(32, qwen, 2, 3) == [False, True, True, False, True]
+    assert _kinds_at(10, [0, 4, 9], 2, 2) == [True, False, False, True]  # starts and ends on a special layer
+
+
+def test_catalogue_vlms_get_a_tower_axis_and_text_models_none():
+    qwen = resolve_model("Qwen/Qwen2.5-VL-7B-Instruct")
+    (tower,) = towers(qwen)
+    assert (tower["key"], tower["index_key"], tower["special"]) == ("vision_config.depth", "fullatt_block_indexes",
+                                                                   [7, 15, 23, 31])
+    plan = depth_plan(qwen)
+    assert plan.real == (28, 28, 4)  # language layers, windowed blocks, full-attention blocks
+    assert plan.steps == [26, 26, 2]
+    grown_windowed = config_with_depths(qwen, plan.depth_sets[2])["vision_config"]
+    assert (grown_windowed["depth"], grown_windowed["fullatt_block_indexes"]) == (5, [2, 4])
+    assert config_with_depths(qwen, plan.real)["vision_config"] == qwen.config["vision_config"]
+
+    llava = resolve_model("llava-hf/llava-1.5-7b-hf")
+    assert [t["key"] for t in towers(llava)] == ["vision_config.num_hidden_layers"]
+    assert depth_plan(llava).depth_sets == [(2, 2), (3, 2), (2, 3)]
+    assert towers(resolve_model("openai/whisper-small")) == []  # encoder and decoder are its main stacks
+
+
+def deeper(config: dict, **tower) -> ModelSpec:
+    config = copy.deepcopy(config)
+    config["vision_config"].update(tower)
+    return ModelSpec.from_config(f"tiny-{config['model_type']}", AutoConfig.for_model(**config).to_dict())
+
+
+def test_an_extrapolated_tower_equals_a_full_trace():
+    spec = deeper(LLAVA, num_hidden_layers=5)
+    plan = depth_plan(spec)
+    assert plan.reduced and max(sum(d[1:]) for d in plan.depth_sets) < sum(plan.real[1:])  # fewer tower layers
+    settings = TrainSettings(batch_size=2, seq_len=16, task="image-text-to-text", device="cuda",
+                             precision="bf16-mixed").validate(spec)
+    extrapolated = exact_candidates(spec, settings).peak_bytes
+    assert extrapolated == pytest.approx(exact_candidates(spec, settings, extrapolate=False).peak_bytes, rel=0.001)
+
+
+@pytest.mark.slow  # an exact estimate, a fast one and a profiled step: about 30 s
+def test_a_windowed_tower_by_kinds_matches_the_measured_step():
+    spec = deeper(QWEN25VL, depth=8, fullatt_block_indexes=[3, 5, 7])  # 5 windowed and 3 full-attention blocks
+    settings = TrainSettings(batch_size=2, seq_len=16, task="image-text-to-text", device="cpu", mode="exact",
+                             image_size=112)
+    exact = estimate_settings(spec, settings)
+    assert exact.peak_allocated_bytes == pytest.approx(measure_cpu_peak(spec.config, exact.settings), rel=0.005)
+    fast = estimate_settings(spec, settings.replace(mode="fast"))
+    assert fast.peak_allocated_bytes == pytest.approx(exact.peak_allocated_bytes, rel=0.005)
