@@ -152,3 +152,23 @@ def test_cli_refuses_in_one_line_and_says_the_path(tmp_path, capsys):
                  "--mode", "exact", "--json"])
     out, _ = capsys.readouterr()
     assert code == 0 and "torch fallback" in json.loads(out)["notes"][0]
+
+
+def test_the_plan_and_the_trainer_follow_the_installed_kernels(monkeypatch):
+    from hf_memfit.integrations import introspect
+    from hf_memfit.planner.search import plan
+
+    spec = _spec("mamba", TINY_MAMBA)
+    kernel = plan(spec, seq_len=64, global_batch_size=2, gpu="a100")
+    fallback = plan(spec, seq_len=64, global_batch_size=2, gpu="a100", ssm_kernels="torch")
+    assert kernel.estimate.settings.ssm_path == "cuda" and fallback.estimate.settings.ssm_path == "torch"
+    assert "torch fallback" in fallback.estimate.notes[0]
+    # MemFitTrainer on a GPU: the kernels only where both packages import (this machine has neither)
+    notes = []
+    assert introspect.ssm_kernel_path(spec, on_gpu=True, notes=notes) == "torch"
+    assert "mamba_ssm and causal_conv1d not installed" in notes[0]
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: object())
+    assert introspect.ssm_kernel_path(spec, on_gpu=True, notes=[]) == "cuda"
+    assert introspect.ssm_kernel_path(spec, on_gpu=False, notes=[]) == "torch"
+    assert introspect.ssm_kernel_path(_spec("gpt2", dict(model_type="gpt2", n_layer=2, n_embd=64, n_head=4,
+                                                         vocab_size=256)), on_gpu=True, notes=[]) is None

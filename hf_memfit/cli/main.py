@@ -130,7 +130,7 @@ def _plan_kwargs(args: argparse.Namespace) -> dict:
         tiled_mlp={"auto": None, "yes": True, "no": False}[args.tiled_mlp],
         optim_target_modules=args.optim_target_modules, optim_args=args.optim_args,
         sp_size=args.sp_size, cp_size=args.cp_size, inputs=media_inputs(args),
-        prepare_model_for_kbit_training=kbit_preparation(args),
+        prepare_model_for_kbit_training=kbit_preparation(args), ssm_kernels=args.ssm_kernels,
     )
 
 

@@ -109,6 +109,29 @@ def model_is_kbit_prepared(base) -> bool:
 
 # --- the launcher -----------------------------------------------------------------------
 
+# The packages transformers' state-space mixers resolve their CUDA kernels from
+# (`integrations/hub_kernels.use_kernel_func_from_hub_with_fallback`: the package if it imports, else torch).
+SSM_KERNEL_PACKAGES = ("mamba_ssm", "causal_conv1d")
+
+
+def ssm_kernel_path(spec, on_gpu: bool, notes: list[str]) -> str | None:
+    """The path this run's state-space mixers take: "cuda" where both kernel packages are installed, else the
+    torch fallback (on a GPU without them transformers falls back too); None for a model without mixers."""
+    import importlib.util
+
+    if not spec.ssm_mixers:
+        return None
+    if not on_gpu:
+        return "torch"
+    missing = [name for name in SSM_KERNEL_PACKAGES if importlib.util.find_spec(name) is None]
+    if not missing:
+        return "cuda"
+    notes.append(f"state-space mixers: {' and '.join(missing)} not installed, so transformers runs its torch "
+                 "fallback on the GPU (several times the kernels' activation memory); planned for that path. "
+                 "`pip install mamba-ssm causal-conv1d` for the kernels")
+    return "torch"
+
+
 def on_cuda(args) -> bool:
     return torch.cuda.is_available() and not args.use_cpu
 
@@ -483,7 +506,7 @@ def plan_inputs(trainer, model, args, fields, train_dataset, collator, tokenizer
         trainer=step.get("trainer", "trainer"), padding_free=padding_free,
         reference_model=step.get("reference_model"), decoder_seq_len=decoder, notes=notes,
         activation_offloading=activation_offloading, sp_size=sp, cp_size=cp, inputs=inputs,
-        **low_rank_arguments(args),
+        ssm_kernels=ssm_kernel_path(spec, on_gpu, notes), **low_rank_arguments(args),
     )
 
 

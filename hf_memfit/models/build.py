@@ -36,7 +36,9 @@ def instantiate(config: dict, task: str, num_labels: int, *, dtype, attn_impleme
     """The task's transformers model from a config dict, as `AutoModelFor<task>.from_config` builds it.
 
     With no attention implementation asked for, SDPA where the model supports
-    it and eager otherwise, which is what transformers itself picks.
+    it and eager otherwise, which is what transformers itself picks. SDPA asked
+    for (the planner's default) on a model without it is eager too: a model with
+    no attention at all (Mamba) refuses every implementation but eager.
     """
     built = hf_config(config)
     if task in ("seq-cls", "token-cls"):
@@ -50,6 +52,6 @@ def instantiate(config: dict, task: str, num_labels: int, *, dtype, attn_impleme
     try:
         return cls.from_config(built, dtype=dtype, attn_implementation=attn_implementation or "sdpa")
     except ValueError as exc:
-        if attn_implementation is not None or "scaled_dot_product_attention" not in str(exc):
+        if attn_implementation not in (None, "sdpa") or "scaled_dot_product_attention" not in str(exc):
             raise
     return cls.from_config(built, dtype=dtype, attn_implementation="eager")  # no SDPA for this model

@@ -67,7 +67,8 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
          activation_offloading: bool = False, optim_target_modules=None, optim_args: str | None = None,
          sp_size: int | str = "auto", cp_size: int | str = 1, confirm_in_exact: bool = True,
          tiled_mlp: bool | None = None, inputs: dict | None = None,
-         prepare_model_for_kbit_training: bool | None = None, not_fitting: dict | None = None) -> PlanResult:
+         prepare_model_for_kbit_training: bool | None = None, not_fitting: dict | None = None,
+         ssm_kernels: str | None = None) -> PlanResult:
     """Pick the fastest configuration that trains `model` within the memory budget.
 
     The budget is `gpu_memory` (a size such as "12GiB", or "auto" for the local
@@ -106,6 +107,8 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
     `tiled_mlp` searches ALST's TiledMLP: None (default) on a GPU once a row spans two shards of
     `hidden_size` tokens, True always, False never (it adds an MLP forward per step, so it is chosen only
     where it makes a plan fit or a larger micro-batch pay).
+    `ssm_kernels` is the state-space kernel path a Mamba / hybrid model runs ("cuda": mamba-ssm and
+    causal-conv1d; "torch": transformers' fallback); None: the kernels on a GPU, the fallback on the CPU.
     `confirm_in_exact=False` skips the exact-mode confirmation of near-budget choices (a search over
     many plans, such as `--seq-len max`, confirms only the one it returns).
     `not_fitting` (for such a search over lengths) maps settings, less their `seq_len`, to the shortest length
@@ -171,7 +174,7 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
         bnb_4bit_use_double_quant=bnb_4bit_use_double_quant, bnb_4bit_quant_storage=bnb_4bit_quant_storage,
         prepare_model_for_kbit_training=prepare_model_for_kbit_training, trainer=trainer, padding_free=padding_free, reference_model=reference_model, decoder_seq_len=decoder_seq_len,
         activation_offloading=activation_offloading, optim_args=optim_args,
-        optim_target_modules=parse_target_modules(optim_target_modules), **(inputs or {}),
+        optim_target_modules=parse_target_modules(optim_target_modules), ssm_kernels=ssm_kernels, **(inputs or {}),
     ).validate(spec)
     fixed_layout = None
     if deepspeed_layout is not None and fsdp_layout is not None:
