@@ -25,7 +25,7 @@ from hf_memfit.estimator.parametric import (_FACTS, _LAYOUT_FIELDS, _OPTIMIZER_F
                                             _move_optimizer, _optimizer_formula_exact, _optimizer_of,
                                             _point_series, _swappable)
 
-BATCH_FIT_VERSION = 1
+BATCH_FIT_VERSION = 2
 CACHE_KIND = "batch-fit"
 #: (batch, seq placeholder, micro-batches): the line's two points, the later micro-batch, the check.
 POINTS = ((1, 0, 1), (2, 0, 1), (2, 0, 2), (3, 0, 2))
@@ -131,7 +131,7 @@ def calibrate(spec, settings) -> dict:
         progress.info("fast mode: tracing %s at depth %s (%d of %d) at batch 1, 2 and 3", spec.name,
                       "+".join(map(str, depths)), number, len(depth_sets))
         traces.append(trace_step(_config_with_depths(spec, depths), traced, depths, shapes=points))
-    series = [_point_series(t, len(points)) for t in traces]
+    series = [_point_series(t, len(points), period if steps else None) for t in traces]  # see regions.py
     fitted = [_fit_lines(s) for s in series]
     candidates = {}
     for region in set.intersection(*(set(f) for f in fitted)):
