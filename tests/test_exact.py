@@ -46,6 +46,30 @@ def test_layer_extrapolation_equals_a_full_trace(tiny_specs):
     assert abs(extrapolated - full) <= 0.001 * full
 
 
+def test_region_classes_name_the_same_layer_at_both_traced_depths():
+    """A stack of period p is traced at 2p and 3p layers; each layer of its first and last period is a class
+    (not only its first and last layer: the peak of a hybrid stack can be in any layer of the pattern), named
+    in the order the phase runs the layers; at the real depth every layer is a class (estimator/regions.py)."""
+    from hf_memfit.estimator.regions import region_class
+
+    def classes(phase, depth, period):
+        return {layer: region_class(f"1.0|{phase}|s0.L{layer}", depth, period) for layer in range(depth)}
+
+    assert classes("fwd", 4, 2) == {0: ["1.0|fwd|s0.first"], 1: ["1.0|fwd|s0.first+1"],
+                                    2: ["1.0|fwd|s0.last-1"], 3: ["1.0|fwd|s0.last"]}
+    grown = classes("bwd", 6, 2)  # backward runs layer 5 first; the middle period stands for no class
+    assert grown == {5: ["1.0|bwd|s0.first"], 4: ["1.0|bwd|s0.first+1"], 3: [], 2: [],
+                     1: ["1.0|bwd|s0.last-1"], 0: ["1.0|bwd|s0.last"]}
+    for phase in ("fwd", "bwd"):  # the same layer of the pattern under one name at 2p and 3p layers
+        base, grown = classes(phase, 4, 2), classes(phase, 6, 2)
+        for layer, named in base.items():
+            same = [other for other, name in grown.items() if name == named]
+            assert same and all(other % 2 == layer % 2 for other in same), (phase, layer)
+    assert all(classes("bwd", 5, None).values())  # full depth: no layer dropped
+    assert classes("fwd", 3, 1) == {0: ["1.0|fwd|s0.first"], 1: [], 2: ["1.0|fwd|s0.last"]}  # period 1 as before
+    assert region_class("1.0|bwd|s0.post", 4, 2) == ["1.0|bwd|s0.post"]
+
+
 def test_cuda_attention_keeps_no_quadratic_scores(tiny_specs):
     """On CUDA, SDPA's flash kernel saves O(s) per head; eager attention keeps s x s probabilities."""
     spec = tiny_specs["llama"]

@@ -251,7 +251,7 @@ def _gpu(settings: TrainSettings):
 
 
 def describe_region(region: str) -> str:
-    """'1.0|bwd|s0.first' -> 'step 2, backward, first layer of stack 0' for reports."""
+    """'1.0|bwd|s0.first' -> 'step 2, backward, first layer' for reports ('s0.last-1': '2nd-to-last layer')."""
     parts = region.split("|")
     if len(parts) == 2:  # "<step>.<micro>|opt"
         parts.append("")
@@ -267,7 +267,13 @@ def describe_region(region: str) -> str:
     if where and where != "opt":
         stack, _, position = where.partition(".")
         names = {"pre": "before the layers", "post": "after the layers", "first": "first layer", "last": "last layer"}
-        text += f", {names.get(position or stack, position or stack)}"
+        end, sign, count = (position or stack).replace("+", "-").partition("-")  # `regions.py`: "first+1", "last-2"
+        if sign and count.isdigit():  # counted in the order the phase runs the layers, as "first" and "last" are
+            n = int(count) + 1
+            nth = f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
+            text += f", {nth} layer" if end == "first" else f", {nth}-to-last layer"
+        else:
+            text += f", {names.get(position or stack, position or stack)}"
         if stack.startswith("s") and stack != "s0":
             text += f" (stack {stack[1:]})"
     return text

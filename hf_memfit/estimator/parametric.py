@@ -74,7 +74,7 @@ from hf_memfit.estimator.parametric_fit import (
 from hf_memfit.models.generic import moe_note
 
 #: Bumped whenever what a cached fit means changes (part of the cache key, beside generic.CACHE_VERSION).
-PARAMETRIC_VERSION = 2
+PARAMETRIC_VERSION = 3
 CACHE_KIND = "parametric"
 
 #: The shortest sequence the fit is traced at, for models with room for it. Long enough that per-token
@@ -444,12 +444,14 @@ def _calibration_plan(spec, settings, sibling: bool = True) -> dict:
 def _trace_summary(spec, traced, depths, shapes) -> dict:
     """One traced depth, reduced to what the fit reads (small and picklable: it may come from a child)."""
     from hf_memfit.estimator.trace import progress, trace_step
-    from hf_memfit.models.depths import config_with_depths
+    from hf_memfit.models.depths import config_with_depths, real_depths
 
     progress.info("fast mode: tracing %s at depth %s at %d shapes", spec.name, "+".join(map(str, depths)),
                   len(shapes))
     trace = trace_step(config_with_depths(spec, depths), traced, depths, shapes=shapes)
-    return {"series": _point_series(trace, len(shapes)), "host_peaks": list(trace.host_peaks),
+    # A reduced copy stands for the stack by its first and last period; the real depth by every layer
+    period = None if tuple(depths) == real_depths(spec) else getattr(spec, "layer_period", 1) or 1
+    return {"series": _point_series(trace, len(shapes), period), "host_peaks": list(trace.host_peaks),
             "facts": {k: getattr(trace, k) for k in _FACTS}, "trainable_tensors": trace.trainable_tensors}
 
 

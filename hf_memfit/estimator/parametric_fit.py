@@ -128,16 +128,17 @@ def _check(series, fitted, points) -> tuple[float, str]:
     return worst, where
 
 
-def _point_series(trace, count: int) -> list[dict]:
+def _point_series(trace, count: int, period: int | None = None) -> list[dict]:
     """Per point (traced step 1..count): region class -> live bytes by category at each of its clocks.
 
     Rows are the region's entry and every allocation and release in it, by final category (a gradient
     made in backward counts as a gradient). The step index is normalised to 1, as exact mode names
     its steady-state step; the optimizer step is one region whatever the micro-batches before it.
+    `period`: the layers at each end of a stack that stand for it in a reduced copy (`regions.py`).
     """
     import numpy as np
 
-    from hf_memfit.estimator.trace import _depth_of, _region_class
+    from hf_memfit.estimator.regions import depth_of, region_class
 
     tracker = trace.tracker
     index = {k: i for i, k in enumerate(CATEGORIES)}
@@ -167,6 +168,6 @@ def _point_series(trace, count: int) -> list[dict]:
         step, rest = region.split(".", 1)
         name = "1.0|opt" if rest.endswith("|opt") else "1." + rest
         stack = name.split("|")[-1].split(".")[0]
-        for cls in _region_class(name, _depth_of(stack, trace.stack_depths or trace.depths)):
+        for cls in region_class(name, depth_of(stack, trace.stack_depths or trace.depths), period):
             points[int(step) - 1][cls] = np.array(values, dtype=float)
     return points

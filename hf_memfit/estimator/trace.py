@@ -6,13 +6,14 @@ output of every aten op, counts each new storage once (views share one), and
 releases it through a weakref finalizer when the last tensor on it dies. The
 running sum is what the allocator holds; its maximum is the peak.
 
-Layers of a stack are identical, so the model is traced at depth p and 2p
+Periods of a stack are identical, so the model is traced at depth 2p and 3p
 (p = the stack's layer period, 1 for most models) and every *region* of the
 step is extrapolated linearly to the real depth. A region is a stretch of the
-step (forward before the stack, the first and the last layer in forward, the
-head and loss, the same in backward, the optimizer step) over which the live
-bytes are a linear function of the depth; its maximum therefore extrapolates
-exactly, and the step's peak is the largest extrapolated region maximum.
+step (forward before the stack, each layer of its first and its last period
+in forward, the head and loss, the same in backward, the optimizer step) over
+which the live bytes are a linear function of the depth (`regions.py`); its
+maximum therefore extrapolates exactly, and the step's peak is the largest
+extrapolated region maximum.
 
 CUDA semantics on a CPU-only torch (autograd refuses fake CUDA tensors there):
 the trace runs on fake CPU tensors, and what differs on a GPU is applied
@@ -40,6 +41,7 @@ from hf_memfit.estimator.breakdown import CATEGORIES, StepMemory
 from hf_memfit.estimator.fake_ctc import static_ctc_loss
 from hf_memfit.estimator.fake_optimizers import apollo_on_fake_tensors, make_traced_optimizer, optimizer_state_tensors
 from hf_memfit.estimator.fake_vision import real_integer_metadata
+from hf_memfit.estimator.regions import by_class
 from hf_memfit.estimator.ssm_kernels import cuda_kernel_path
 from hf_memfit.estimator.fake_patches import (cuda_autocast_policy, deepcopy_fake_tensors_as_real_ones, environment,
                                               gpu_sdpa, grouped_mm_any_dtype, is_experts, masks_as_the_batch_has,
@@ -460,33 +462,6 @@ def _quantizable_linear_params(model) -> tuple[int, int]:
 
 # --- extrapolation to the real depth -----------------------------------------
 
-def _region_class(region: str, depth: int) -> list[str]:
-    """Map a depth-specific region to the depth-independent classes it stands for."""
-    step, phase, where = region.split("|") if region.count("|") == 2 else (region, "", "")
-    if ".L" not in where:
-        return [region]
-    stack, layer = where.split(".L")
-    layer = int(layer)
-    first, last = (0, depth - 1) if phase == "fwd" else (depth - 1, 0)
-    classes = []
-    if layer == first:
-        classes.append(f"{step}|{phase}|{stack}.first")
-    if layer == last:
-        classes.append(f"{step}|{phase}|{stack}.last")
-    return classes
-
-
-def _by_class(trace: TraceResult) -> dict[str, tuple[int, dict[str, int]]]:
-    out = {}
-    for region, live in trace.region_peaks.items():
-        stack = region.split("|")[-1].split(".")[0] if "|" in region else ""
-        depth = _depth_of(stack, trace.stack_depths or trace.depths)
-        for cls in _region_class(region, depth):
-            if cls not in out or live > out[cls][0]:
-                out[cls] = (live, trace.region_breakdowns[region])
-    return out
-
-
 def exact_candidates(spec, settings: TrainSettings, *, extrapolate: bool = True) -> StepMemory:
     """Trace at small depths and extrapolate each region linearly to the model's real depth.
 
@@ -515,6 +490,7 @@ def _exact_candidates(spec, settings: TrainSettings, *, extrapolate: bool = True
                                       spec)
 
     depth_sets = plan.depth_sets
+    period = getattr(spec, "layer_period", 1) or 1
     # The depths' traces are independent: side by side in forked children where CPUs are idle (`forked.py`).
     from hf_memfit.estimator.forked import forking_pays, run_side_by_side
 
@@ -524,8 +500,8 @@ def _exact_candidates(spec, settings: TrainSettings, *, extrapolate: bool = True
         for job in jobs:
             _announce(*job)
     traces = run_side_by_side(_depth_trace, [job + (not side_by_side,) for job in jobs])
-    base_classes = _by_class(traces[0])
-    grown_classes = [_by_class(t) for t in traces[1:]]
+    base_classes = by_class(traces[0], period)  # the first and last period of each stack (`regions.py`)
+    grown_classes = [by_class(t, period) for t in traces[1:]]
     candidates = {}
     for cls, (_, base_breakdown) in base_classes.items():
         extrapolated = dict(base_breakdown)
@@ -569,7 +545,7 @@ def _depth_trace(spec, settings: TrainSettings, depths: tuple[int, ...], number:
 
 def full_depth_step_memory(trace: TraceResult, settings: TrainSettings, spec=None) -> StepMemory:
     """Exact mode's candidates from a trace at the model's real depth (nothing to extrapolate)."""
-    candidates = {r: b for r, (_, b) in _by_class(trace).items()}
+    candidates = {r: b for r, (_, b) in by_class(trace).items()}  # every layer a class (`regions.py`)
     return _exact_result(candidates, [trace], trace.depths, trace.depths[0], trace, settings, spec)
 
 
@@ -586,8 +562,3 @@ def _exact_result(candidates, traces, real, base, trace, settings, spec=None) ->
 
 def _depth_text(depths: tuple[int, ...]) -> str:
     return "+".join(map(str, depths))
-
-
-def _depth_of(stack: str, depths: tuple[int, ...]) -> int:
-    index = int(stack[1:]) if stack.startswith("s") and stack[1:].isdigit() else 0
-    return depths[min(index, len(depths) - 1)]

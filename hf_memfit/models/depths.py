@@ -45,11 +45,13 @@ def _axes(spec) -> list[tuple[int, int]]:
     if spec.is_encoder_decoder and getattr(spec, "num_decoder_layers", 0):
         axes.append((spec.num_decoder_layers, period))
     for tower in towers(spec):
-        if tower["special"] is not None:
+        if tower["special"] is None:
+            axes.append((tower["depth"], tower["period"]))
+        elif period == 1:
             specials = len(tower["special"])
             axes += [(tower["depth"] - specials, 1), (specials, 1)]
-        else:
-            axes.append((tower["depth"], tower["period"]))
+        else:  # the region classes keep a main-stack period of layers at each end (`estimator/regions.py`), and
+            axes.append((tower["depth"], tower["depth"]))  # in a by-kinds tower those are not one kind at every depth
     return axes
 
 
@@ -95,7 +97,7 @@ def config_with_depths(spec, depths: tuple[int, ...]) -> dict:
     for tower in towers(spec):
         holder = _holder(config, tower["key"])
         *_, depth_key = tower["key"].split(".")
-        if tower["special"] is None:
+        if tower["special"] is None or (getattr(spec, "layer_period", 1) or 1) > 1:
             holder[depth_key] = depths[at]
             at += 1
             continue
