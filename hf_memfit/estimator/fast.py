@@ -68,7 +68,7 @@ class _Stack:
     first_saved_w: int = 0  # ... among `first_saved` / `first_held`
     first_held_w: int = 0
     # checkpointing: whether a layer's recompute saves its input (an offloaded checkpoint's copy, brought
-    # back for the recompute, then stays through the layer's backward; otherwise it is freed after it)
+    # back for the recompute, then stays on the device through the layer's backward; else it is freed after)
     recompute_saves_input: bool = True
 
     def total(self, held: bool) -> int:
@@ -100,9 +100,9 @@ class _Activations:
     final_held_w: int
     tape: ForwardTape  # the symbolic forward, for the layers' backward
     gc_tape: ForwardTape | None  # the same without the KV cache, for checkpointing's recompute
-    # The first layer's input (the embeddings' output) among `pre_saved` when only the layers' ops save it:
-    # under checkpointing it is that layer's checkpoint input instead, counted with the stack's inputs.
-    pre_layer_input: int = 0
+    # Checkpointing: (the first layer's input, among `pre_saved` but counted with the checkpoints' inputs;
+    # the last layer's output, which the final norm saves and no checkpoint holds)
+    gc_stack_ends: tuple[int, int] = (0, 0)
 
 
 def _ctx(spec, settings) -> StepContext:
@@ -274,7 +274,7 @@ def _run_forward(spec, settings, ctx: StepContext) -> tuple[ForwardTape, dict]:
             x = fam.layer(x, i)
             out.setdefault("carry0", x) if i == 1 else None
     f.scope = "final"
-    out["head_in"] = fam.final(x)
+    out["output_last"], out["head_in"] = x, fam.final(x)
     return f, out
 
 
@@ -299,19 +299,18 @@ def _activations(spec, settings) -> _Activations:
         return saved, every - saved, saved_w, every_w - saved_w
 
     pre, mid, fin = part("emb"), part("mid"), part("final")
-    x0 = out["input0"]
-    saver = f.tensors[x0.first_save].scope if x0.saved and (x0.first_save or 0) < len(f.tensors) else "emb"
+    x0, x1 = out["input0"], out["output_last"]
+    saver = lambda t: f.tensors[t.first_save].scope if t.saved and (t.first_save or 0) < len(f.tensors) else None  # noqa: E731
     return _Activations(
         pre_saved=pre[0], pre_held=pre[1], stacks=stacks, mid_saved=mid[0], mid_held=mid[1],
         final_saved=fin[0], final_held=fin[1], head=head,
         pre_w=pre[2], pre_held_w=pre[3], mid_w=mid[2], mid_held_w=mid[3], final_w=fin[2], final_held_w=fin[3],
-        tape=f, gc_tape=gc_f, pre_layer_input=f.bytes_of(x0) if x0.scope == "emb" and saver != "emb" else 0,
+        tape=f, gc_tape=gc_f, gc_stack_ends=(f.bytes_of(x0) if x0.scope == "emb" and saver(x0) not in ("emb", None)
+                                             else 0, f.bytes_of(x1) if saver(x1) == "final" else 0),
     )
 
 
-# ---------------------------------------------------------------------------
-# The step: model states plus activations, region by region
-# ---------------------------------------------------------------------------
+# --- The step: model states plus activations, region by region ---------------------------------
 
 
 def _row(weights, gradients, optimizer, activations, temporary, weight_copies=0) -> dict[str, int]:
@@ -426,17 +425,19 @@ def fast_step_memory(spec, settings) -> StepMemory:
         candidates[f"{tag}|fwd|{last}.post"] = _row(W, g_live + head_g, O, end + head_a, 0, end_w)
         # --- backward: the head, then each stack top-down, then the embeddings --------
         stacks_saved = [stack_saved(st) for st in acts.stacks]
-        pre_saved = acts.pre_saved - (acts.pre_layer_input if gc else 0)
+        pre_saved, final_input = (acts.pre_saved - acts.gc_stack_ends[0], acts.gc_stack_ends[1]) if gc else \
+            (acts.pre_saved, 0)
         below = (0 if trl_offload else pre_saved + acts.mid_saved) + sum(x for x, _ in stacks_saved)
         below_w = (0 if trl_offload else acts.pre_w + acts.mid_w) + sum(x for _, x in stacks_saved)
-        saved = below + acts.final_saved + head.saved
+        saved = below + final_input + acts.final_saved + head.saved
         saved_w = below_w + acts.final_w + head.saved_w
         candidates[f"{tag}|bwd|pre"] = _row(W, g_live + head_g, O, saved + head.bwd_peak_acts + head_a,
                                             head.bwd_peak, saved_w + head.bwd_peak_w)
         # The final norm's backward, once the head's is done: with a fused head (Liger, TRL) that keeps
         # no logits it can be the larger (an RMSNorm's backward makes several hidden-sized fp32 temporaries).
         fb = _layer_backward(acts.tape, "final", bool(m), head.bwd_after)
-        after_head = _row(W, g_live + head_g + fb.grads, O, below + fb.acts + head_a, fb.temp, below_w + fb.acts_w)
+        after_head = _row(W, g_live + head_g + fb.grads, O, below + final_input + fb.acts + head_a, fb.temp,
+                          below_w + fb.acts_w)
         if sum(after_head.values()) > sum(candidates[f"{tag}|bwd|pre"].values()):
             candidates[f"{tag}|bwd|pre"] = after_head
         if layerwise and not tied and any(lw_head):
@@ -471,7 +472,6 @@ def fast_step_memory(spec, settings) -> StepMemory:
                 inner, new_g = ((recompute_end, 0) if recompute_end >= lb.acts + lb.grads + lb.temp
                                 else (lb.acts + lb.temp, lb.grads))
                 kept = max(0, st.first_held)
-                # offloaded checkpoints: the running layer's input is back on the device while its recompute needs it
                 running = st.carry if kept_inputs or st.recompute_saves_input else 0
                 top = below + kept + (st.depth * st.carry if kept_inputs else running)
                 candidates[f"{tag}|bwd|{st.name}.first"] = _row(W, grads + new_g, O, top, inner + tied_tmp)
