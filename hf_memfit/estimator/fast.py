@@ -100,9 +100,9 @@ class _Activations:
     final_held_w: int
     tape: ForwardTape  # the symbolic forward, for the layers' backward
     gc_tape: ForwardTape | None  # the same without the KV cache, for checkpointing's recompute
-    # Checkpointing: (the first layer's input, among `pre_saved` but counted with the checkpoints' inputs;
-    # the last layer's output, which the final norm saves and no checkpoint holds)
-    gc_stack_ends: tuple[int, int] = (0, 0)
+    # Checkpointing: (the first layer's input if among `pre_saved`, where it is that layer's checkpoint input too;
+    # whether an embedding op keeps it on the device when offloaded; the last layer's output, saved by the final norm)
+    gc_stack_ends: tuple[int, bool, int] = (0, False, 0)
 
 
 def _ctx(spec, settings) -> StepContext:
@@ -300,13 +300,13 @@ def _activations(spec, settings) -> _Activations:
 
     pre, mid, fin = part("emb"), part("mid"), part("final")
     x0, x1 = out["input0"], out["output_last"]
-    saver = lambda t: f.tensors[t.first_save].scope if t.saved and (t.first_save or 0) < len(f.tensors) else None  # noqa: E731
+    saver = lambda t: f.tensors[t.first_save].scope if t.saved and (t.first_save or 0) < len(f.tensors) else None
     return _Activations(
         pre_saved=pre[0], pre_held=pre[1], stacks=stacks, mid_saved=mid[0], mid_held=mid[1],
         final_saved=fin[0], final_held=fin[1], head=head,
         pre_w=pre[2], pre_held_w=pre[3], mid_w=mid[2], mid_held_w=mid[3], final_w=fin[2], final_held_w=fin[3],
-        tape=f, gc_tape=gc_f, gc_stack_ends=(f.bytes_of(x0) if x0.scope == "emb" and saver(x0) not in ("emb", None)
-                                             else 0, f.bytes_of(x1) if saver(x1) == "final" else 0),
+        tape=f, gc_tape=gc_f, gc_stack_ends=(f.bytes_of(x0) if x0.scope == "emb" and x0.saved else 0,
+                                             saver(x0) == "emb", f.bytes_of(x1) if saver(x1) == "final" else 0),
     )
 
 
@@ -425,8 +425,8 @@ def fast_step_memory(spec, settings) -> StepMemory:
         candidates[f"{tag}|fwd|{last}.post"] = _row(W, g_live + head_g, O, end + head_a, 0, end_w)
         # --- backward: the head, then each stack top-down, then the embeddings --------
         stacks_saved = [stack_saved(st) for st in acts.stacks]
-        pre_saved, final_input = (acts.pre_saved - acts.gc_stack_ends[0], acts.gc_stack_ends[1]) if gc else \
-            (acts.pre_saved, 0)
+        first, by_emb, final_input = acts.gc_stack_ends if gc else (0, True, 0)
+        pre_saved = acts.pre_saved - (first if kept_inputs or not by_emb else 0)
         below = (0 if trl_offload else pre_saved + acts.mid_saved) + sum(x for x, _ in stacks_saved)
         below_w = (0 if trl_offload else acts.pre_w + acts.mid_w) + sum(x for _, x in stacks_saved)
         saved = below + final_input + acts.final_saved + head.saved
