@@ -67,6 +67,9 @@ class _Stack:
     held_w: int = 0  # ... among `held`
     first_saved_w: int = 0  # ... among `first_saved` / `first_held`
     first_held_w: int = 0
+    # checkpointing: whether a layer's recompute saves its input (an offloaded checkpoint's copy, brought
+    # back for the recompute, then stays on the device through the layer's backward; else it is freed after)
+    recompute_saves_input: bool = True
 
     def total(self, held: bool) -> int:
         per = self.saved + (self.held if held else 0)
@@ -97,6 +100,9 @@ class _Activations:
     final_held_w: int
     tape: ForwardTape  # the symbolic forward, for the layers' backward
     gc_tape: ForwardTape | None  # the same without the KV cache, for checkpointing's recompute
+    # Checkpointing: (the first layer's input if among `pre_saved`, where it is that layer's checkpoint input too;
+    # whether an embedding op keeps it on the device when offloaded; the last layer's output, saved by the final norm)
+    gc_stack_ends: tuple[int, bool, int] = (0, False, 0)
 
 
 def _ctx(spec, settings) -> StepContext:
@@ -202,8 +208,14 @@ def _layer_backward(f: ForwardTape, scope: str, accumulate: bool, residual_grad:
     best = _LayerBackward(live, 0, residual_grad, 0, live_w)
     for pos in range(end, start - 1, -1):
         t = by_pos.get(pos)
+        extra = f.backward_extra.get(pos, 0)
+        x = f.norm_inputs.get(pos)
+        if x is not None and t is not None and (x.base or x).last_use > pos:
+            # An RMSNorm whose fp32 input is read again later (the residual stream): the engine sums the
+            # product's piece (grad * rstd) into that input's waiting buffer before pow's backward runs.
+            extra -= f.bytes_of(t)
         tmp = (residual_grad + (2 * f.bytes_of(t) if t is not None and t.rg and t.alloc else 0) + tiled.get(pos, 0)
-               + f.backward_extra.get(pos, 0))
+               + extra)
         stepped = 0
         for numel, dtype, cast in grads_at.get(pos, ()):
             g = allocated_bytes(numel, DTYPE_BYTES[dtype], cuda)
@@ -240,7 +252,7 @@ def _run_forward(spec, settings, ctx: StepContext) -> tuple[ForwardTape, dict]:
     fam = family_of(spec).Forward(spec, settings, f)
     out = {}
     f.scope = "emb"
-    x = fam.embed()
+    x = out["input0"] = fam.embed()
     if ctx.packed:  # masking_utils builds the packed rows' block-diagonal mask once, [1, 1, s, s] bool
         f.hold(f.new(ctx.b * ctx.s * ctx.s, "bool", False))
     if spec.is_encoder_decoder:
@@ -262,7 +274,7 @@ def _run_forward(spec, settings, ctx: StepContext) -> tuple[ForwardTape, dict]:
             x = fam.layer(x, i)
             out.setdefault("carry0", x) if i == 1 else None
     f.scope = "final"
-    out["head_in"] = fam.final(x)
+    out["output_last"], out["head_in"] = x, fam.final(x)
     return f, out
 
 
@@ -272,11 +284,13 @@ def _activations(spec, settings) -> _Activations:
     gc_f = None
     if settings.gradient_checkpointing:
         # the recompute inside backward runs the layer as an ordinary forward (no KV cache)
-        gc_f, _ = _run_forward(spec, settings, ctx)
+        gc_f, gc_out = _run_forward(spec, settings, ctx)
     head = head_memory(spec, settings, f.ctx, f, out["head_in"])  # f.ctx: the decoder's, for seq2seq
     stacks = [_stack_summary(f, "s0", spec.num_layers, out["carry0"], gc_f)]
     if spec.is_encoder_decoder:
         stacks.append(_stack_summary(f, "s1", spec.num_decoder_layers, out["carry1"], gc_f))
+    for k, st in enumerate(stacks if gc_f is not None else ()):
+        st.recompute_saves_input = gc_out[f"carry{k}"].saved  # the next layer's ops save this layer's output
 
     def part(scope):
         saved, every = f.scope_bytes(scope, held=False), f.scope_bytes(scope, held=True)
@@ -285,17 +299,18 @@ def _activations(spec, settings) -> _Activations:
         return saved, every - saved, saved_w, every_w - saved_w
 
     pre, mid, fin = part("emb"), part("mid"), part("final")
+    x0, x1 = out["input0"], out["output_last"]
+    saver = lambda t: f.tensors[t.first_save].scope if t.saved and (t.first_save or 0) < len(f.tensors) else None
     return _Activations(
         pre_saved=pre[0], pre_held=pre[1], stacks=stacks, mid_saved=mid[0], mid_held=mid[1],
         final_saved=fin[0], final_held=fin[1], head=head,
         pre_w=pre[2], pre_held_w=pre[3], mid_w=mid[2], mid_held_w=mid[3], final_w=fin[2], final_held_w=fin[3],
-        tape=f, gc_tape=gc_f,
+        tape=f, gc_tape=gc_f, gc_stack_ends=(f.bytes_of(x0) if x0.scope == "emb" and x0.saved else 0,
+                                             saver(x0) == "emb", f.bytes_of(x1) if saver(x1) == "final" else 0),
     )
 
 
-# ---------------------------------------------------------------------------
-# The step: model states plus activations, region by region
-# ---------------------------------------------------------------------------
+# --- The step: model states plus activations, region by region ---------------------------------
 
 
 def _row(weights, gradients, optimizer, activations, temporary, weight_copies=0) -> dict[str, int]:
@@ -410,16 +425,19 @@ def fast_step_memory(spec, settings) -> StepMemory:
         candidates[f"{tag}|fwd|{last}.post"] = _row(W, g_live + head_g, O, end + head_a, 0, end_w)
         # --- backward: the head, then each stack top-down, then the embeddings --------
         stacks_saved = [stack_saved(st) for st in acts.stacks]
-        below = (0 if trl_offload else acts.pre_saved + acts.mid_saved) + sum(x for x, _ in stacks_saved)
+        first, by_emb, final_input = acts.gc_stack_ends if gc else (0, True, 0)
+        pre_saved = acts.pre_saved - (first if kept_inputs or not by_emb else 0)
+        below = (0 if trl_offload else pre_saved + acts.mid_saved) + sum(x for x, _ in stacks_saved)
         below_w = (0 if trl_offload else acts.pre_w + acts.mid_w) + sum(x for _, x in stacks_saved)
-        saved = below + acts.final_saved + head.saved
+        saved = below + final_input + acts.final_saved + head.saved
         saved_w = below_w + acts.final_w + head.saved_w
         candidates[f"{tag}|bwd|pre"] = _row(W, g_live + head_g, O, saved + head.bwd_peak_acts + head_a,
                                             head.bwd_peak, saved_w + head.bwd_peak_w)
         # The final norm's backward, once the head's is done: with a fused head (Liger, TRL) that keeps
         # no logits it can be the larger (an RMSNorm's backward makes several hidden-sized fp32 temporaries).
         fb = _layer_backward(acts.tape, "final", bool(m), head.bwd_after)
-        after_head = _row(W, g_live + head_g + fb.grads, O, below + fb.acts + head_a, fb.temp, below_w + fb.acts_w)
+        after_head = _row(W, g_live + head_g + fb.grads, O, below + final_input + fb.acts + head_a, fb.temp,
+                          below_w + fb.acts_w)
         if sum(after_head.values()) > sum(candidates[f"{tag}|bwd|pre"].values()):
             candidates[f"{tag}|bwd|pre"] = after_head
         if layerwise and not tied and any(lw_head):
@@ -442,7 +460,9 @@ def fast_step_memory(spec, settings) -> StepMemory:
             below -= stacks_saved[k][0]
             below_w -= stacks_saved[k][1]
             tape = acts.gc_tape if gc else acts.tape
-            lb = _layer_backward(tape, f"{st.name}.L1", bool(m), st.carry + head.bwd_after, lw_layer_step)
+            # The residual stream's gradient is one buffer: the engine sums each piece into it in place
+            # (input_buffer.cpp `accumulate`; StorageTracker._engine_sums_in_place); the head's is gone by now.
+            lb = _layer_backward(tape, f"{st.name}.L1", bool(m), st.carry, lw_layer_step)
             if gc:
                 # Checkpointing keeps each layer's input. Backward first re-runs the layer's
                 # forward (everything it saves, plus its output, beside the incoming grad),
@@ -452,10 +472,11 @@ def fast_step_memory(spec, settings) -> StepMemory:
                 inner, new_g = ((recompute_end, 0) if recompute_end >= lb.acts + lb.grads + lb.temp
                                 else (lb.acts + lb.temp, lb.grads))
                 kept = max(0, st.first_held)
-                top = below + kept + (st.depth if kept_inputs else 1) * st.carry
+                running = st.carry if kept_inputs or st.recompute_saves_input else 0
+                top = below + kept + (st.depth * st.carry if kept_inputs else running)
                 candidates[f"{tag}|bwd|{st.name}.first"] = _row(W, grads + new_g, O, top, inner + tied_tmp)
                 candidates[f"{tag}|bwd|{st.name}.last"] = _row(
-                    W, grads + (st.depth - 1) * lb.layer_grads + new_g, O, below + kept + st.carry,
+                    W, grads + (st.depth - 1) * lb.layer_grads + new_g, O, below + kept + running,
                     inner + tied_tmp)
             else:
                 rest = (st.depth - 1) * trl_kept(st) if trl_offload else st.first_saved + (st.depth - 1) * st.saved

@@ -10,7 +10,7 @@ into peak candidates. Nothing here imports torch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from hf_memfit.units import cuda_block_bytes
 
@@ -121,6 +121,8 @@ class ForwardTape:
         self.tiled_backward: list[tuple[int, str, "ForwardTape", int]] = []
         # tape position -> bytes an op's backward keeps beyond the output-sized gradients every op is given
         self.backward_extra: dict[int, int] = {}
+        # an RMSNorm's output position -> its fp32 input, when the norm reads that input without a copy
+        self.norm_inputs: dict[int, SymTensor] = {}
 
     # -- bookkeeping ---------------------------------------------------------
 
@@ -230,13 +232,21 @@ class ForwardTape:
                         inputs=(a, b))
 
     def mul(self, a: SymTensor, b: SymTensor) -> SymTensor:
-        """`a * b`: saves each operand that the other's gradient needs."""
+        """`a * b`: saves each operand that the other's gradient needs.
+
+        With both operands needing grad, its backward (MulBackward0, derivatives.yaml: `grad * other`,
+        `grad * self`) makes both output-sized gradients in one node, beside the incoming one: one more than
+        the output-sized pair every op is given (a broadcast operand's is summed down only afterwards).
+        """
         if b.rg:
             self.save(a)
         if a.rg:
             self.save(b)
-        return self.new(max(a.numel, b.numel), _promote(a.dtype, b.dtype), a.rg or b.rg, layout=a.layout,
-                        inputs=(a, b))
+        out = self.new(max(a.numel, b.numel), _promote(a.dtype, b.dtype), a.rg or b.rg, layout=a.layout,
+                       inputs=(a, b))
+        if a.rg and b.rg and not self.no_grad:
+            self.backward_extra[out.idx] = self.backward_extra.get(out.idx, 0) + self.bytes_of(out)
+        return out
 
     def dropout(self, x: SymTensor, p: float) -> SymTensor:
         """Training-mode dropout with p > 0: the mask (saved) and the output.
@@ -402,6 +412,8 @@ class ForwardTape:
             # (grad * rstd), the one towards rstd (grad * x32), mean's expanded gradient and pow's product
             # (2 * x32 * grad) before the two sums meet; exact mode counts five at once.
             self.backward_extra[normed.idx] = RMS_NORM_BACKWARD_EXTRA * self.bytes_of(normed)
+            if x32 is x:  # `_layer_backward`: one fewer when x's gradient has a buffer already (the residual)
+                self.norm_inputs[normed.idx] = x
         if style == "gemma":
             w1 = self.new(h, "f32", trainable)  # 1 + weight.float()
             out = self.mul(normed, w1)
@@ -578,25 +590,9 @@ class FamilyForward:
         self.h = spec.hidden_size
         self.T = f.ctx.tokens
         if getattr(settings, "tiled_mlp", False) and hasattr(self, "_mlp"):
-            self._mlp = self._tiled_mlp
+            from hf_memfit.models.tiling import tiled_mlp
 
-    def _tiled_mlp(self, x: SymTensor) -> SymTensor:
-        """The family's `_mlp` under ALST's TiledMLP: shards of about `hidden_size` tokens (`ForwardTape.tiled`)."""
-        main, mlp = self.f, type(self)._mlp
-
-        def run(tape: ForwardTape, shard: SymTensor) -> SymTensor:
-            self.f, self.ctx = tape, tape.ctx
-            try:
-                return mlp(self, shard)
-            finally:
-                self.f, self.ctx = main, main.ctx
-
-        ctx = main.ctx
-        from hf_memfit.models.tiling import tiled, tiled_mlp_shards
-
-        shards = tiled_mlp_shards(ctx.s, self.h)
-        recompute = replace(ctx, ac=None, wdt=ctx.wdt)  # backward runs without autocast
-        return tiled(main, run, x, ctx.b, ctx.s, self.h, shards, recompute)
+            self._mlp = lambda x: tiled_mlp(self, type(self)._mlp, x)  # ALST's TiledMLP around the family's MLP
 
     def start_decoder(self):
         """Between an encoder-decoder's stacks: the decoder's own sequence length, where it differs."""

@@ -1,4 +1,4 @@
-"""ALST's TiledMLP on the fast mode's forward tape (`FamilyForward._tiled_mlp` calls it).
+"""ALST's TiledMLP on the fast mode's forward tape (`FamilyForward` calls `tiled_mlp`).
 
 `estimator/step_levers.tile_mlps` installs the real one (DeepSpeed's `TiledMLP`) for exact mode and
 the CPU measurement; this module writes what it does to memory in `ForwardTape` terms, and
@@ -6,6 +6,8 @@ the CPU measurement; this module writes what it does to memory in `ForwardTape` 
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 # `ForwardTape`, `StepContext` and `SymTensor` are models/forward.py's; named in annotations only (no import:
 # forward.py calls this module).
@@ -50,3 +52,19 @@ def tiled(tape: ForwardTape, run, x: SymTensor, rows: int, seq: int, out_width: 
         tape.grad_events.append((full.idx, tape.scope, numel, dtype, None))
     tape.tiled_backward.append((full.idx, tape.scope, sub, tape.bytes_of(x)))
     return full
+
+
+def tiled_mlp(fam, mlp, x: SymTensor) -> SymTensor:
+    """A family's `_mlp` (`mlp`, unbound) under ALST's TiledMLP: shards of about `hidden_size` tokens (`tiled`)."""
+    main = fam.f
+
+    def run(tape: ForwardTape, shard: SymTensor) -> SymTensor:
+        fam.f, fam.ctx = tape, tape.ctx
+        try:
+            return mlp(fam, shard)
+        finally:
+            fam.f, fam.ctx = main, main.ctx
+
+    ctx = main.ctx
+    recompute = replace(ctx, ac=None, wdt=ctx.wdt)  # backward runs without autocast
+    return tiled(main, run, x, ctx.b, ctx.s, fam.h, tiled_mlp_shards(ctx.s, fam.h), recompute)
