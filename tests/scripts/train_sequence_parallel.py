@@ -63,3 +63,7 @@ with open(os.path.join(out, f"rank{os.environ['RANK']}.json"), "w") as handle:
                "accumulation": s.gradient_accumulation_steps, "zero_stage": s.zero_stage,
                "loss": logs.records.get("train_loss"),
                **{k: v for k, v in logs.records.items() if k.startswith("memfit/")}}, handle)
+# Tear the gloo group down before the interpreter exits: left to exit, a rank's gloo threads can be destroyed
+# still joinable ("terminate called without an active exception", SIGABRT), and torchrun then fails the run.
+torch.distributed.barrier()
+torch.distributed.destroy_process_group()
