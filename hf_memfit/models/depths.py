@@ -45,14 +45,21 @@ def _axes(spec) -> list[tuple[int, int]]:
     if spec.is_encoder_decoder and getattr(spec, "num_decoder_layers", 0):
         axes.append((spec.num_decoder_layers, period))
     for tower in towers(spec):
-        if tower["special"] is None:
-            axes.append((tower["depth"], tower["period"]))
-        elif period == 1:
+        if _by_kinds(spec, tower):
             specials = len(tower["special"])
             axes += [(tower["depth"] - specials, 1), (specials, 1)]
-        else:  # the region classes keep a main-stack period of layers at each end (`estimator/regions.py`), and
-            axes.append((tower["depth"], tower["depth"]))  # in a by-kinds tower those are not one kind at every depth
+        elif tower["special"] is None:
+            axes.append((tower["depth"], tower["period"]))
+        else:
+            axes.append((tower["depth"], tower["depth"]))  # whole
     return axes
+
+
+def _by_kinds(spec, tower: dict) -> bool:
+    """Whether a tower has one axis per kind of layer. Only beside a period-1 main stack: the region classes
+    keep a main-stack period of layers at each end (`estimator/regions.py`), and in a by-kinds tower those
+    would not be one kind at every traced depth."""
+    return tower["special"] is not None and (getattr(spec, "layer_period", 1) or 1) == 1
 
 
 def towers(spec) -> list[dict]:
@@ -66,8 +73,8 @@ def real_depths(spec) -> tuple[int, ...]:
 
 
 def depth_plan(spec, extrapolate: bool = True) -> DepthPlan:
-    """The base depths (two periods of each axis) and one grown set (three periods) per axis that is deeper
-    than three periods; every axis at its real depth where none is (or `extrapolate` is off).
+    """The base depths (two periods of each axis) and one grown set (three periods) per axis deeper than its
+    base; every axis at its real depth where none is deeper than three periods (or `extrapolate` is off).
 
     The first layer of a stack can differ from the rest (T5's relative position bias lives in layer 0),
     so an axis is extrapolated from 2p to 3p layers, where the first and the last layer are distinct and
@@ -97,7 +104,7 @@ def config_with_depths(spec, depths: tuple[int, ...]) -> dict:
     for tower in towers(spec):
         holder = _holder(config, tower["key"])
         *_, depth_key = tower["key"].split(".")
-        if tower["special"] is None or (getattr(spec, "layer_period", 1) or 1) > 1:
+        if not _by_kinds(spec, tower):
             holder[depth_key] = depths[at]
             at += 1
             continue
