@@ -58,7 +58,7 @@ def trace_timeline(spec, settings: TrainSettings, label: str = "", samples: int 
 
     depths = real_depths(spec)
     local = local_step_settings(traced_settings(settings))  # a sequence-parallel rank's share of each row
-    trace = trace_step(config_with_depths(spec, depths), local, depths)
+    trace = trace_step(config_with_depths(spec, depths), local, depths, short_warm_up=False)  # step 1 drawn as it runs
     step = full_depth_step_memory(trace, local)
     estimate = assemble(spec, settings, with_sequence_terms(spec, traced_settings(settings), step))
     rank = _RankLayout(spec, settings, step)

@@ -305,21 +305,26 @@ def _module_names(tracker: StorageTracker, model):
 
 
 def trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], *, steps: int = 2,
-               shapes: tuple[tuple[int, int], ...] = ()) -> TraceResult:
+               shapes: tuple[tuple[int, int], ...] = (), short_warm_up: bool = True) -> TraceResult:
     """Trace `steps` optimizer steps of the model built from `config` with the given stack depths.
 
     The steady-state peak is the one of the last step, when optimizer states exist.
     `depths` is informational here; the config already carries them.
 
+    The first step is a warm-up: it is there to leave the optimizer's states (and whatever else a step
+    leaves behind) for the steps that count, whose region peaks are the only ones kept. With
+    `short_warm_up` it runs one micro-batch of rows cut to `WARM_UP_TOKENS` (`warm_up_settings`); the
+    timeline `explain` draws passes False, to show the first step as it runs.
+
     `shapes` ((batch, seq, micro-batches) triples, for `parametric.py`; a fourth item is another precision
-    of the same autocast build, for that step): one warm-up
-    step of one micro-batch at the settings' own shape, then one steady-state step
+    of the same autocast build, for that step): after the warm-up, one steady-state step
     per shape on the same built model, so one build serves every point. Region peaks (with their clocks in
     `tracker.region_peaks`) are then kept for every step but the warm-up, and no
     breakdowns are computed here (the caller sweeps the events once for all of them).
     """
     if shapes:
         steps = 1 + len(shapes)
+    warm_up = warm_up_settings(settings) if short_warm_up else settings
     cuda = settings.device == "cuda"
     tracker = StorageTracker(round_to=CUDA_BLOCK_BYTES if cuda else 1)  # the caching allocator's blocks
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -368,14 +373,19 @@ def trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], *
             position["step"] = step_index
             if stash is not None:
                 stash.peak = stash.live
-            for micro in range(micro_batches if not shapes else shapes[step_index - 1][2] if step_index else 1):
+            if step_index == 0:
+                shaped, micros = warm_up, (1 if short_warm_up else micro_batches)
+            elif shapes:
+                batch_size, seq_len, micros, *precision = shapes[step_index - 1]
+                shaped = settings.replace(batch_size=batch_size, seq_len=seq_len,
+                                          precision=(precision or [None])[0] or settings.precision)
+            else:
+                shaped, micros = settings, micro_batches
+            for micro in range(micros):
                 position["micro"] = micro
                 tracker.phase = "inputs"
                 tracker.set_region(f"{step_tag()}|fwd|pre")
-                tracker.markers.append((tracker.clock, f"step {step_index + 1} forward{_micro_label(micro, settings)}"))
-                shaped = settings if not shapes or step_index == 0 else \
-                    settings.replace(batch_size=shapes[step_index - 1][0], seq_len=shapes[step_index - 1][1],
-                                     precision=(shapes[step_index - 1][3:] or (None,))[0] or settings.precision)
+                tracker.markers.append((tracker.clock, f"step {step_index + 1} forward{_micro_label(micro, shaped)}"))
                 batch = training.make_batch(shaped, config)
                 tracker.phase = "forward"
                 _forward_backward(model, batch, shaped, tracker, step_tag)
@@ -426,6 +436,23 @@ def trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], *
             result.region_peaks[region] = live
             result.region_breakdowns[region] = tracker.breakdown_at(clock)
     return result
+
+
+# The warm-up step's rows are cut to this many tokens (decoder rows too): enough for any attention window or
+# chunk to be exercised as at full length, short enough that a long row's tiled compute (a TiledMLP row of
+# 400K tokens is 100 shards in every layer, forward and again in backward) is not run once more for nothing.
+WARM_UP_TOKENS = 128
+
+
+def warm_up_settings(settings: TrainSettings) -> TrainSettings:
+    """The warm-up step's settings: the same model, optimizer and levers, rows of at most `WARM_UP_TOKENS`.
+
+    What the warm-up has to leave for the measured step does not depend on the rows' length: the optimizer's
+    states are the trainable parameters' size, and so is every gradient a backward makes.
+    """
+    short = {name: min(value, WARM_UP_TOKENS) for name in ("seq_len", "decoder_seq_len")
+             if (value := getattr(settings, name)) is not None}
+    return settings.replace(**short) if short else settings
 
 
 def _micro_label(micro: int, settings: TrainSettings) -> str:
@@ -512,7 +539,7 @@ def _exact_candidates(spec, settings: TrainSettings, *, extrapolate: bool = True
             for key in extrapolated:
                 extrapolated[key] += steps * (grown_breakdown[key] - base_breakdown[key])
         candidates[cls] = {k: max(0, int(round(v))) for k, v in extrapolated.items()}
-    result = _exact_result(candidates, traces, real, depth_sets[0][0], traces[0], settings, spec)
+    result = _exact_result(candidates, traces[0], settings, spec)
 
     def grow(attr):  # parameter counts grow linearly with depth too
         base_value = getattr(traces[0], attr)
@@ -546,10 +573,11 @@ def _depth_trace(spec, settings: TrainSettings, depths: tuple[int, ...], number:
 def full_depth_step_memory(trace: TraceResult, settings: TrainSettings, spec=None) -> StepMemory:
     """Exact mode's candidates from a trace at the model's real depth (nothing to extrapolate)."""
     candidates = {r: b for r, (_, b) in by_class(trace).items()}  # every layer a class (`regions.py`)
-    return _exact_result(candidates, [trace], trace.depths, trace.depths[0], trace, settings, spec)
+    return _exact_result(candidates, trace, settings, spec)
 
 
-def _exact_result(candidates, traces, real, base, trace, settings, spec=None) -> StepMemory:
+def _exact_result(candidates, trace: TraceResult, settings: TrainSettings, spec=None) -> StepMemory:
+    """The candidates with `trace`'s parameter facts (the shallowest trace's, where depths were extrapolated)."""
     step = StepMemory(candidates, trace.trainable_params, trace.total_params, trace.largest_param_numel,
                       trace.quantizable_linear_params, trace.largest_linear_numel, host_bytes=trace.host_bytes)
     moe = getattr(spec, "moe", None)
