@@ -141,21 +141,17 @@ def calibrate_many(spec, many: list) -> list[dict]:
     from hf_memfit.estimator.parametric import _import_for_traces, _trace_summary
     from hf_memfit.models.depths import depth_plan
 
-    plans = []
+    plan = depth_plan(spec)  # the model's, whatever the settings
+    jobs = []
     for settings in many:
         micro = 1 if settings.optimizer.layerwise else 2  # layerwise optimizers step inside backward: no accumulation
         points = tuple((b, settings.seq_len, min(m, micro)) for b, _, m in POINTS)
         traced = settings.replace(mode="exact", batch_size=1, gradient_accumulation_steps=micro)
-        plans.append((points, traced, depth_plan(spec)))
-    jobs = [(spec, traced, depths, points) for points, traced, plan in plans for depths in plan.depth_sets]
+        jobs += [(spec, traced, depths, points) for depths in plan.depth_sets]
     _import_for_traces(many)
     summaries = run_jobs(_trace_summary, jobs)
-    fits, at = [], 0
-    for settings, (points, _, plan) in zip(many, plans):
-        count = len(plan.depth_sets)
-        fits.append(_fit(settings, plan, summaries[at:at + count]))
-        at += count
-    return fits
+    count = len(plan.depth_sets)
+    return [_fit(settings, plan, summaries[at:at + count]) for settings, at in zip(many, range(0, len(jobs), count))]
 
 
 def _fit(settings, plan, summaries: list[dict]) -> dict:
