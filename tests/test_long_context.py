@@ -11,8 +11,8 @@ from hf_memfit.errors import MemFitError, NothingFits
 from hf_memfit.estimator.assemble import estimate_settings
 from hf_memfit.estimator.measure import measure_cpu_peak
 from hf_memfit.models.spec import ModelSpec
-from hf_memfit.planner.longest import longest_seq_len
-from hf_memfit.planner.search import plan
+from hf_memfit.planner.longest import longest_seq_len, probe_headroom
+from hf_memfit.planner.search import DEFAULT_HEADROOM, plan
 from hf_memfit.settings import TrainSettings
 
 LONG_LLAMA = dict(TINY_LLAMA, max_position_embeddings=2048)
@@ -90,14 +90,22 @@ def test_tiled_mlp_is_refused_for_a_mixture_of_experts(capsys, tmp_path):
     assert "`--tiled-mlp`" in err and "mixture of experts" in err and len(err.strip().splitlines()) == 1
 
 
-def test_seq_len_max_is_the_longest_length_the_planner_fits(llama):
+def test_seq_len_max_is_the_longest_length_the_planner_fits(llama, monkeypatch):
+    from hf_memfit.planner import longest as search
+
     kwargs = dict(global_batch_size=2, gpu_memory="1100MiB", gpu="h100", tiled_mlp=False)
+    confirmations = []
+    probe_or_confirm = search.plan
+    monkeypatch.setattr(search, "plan", lambda *a, **k: (k.get("confirm_in_exact", True) and confirmations.append(
+        k["seq_len"])) or probe_or_confirm(*a, **k))
     longest = longest_seq_len(llama, **kwargs)
-    # The answer is a plan, and a plan at the next length the search tried is refused.
+    assert confirmations == [longest.seq_len]  # the search's margin: exact mode confirms its first answer
+    # The answer is a plan, and a plan at the next length the search tried is refused with the margin the
+    # search keeps for fast mode's error.
     assert plan(llama, seq_len=longest.seq_len, **kwargs).plan.settings.seq_len == longest.seq_len
     refused = min(p.seq_len for p in longest.points if not p.fits and p.seq_len > longest.seq_len)
     with pytest.raises(NothingFits):
-        plan(llama, seq_len=refused, **kwargs)
+        plan(llama, seq_len=refused, headroom=probe_headroom(DEFAULT_HEADROOM), **kwargs)
     assert refused - longest.seq_len <= max(64, longest.seq_len // 64)
     table = longest.scaling()
     fits = [p for p in table if p.fits]

@@ -3,7 +3,8 @@
 Memory grows monotonically with the sequence for every layout the planner searches (activations,
 temporaries and the loss are all at least linear in the tokens; model states do not change), so
 the longest fitting length is found by doubling from `SCALE_FROM` until a length does not fit,
-then bisecting. Each probe is a whole `plan()` in fast mode, so every lever the plan may use
+then bisecting. The probes keep `FAST_MODE_MARGIN` of the usable memory spare for fast mode's error, so
+that the one exact-mode confirmation holds. Each probe is a whole `plan()` in fast mode, so every lever the plan may use
 (checkpointing, offload, ZeRO / FSDP, sequence parallelism, Liger, tiled MLP ...) is used to get
 there, with the same global batch. Only the answer is confirmed in exact mode (as any plan near
 its budget is); the probes are not, which is what keeps a cold answer to seconds.
@@ -22,7 +23,7 @@ from hf_memfit.estimator.forked import import_for_traces, run_beside
 from hf_memfit.models.spec import ModelSpec, resolve_model
 from hf_memfit.planner.explain import layout_text
 from hf_memfit.planner.result import PlanResult
-from hf_memfit.planner.search import plan
+from hf_memfit.planner.search import DEFAULT_HEADROOM, plan
 from hf_memfit.units import format_bytes
 
 SCALE_FROM = 8192  # the scaling table starts here (the issue's "from 8K")
@@ -34,6 +35,11 @@ LONGEST = 2**24
 # and never under 64 tokens (so it divides by any sequence-parallel degree up to 64).
 RESOLUTION = 64
 MIN_GRANULE = 64
+# The probes keep this fraction of the usable memory spare, for fast mode's error against exact mode: at
+# most 0.33% of the device total over section 6's 13 configurations and -0.01% on the long-context rows of
+# section 17 (docs/benchmarks.md). Without it the search's answer sits on the budget's edge, exact mode
+# refuses it by a few MB, and the confirmation (two traces of the whole step) runs a second time.
+FAST_MODE_MARGIN = 0.005
 # Each probe's line goes where exact mode's progress goes: on a terminal at once, in logs only if slow.
 _progress_log = logging.getLogger("hf_memfit.progress")
 
@@ -103,7 +109,8 @@ def longest_seq_len(model: str | ModelSpec, *, progress=None, **plan_kwargs) -> 
         bound = limit_reason
     else:
         over = min(k for k, p in points.items() if not p.fits and k > answer)
-        bound = f"the budget: {over:,} tokens would not fit"
+        bound = (f"the budget: {over:,} tokens would not fit with {100 * FAST_MODE_MARGIN:g}% of it spare "
+                 "for fast mode's error")
     return LongestResult(answer, result, bound, [points[k] for k in sorted(points)], len(points))
 
 
@@ -147,15 +154,21 @@ def _search(spec: ModelSpec, limit: int, plan_kwargs: dict):
     return low, high, points
 
 
+def probe_headroom(headroom: float) -> float:
+    """The probes' headroom: the user's, and `FAST_MODE_MARGIN` of what it leaves usable."""
+    return 1 - (1 - headroom) * (1 - FAST_MODE_MARGIN)
+
+
 def _probe(spec, seq_len: int, points: dict, plan_kwargs: dict, not_fitting: dict | None = None,
            shortened: set | None = None) -> bool:
-    """Plan `seq_len` in fast mode with no exact confirmation, into `points`; whether it fits."""
+    """Plan `seq_len` in fast mode with no exact confirmation (and `probe_headroom`), into `points`; whether it fits."""
     if seq_len not in points:
         _progress_log.info("--seq-len max: planning %s tokens", f"{seq_len:,}")
         leaves_out = not_fitting is not None and any(shortest <= seq_len for shortest in not_fitting.values())
+        kwargs = {**plan_kwargs, "headroom": probe_headroom(plan_kwargs.get("headroom", DEFAULT_HEADROOM))}
         try:
             result = plan(spec, seq_len=seq_len, mode="fast", confirm_in_exact=False, not_fitting=not_fitting,
-                          **plan_kwargs)
+                          **kwargs)
         except NothingFits as refused:
             points[seq_len] = LengthPoint(seq_len, False, why_not=str(refused))
             if leaves_out:

@@ -52,11 +52,14 @@ from hf_memfit.settings import TrainSettings
 from hf_memfit.units import parse_bytes
 
 
+DEFAULT_HEADROOM = 0.05  # the fraction of the budget a plan keeps free (`--headroom`)
+
+
 def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_memory: str | int | None = None,
          gpu: str | None = None, task: str | None = None, num_labels: int = 2, num_gpus: int = 1, num_nodes: int = 1,
          lora_r: int | None = None, lora_alpha: int | None = None, lora_target_modules=None,
          load_in_4bit: bool = False, allow_offload: str = "cpu", cpu_memory: str | int | None = None,
-         nvme_path: str | None = None, headroom: float = 0.05, keep_optimizer: bool = False,
+         nvme_path: str | None = None, headroom: float = DEFAULT_HEADROOM, keep_optimizer: bool = False,
          optim: str = "adamw_torch_fused", device: str = "cuda", mode: str = "fast",
          precision: str | None = None, deepspeed_layout: tuple[int, str, str] | None = None,
          fsdp_layout: tuple[str, int, bool] | None = None, bnb_4bit_use_double_quant: bool = True,
@@ -162,7 +165,7 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
     else:
         precision_reason = f"precision {precision}: as the model was loaded"
     if attn_implementation is None:
-        attn, attn_reason = _attention(gpu_info, device)
+        attn, attn_reason = attention_choice(spec, gpu_info, device)
     else:
         attn, attn_reason = attn_implementation, f"attention {attn_implementation}: as the model was loaded"
     base = TrainSettings(
@@ -330,7 +333,11 @@ def _precision(gpu_info, device: str, load_in_4bit: bool) -> tuple[str, str]:
     return "fp16-mixed", f"fp16 mixed precision with loss scaling: the {gpu_info.name} has no bf16"
 
 
-def _attention(gpu_info, device: str) -> tuple[str, str]:
+def attention_choice(spec: ModelSpec, gpu_info, device: str) -> tuple[str, str]:
+    """The attention implementation a plan loads the model with, and its one-line reason."""
+    if not spec.sdpa:  # as transformers builds it; asking it for SDPA would raise
+        return "eager", (f"attention eager: transformers builds `{spec.model_type}` with eager only"
+                         + (" (its state-space mixers have no attention)" if spec.ssm_mixers else ""))
     if device == "cpu":
         return "sdpa", "attention sdpa: the CPU's fused SDPA kernel"
     flash_ok = gpu_info is None or gpu_info.supports_flash_attention
