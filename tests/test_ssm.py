@@ -173,3 +173,15 @@ def test_the_plan_and_the_trainer_follow_the_installed_kernels(monkeypatch):
     assert introspect.ssm_kernel_path(spec, on_gpu=False, notes=[]) == "torch"
     assert introspect.ssm_kernel_path(_spec("gpt2", dict(model_type="gpt2", n_layer=2, n_embd=64, n_head=4,
                                                          vocab_size=256)), on_gpu=True, notes=[]) is None
+
+
+
+def test_a_model_without_attention_is_planned_eager_as_transformers_builds_it():
+    from hf_memfit.hardware import find_gpu
+    from hf_memfit.planner.search import attention_choice
+
+    mamba, jamba = _spec("mamba", TINY_MAMBA), _spec("jamba", TINY_JAMBA)
+    assert not mamba.sdpa and jamba.sdpa  # Jamba's attention layers have SDPA; Mamba has no attention at all
+    attention, reason = attention_choice(mamba, find_gpu("h100"), "cuda")
+    assert attention == "eager" and "no attention" in reason
+    assert attention_choice(jamba, find_gpu("h100"), "cuda")[0] != "eager"

@@ -260,6 +260,7 @@ def describe(name: str, config: dict) -> dict:
     fields["layer_period"] = facts["layer_period"]
     fields["learned_positions"] = facts["tasks"][_task_key(fields["default_task"], 2)].pop("learned_positions")
     fields["tileable_mlp"] = facts["tasks"][_task_key(fields["default_task"], 2)].pop("tileable_mlp")
+    fields["sdpa"] = facts["tasks"][_task_key(fields["default_task"], 2)].pop("sdpa")
     facts["ssm_mixers"] = facts["tasks"][_task_key(fields["default_task"], 2)].pop("ssm_mixers")
     facts["towers"] = facts["tasks"][_task_key(fields["default_task"], 2)].pop("towers")
     write_cache("specs", key, facts)
@@ -302,6 +303,7 @@ def _task_facts(config: dict, task: str, num_labels: int, fields: dict) -> dict:
         "learned_positions": _has_position_table(model, fields["max_position_embeddings"]),
         "tileable_mlp": bool(stack is not None and dense_mlps(stack)),
         "ssm_mixers": ssm.mixers(model),
+        "sdpa": getattr(model.config, "_attn_implementation", "sdpa") == "sdpa",  # built as transformers picks
     }
 
 
@@ -390,6 +392,7 @@ def task_facts(name: str, config: dict, facts: dict, task: str, num_labels: int)
         found.pop("towers", None)
         found.pop("learned_positions", None)
         found.pop("tileable_mlp", None)
+        found.pop("sdpa", None)
         facts["tasks"][key] = found
         write_cache("specs", config_key(config), facts)
     return facts["tasks"][key]

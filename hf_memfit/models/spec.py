@@ -315,6 +315,9 @@ class ModelSpec:
     learned_positions: bool = False
     # Each layer has a dense `mlp` that ALST's TiledMLP can compute in sequence shards (`--tiled-mlp`).
     tileable_mlp: bool = False
+    # transformers builds the model with SDPA attention by default. False where it has only eager: a model
+    # with no attention at all (Mamba) refuses every other implementation (`models/build.instantiate`).
+    sdpa: bool = True
     # The generic path's facts (`generic.describe`): linear modules and counts per task, MoE routing.
     generic: dict | None = field(default=None, repr=False, compare=False)
 
