@@ -68,6 +68,15 @@ QWEN25VL = dict(model_type="qwen2_5_vl", hidden_size=256, intermediate_size=688,
 SMOLVLM = dict(model_type="idefics3", image_token_id=7999, scale_factor=2, text_config=TEXT,
                vision_config=dict(hidden_size=192, intermediate_size=768, num_hidden_layers=4, num_attention_heads=3,
                                   image_size=128, patch_size=16))
+# LLaVA-NeXT (LLaVA-v1.6's architecture): a Mistral LM, CLIP tiles of 112 px in 16-px patches (7 x 7 features each);
+# a 256-px image takes the 224 x 224 pinpoint: 2 x 2 tiles + the base, 14 x 14 + 14 newlines + 49 = 259 tokens
+LLAVA_NEXT = dict(model_type="llava_next", image_token_index=7999,
+                  image_grid_pinpoints=[[112, 224], [224, 112], [224, 224]],
+                  text_config=dict(TEXT, model_type="mistral"),
+                  vision_config=dict(model_type="clip_vision_model", hidden_size=192, intermediate_size=768,
+                                     num_hidden_layers=4, num_attention_heads=3, image_size=112, patch_size=16,
+                                     projection_dim=192))
+LLAVA_NEXT_TOKENS, LLAVA_NEXT_TILES = 14 * 14 + 14 + 7 * 7, 5
 
 # name -> (trainer, config, task Auto class, row maker, argument extras)
 ROWS = {
@@ -99,6 +108,10 @@ ROWS = {
                                     {"freeze": "visual"}),
     "qwen2.5vl-sft-tight": ("sft", QWEN25VL, "AutoModelForImageTextToText", "qwen-images", {"budget_fraction": 0.45}),
     "smolvlm-sft": ("sft", SMOLVLM, "AutoModelForImageTextToText", "smol-images", {}),
+    "llava-next-vlm": ("trainer", LLAVA_NEXT, "AutoModelForImageTextToText", "llava-next", {}),
+    "llava-next-sft": ("sft", LLAVA_NEXT, "AutoModelForImageTextToText", "llava-next-images", {}),
+    "llava-next-sft-tight": ("sft", LLAVA_NEXT, "AutoModelForImageTextToText", "llava-next-images",
+                             {"budget_fraction": 0.45}),
 }
 BATCH = 4
 SEQ = 256
@@ -111,7 +124,8 @@ def image_rows(kind: str, n: int = 8) -> list[dict]:
     from PIL import Image
 
     g = np.random.default_rng(0)
-    placeholder = {"llava-images": "<image> ", "gemma3-images": "<boi> ", "smol-images": "<image> ",
+    placeholder = {"llava-images": "<image> ", "llava-next-images": "<image> ", "gemma3-images": "<boi> ",
+                   "smol-images": "<image> ",
                    "qwen-images": "<|vision_start|> <|image_pad|> <|vision_end|> "}[kind]
     words = lambda n: " ".join(f"w{int(i)}" for i in g.integers(2, 7950, n))  # noqa: E731
     return [{"images": [Image.fromarray(g.integers(0, 255, (256, 256, 3), dtype=np.uint8))],
@@ -123,7 +137,8 @@ def processor(kind: str):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    specials = {"llava-images": {"<image>": 7999}, "gemma3-images": {"<boi>": 7997, "<eoi>": 7998, "<img>": 7999},
+    specials = {"llava-images": {"<image>": 7999}, "llava-next-images": {"<image>": 7999},
+                "gemma3-images": {"<boi>": 7997, "<eoi>": 7998, "<img>": 7999},
                 "qwen-images": {"<|vision_start|>": 7996, "<|vision_end|>": 7997, "<|video_pad|>": 7998,
                                 "<|image_pad|>": 7999},
                 "smol-images": {"<image>": 7999, "<fake_token_around_image>": 7998, "<end_of_utterance>": 7997,
@@ -132,7 +147,7 @@ def processor(kind: str):
     vocab = {"<pad>": 0, "<unk>": 1, **{f"w{i}": i for i in range(2, 7950)}, **specials}
     words = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    named = {"llava-images": {"image_token": "<image>"},
+    named = {"llava-images": {"image_token": "<image>"}, "llava-next-images": {"image_token": "<image>"},
              "gemma3-images": {"boi_token": "<boi>", "image_token": "<img>", "eoi_token": "<eoi>"},
              "qwen-images": {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"}, "smol-images": {}}[kind]
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, pad_token="<pad>", unk_token="<unk>",
@@ -143,6 +158,14 @@ def processor(kind: str):
         return LlavaProcessor(CLIPImageProcessor(size={"shortest_edge": 224}, crop_size={"height": 224, "width": 224}),
                               tokenizer, patch_size=16, vision_feature_select_strategy="default",
                               num_additional_image_tokens=1, image_token="<image>")
+    if kind == "llava-next-images":  # its PIL image processor (the torchvision one needs torchvision): 112-px tiles
+        from transformers import LlavaNextProcessor
+        from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
+
+        images = LlavaNextImageProcessorPil(size={"shortest_edge": 112}, crop_size={"height": 112, "width": 112},
+                                            image_grid_pinpoints=LLAVA_NEXT["image_grid_pinpoints"])
+        return LlavaNextProcessor(images, tokenizer, patch_size=16, vision_feature_select_strategy="default",
+                                  num_additional_image_tokens=1, image_token="<image>")
     if kind == "qwen-images":  # 256 px -> 252 x 252 (smart_resize): 18 x 18 patches of 14 px, 81 tokens
         from transformers import Qwen2VLImageProcessor
 
@@ -201,6 +224,13 @@ def rows(kind: str, n: int = 8) -> list[dict]:
             if kind == "gemma3":
                 row["token_type_ids"] = (ids == 7999).long()
             out.append(row)
+        elif kind == "llava-next":  # what LlavaNextProcessor makes of a 256-px image: 5 tiles, its (h, w)
+            ids = torch.tensor([7999] * LLAVA_NEXT_TOKENS + torch.randint(1, 7990, (SEQ,), generator=g).tolist())
+            labels = ids.clone()
+            labels[:LLAVA_NEXT_TOKENS] = -100
+            out.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels,
+                        "pixel_values": torch.randn(LLAVA_NEXT_TILES, 3, 112, 112, generator=g),
+                        "image_sizes": torch.tensor([256, 256])})
         elif kind == "choices":
             out.append({"input_ids": torch.randint(1, 8000, (2, SEQ), generator=g),
                         "attention_mask": torch.ones(2, SEQ, dtype=torch.long), "labels": 1})

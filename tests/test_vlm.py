@@ -132,3 +132,71 @@ def test_cli_image_size_on_a_vlm_planned_as_text_names_the_task_and_exits_2(caps
     assert main(["estimate", "google/gemma-3-4b-it", "--task", "image-text-to-text", "--batch-size", "1",
                  "--seq-len", "64", "--image-size", "448"]) == 2
     assert "resizes every image to 896 px" in capsys.readouterr().err
+
+
+# --- LLaVA-NeXT: any-resolution tiles ---------------------------------------------------------------------
+
+LLAVA_NEXT = dict(model_type="llava_next", image_token_index=511, image_grid_pinpoints=[[32, 64], [64, 32], [64, 64]],
+                  text_config=dict(model_type="mistral", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=2, vocab_size=512),
+                  vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64,
+                                     num_hidden_layers=2, num_attention_heads=2, image_size=32, patch_size=8,
+                                     projection_dim=32))
+
+
+def llava_next_processor():
+    """LLaVA-NeXT's processor built offline: its PIL image processor (the default one needs torchvision, not
+    installed here) in 32-px tiles, and a word-level tokenizer with <image>."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlavaNextProcessor, PreTrainedTokenizerFast
+    from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
+
+    words = Tokenizer(models.WordLevel({"<pad>": 0, "<unk>": 1, **{f"w{i}": i for i in range(2, 500)},
+                                        "<image>": 511}, unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, pad_token="<pad>", unk_token="<unk>",
+                                        extra_special_tokens={"image_token": "<image>"})
+    images = LlavaNextImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32},
+                                        image_grid_pinpoints=LLAVA_NEXT["image_grid_pinpoints"])
+    return LlavaNextProcessor(images, tokenizer, patch_size=8, vision_feature_select_strategy="default",
+                              num_additional_image_tokens=1, image_token="<image>")
+
+
+def test_llava_next_tiles_as_its_processor_does_and_matches_the_measured_step():
+    from PIL import Image
+
+    from hf_memfit.models.vision_language import image_layout
+
+    config = AutoConfig.for_model(**LLAVA_NEXT).to_dict()
+    processor = llava_next_processor()
+    # 20 px: the 32 x 64 pinpoint (1 x 2 tiles), unpadded to 4 x 4 features; 48 and 100 px: 64 x 64 (2 x 2 tiles);
+    # each with 4 x 4 base features and a newline per row
+    for side, tokens in ((20, 4 * 4 + 4 + 16), (48, 8 * 8 + 8 + 16), (100, 8 * 8 + 8 + 16)):
+        image = Image.fromarray(np.zeros((side, side, 3), dtype=np.uint8))
+        made = processor(images=[image], text=["<image> w2 w3"], return_tensors="pt")
+        layout = image_layout(config, side)
+        assert int((made["input_ids"] == 511).sum()) == layout["tokens"] == tokens
+        assert tuple(made["pixel_values"].shape[1:]) == layout["pixels"]
+        assert made["image_sizes"].tolist() == [list(layout["image_sizes"])]
+    # the model reads `image_sizes` (.tolist()) while it traces: kept real, as Qwen's image grid is
+    spec = ModelSpec.from_config("tiny-llava-next", config)
+    settings = TrainSettings(batch_size=2, seq_len=16, task="image-text-to-text", device="cpu", mode="exact",
+                             image_size=48)
+    exact = estimate_settings(spec, settings)
+    assert "88 tokens each (4 tiles of 64x64 px + the base image)" in exact.notes[0]
+    # fast mode (batch_fit, a line fitted to these traces) is left to benchmarks/modalities.py's llava-next rows:
+    # it would double this test's time
+    assert exact.peak_allocated_bytes == pytest.approx(measure_cpu_peak(spec.config, exact.settings), rel=0.01)
+
+
+def test_llava_next_pinpoints_it_cannot_tile_exit_2_with_one_line(tmp_path, capsys):
+    import json
+
+    from hf_memfit.cli.main import main
+
+    config = AutoConfig.for_model(**{**LLAVA_NEXT, "image_grid_pinpoints": [[32, 64], [48, 48]]}).to_dict()
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert main(["estimate", str(tmp_path / "config.json"), "--task", "image-text-to-text", "--batch-size", "1",
+                 "--seq-len", "16"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "[[48, 48]] are not multiples of the vision tower's 32-px tile" in err

@@ -3,7 +3,8 @@
 The MemFit trainers collate the first rows of the training set with the run's own collator and read what
 the model will get: `pixel_values` (the image size), `input_values` (seconds of audio, at the feature
 extractor's sampling rate), `input_features` (Whisper's window), `labels` (CTC / decoder length),
-`image_grid_thw` and the image tokens among `input_ids` (a VLM's images per row and text tokens).
+`image_grid_thw`, LLaVA-NeXT's `image_sizes` and the image tokens among `input_ids` (a VLM's images per row
+and text tokens).
 """
 
 from __future__ import annotations
@@ -69,6 +70,9 @@ def media_inputs(task: str, config: dict, dataset, collator) -> tuple[dict, list
             if isinstance(grid, torch.Tensor) and grid.numel():
                 patch = int((config.get("vision_config") or {}).get("patch_size") or 14)
                 found["image_size"] = max(found.get("image_size") or 0, int(grid[:, 1:].max()) * patch)
+            sizes = batch.get("image_sizes")  # LLaVA-NeXT: each image's (height, width) before tiling
+            if isinstance(sizes, torch.Tensor) and sizes.numel():  # planned as a square of the longer side
+                found["image_size"] = max(found.get("image_size") or 0, int(sizes.max()))
             layout = image_layout(config, found.get("image_size"))
             images = round(image_tokens / (layout["tokens"] or 1))  # 0: a text-only row
             found["images_per_sample"] = max(found.get("images_per_sample") or 0, images)

@@ -10,6 +10,9 @@ Each rule is the processor's own (transformers 5.24 image processors), read from
 - LLaVA-1.5 (`image_seq_length`, a fixed-size CLIP tower): (image_size / patch)^2 tokens, 576 at 336 px.
 - Idefics3 / SmolVLM (`scale_factor`, `image_seq_len`): the image cut into tiles of the vision tower's size
   plus one global view; each tile is (size / patch)^2 / scale_factor^2 tokens.
+- LLaVA-NeXT (`image_grid_pinpoints`, "anyres"): the image resized into the best of the pinpoint resolutions,
+  cut into tiles of the tower's size, plus the whole image as a base tile; the tiles' features are unpadded back
+  to the image's aspect ratio, with one newline token per row of features (`anyres_layout`).
 
 Which rule a model follows is read from its config's keys, not its name: one rule per way of tokenizing.
 """
@@ -23,8 +26,13 @@ from hf_memfit.models._shared import lookup, processor_config
 
 def _rule(config: dict) -> str | None:
     vision = config.get("vision_config") if isinstance(config.get("vision_config"), dict) else {}
-    if "spatial_merge_size" in vision or "image_grid_pinpoints" in config:
-        return "grid" if "spatial_merge_size" in vision else "anyres"
+    if "spatial_merge_size" in vision:
+        return "grid"
+    if "image_grid_pinpoints" in config:
+        # LLaVA-NeXT's tiles (and LLaVA-NeXT-Video's images: the same pack_image_features); LLaVA-OneVision's
+        # `vision_aspect_ratio` ("anyres_max_9": modeling_llava_onevision.py's pack_image_features interpolates the
+        # features of an image past 9 tiles' worth down) and Granite-4-Vision's `downsample_rate` count otherwise
+        return None if any(config.get(k) for k in ("vision_aspect_ratio", "downsample_rate")) else "anyres"
     if config.get("mm_tokens_per_image"):
         return "fixed"
     if "scale_factor" in config:
@@ -36,8 +44,10 @@ def _rule(config: dict) -> str | None:
 
 def reads_batch_values(config: dict) -> bool:
     """Whether the model's code reads values of its batch: Qwen2-VL's image grid (`image_grid_thw`), Idefics3's
-    pixels (it drops the all-zero padding tiles) and pixel mask. The trace keeps these real (estimator/fake_vision)."""
-    return _rule(config) in ("grid", "tiles")
+    pixels (it drops the all-zero padding tiles) and pixel mask, LLaVA-NeXT's `image_sizes` (its tiles per image
+    and the unpadding, `.tolist()` in modeling_llava_next.py's `image_size_to_num_patches`,
+    `get_anyres_image_grid_shape` and `unpad_image`). The trace keeps these real (estimator/fake_vision)."""
+    return _rule(config) in ("grid", "tiles", "anyres")
 
 
 def _images(settings) -> int:
@@ -65,6 +75,98 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     return h, w
 
 
+# --- LLaVA-NeXT: any-resolution tiles (transformers 5.24, models/llava_next) -------------------------------------
+
+def select_best_resolution(height: int, width: int, pinpoints) -> tuple[int, int]:
+    """transformers' `select_best_resolution` (image_processing_utils.py): the pinpoint (height, width) that keeps
+    the most of the image's pixels once it is scaled to fit, and of those the one that wastes the least."""
+    best, most, least = None, 0, float("inf")
+    for h, w in pinpoints:
+        scale = min(w / width, h / height)
+        effective = min(int(width * scale) * int(height * scale), width * height)
+        wasted = w * h - effective
+        if effective > most or (effective == most and wasted < least):
+            best, most, least = (int(h), int(w)), effective, wasted
+    return best
+
+
+def _unpadded(height: int, width: int, rows: int, cols: int) -> tuple[int, int]:
+    """The feature grid left after `unpad_image` (modeling_llava_next.py) crops the letterbox padding of an image of
+    height x width placed in rows x cols features; `_get_unpadded_features` (processing_llava_next.py) is the same."""
+    if width / height > cols / rows:
+        padding = (rows - int(round(height * (cols / width), 7))) // 2
+        return rows - 2 * padding, cols
+    padding = (cols - int(round(width * (rows / height), 7))) // 2
+    return rows, cols - 2 * padding
+
+
+def default_anyres_side(config: dict) -> int:
+    """`--image-size` when none is given: the longer side of the largest pinpoint (672 px for LLaVA-v1.6). Every
+    square image of at least this side is scaled into that pinpoint's grid and makes the same tokens, so it is what a
+    usual photo (larger than the pinpoints) becomes; for LLaVA-v1.6's pinpoints it is also the most any square image
+    makes (2,928, as every square over 336 px does: checked against the processor's count from 1 to 1,400 px)."""
+    tile = int((config.get("vision_config") or {}).get("image_size") or 336)
+    h, w = max(anyres_pinpoints(config), key=lambda p: (p[0] * p[1], max(p)), default=(tile, tile))
+    return max(h, w)
+
+
+def anyres_pinpoints(config: dict) -> list[tuple[int, int]]:
+    """The model's pinpoints (config.json), which decide its tiles per image; the processor's are the same list."""
+    return [(int(p[0]), int(p[1])) for p in config.get("image_grid_pinpoints") or []]
+
+
+def anyres_layout(config: dict, height: int, width: int) -> dict:
+    """Tokens, tiles and pixels of one height x width image, as LLaVA-NeXT's processor and model make them.
+
+    - `LlavaNextImageProcessor._get_image_patches`: the image resized into the best pinpoint (aspect kept, padded),
+      cut into tiles of `crop_size`, and the whole image resized to one more tile (the base) in front: pixel_values
+      (tiles + 1, 3, crop, crop) per image; `image_sizes` is the original (height, width).
+    - `LlavaNextModel.get_image_features` / `pack_image_features`: each tile becomes (tile / patch)^2 features (CLIP's
+      CLS dropped by the "default" `vision_feature_select_strategy`; pack_image_features' `view` needs exactly this
+      many), the grid tiles are joined and unpadded to the image's aspect ratio, one `image_newline` is appended per
+      row of features, and the base tile's features go first.
+    - `LlavaNextProcessor._get_number_of_features` counts the same placeholders (its `num_additional_image_tokens`
+      minus the dropped CLS is 0 for the published checkpoints).
+    The model's tile side is `vision_config.image_size` (`image_size_to_num_patches`); the processor's crop is the
+    same size (`image_problems` refuses a config where they differ).
+    """
+    tile = int((config.get("vision_config") or {}).get("image_size") or 336)
+    per_side = tile // int((config.get("vision_config") or {}).get("patch_size") or 14)
+    best = select_best_resolution(height, width, anyres_pinpoints(config))
+    grid = (best[0] // tile, best[1] // tile)
+    rows, cols = _unpadded(height, width, grid[0] * per_side, grid[1] * per_side)
+    tiles = grid[0] * grid[1] + 1  # the grid's tiles and the base image
+    return {"tokens": rows * cols + rows + per_side * per_side, "tiles": tiles, "best": best,
+            "image_sizes": (height, width), "pixels": (tiles, 3, tile, tile)}
+
+
+def anyres_problems(config: dict) -> list[str]:
+    """What LLaVA-NeXT's own code cannot tile: the model would fail on it (or the processor disagree with it)."""
+    vision, processor = config.get("vision_config") or {}, processor_config(config)
+    pinpoints = config.get("image_grid_pinpoints")
+    if not isinstance(pinpoints, list) or not pinpoints or \
+            not all(isinstance(p, (list, tuple)) and len(p) == 2 and all(isinstance(v, int) and v > 0 for v in p)
+                    for p in pinpoints):
+        return [f"`image_grid_pinpoints` must be a list of [height, width] pairs of positive integers, "
+                f"got {pinpoints!r}"]
+    tile, patch = int(vision.get("image_size") or 336), int(vision.get("patch_size") or 14)
+    if tile % patch:
+        return [f"the vision tower's image_size {tile} is not a multiple of its patch_size {patch}"]
+    uneven = [list(p) for p in pinpoints if p[0] % tile or p[1] % tile]
+    if uneven:  # `get_anyres_image_grid_shape` floors, `image_size_to_num_patches` rounds up: the model fails
+        return [f"image_grid_pinpoints {uneven} are not multiples of the vision tower's {tile}-px tile: "
+                "LLaVA-NeXT's pack_image_features cannot lay out their tiles"]
+    crop = int((processor.get("crop_size") or {}).get("height") or tile)
+    if crop != tile:
+        return [f"the processor crops {crop}-px tiles but the vision tower takes {tile} px: LLaVA-NeXT's tiles per "
+                "image would not match its features"]
+    theirs = processor.get("image_grid_pinpoints")
+    if theirs and [list(p) for p in theirs] != [list(p) for p in pinpoints]:
+        return ["the processor's image_grid_pinpoints differ from the model's: its image tokens would not match the "
+                "model's features"]
+    return []
+
+
 def image_layout(config: dict, image_size: int | None) -> dict:
     """{"tokens": LM tokens per image, "pixels": the pixel tensor's shape per image, ...} by the model's rule."""
     rule, processor, vision = _rule(config), processor_config(config), config.get("vision_config") or {}
@@ -80,6 +182,9 @@ def image_layout(config: dict, image_size: int | None) -> dict:
         grid = (1, h // patch, w // patch)
         return {"tokens": grid[1] * grid[2] // merge ** 2, "grid": grid, "resized": (h, w),
                 "pixels": (grid[1] * grid[2], 3 * temporal * patch * patch)}
+    if rule == "anyres":  # a square image of the given side (`--image-size` is one number)
+        side = image_size or default_anyres_side(config)
+        return anyres_layout(config, side, side)
     native = int(vision.get("image_size") or 224)
     if rule == "fixed":
         # the image's placeholder tokens, plus its begin- and end-of-image tokens (Gemma3Processor)
@@ -103,11 +208,12 @@ def image_layout(config: dict, image_size: int | None) -> dict:
 def image_problems(spec, settings) -> list[str]:
     """One line for what cannot be planned: an unknown image rule, no processor config, a fixed size changed."""
     config, rule = spec.config, _rule(spec.config)
-    if rule in (None, "anyres"):
-        what = "LLaVA-NeXT any-resolution tiling" if rule == "anyres" else "this model's image tokens"
-        return [f"{what} for `{spec.name}` is not modelled: only text batches can be planned for it; "
-                "drop `--image-size` / `--images-per-sample`" if settings.image_size or settings.images_per_sample
-                else f"{what} for `{spec.name}` is not modelled"]
+    if rule is None:
+        return [f"this model's image tokens for `{spec.name}` are not modelled: only text batches can be planned for "
+                "it; drop `--image-size` / `--images-per-sample`" if settings.image_size or settings.images_per_sample
+                else f"this model's image tokens for `{spec.name}` are not modelled"]
+    if rule == "anyres":
+        return [f"`{spec.name}`: {line}" for line in anyres_problems(config)[:1]]
     if rule in ("grid", "tiles") and not processor_config(config) and settings.image_size is None:
         return [f"`{spec.name}` makes a varying number of tokens per image and its processor config is missing: "
                 "pass a model directory with preprocessor_config.json, or give `--image-size`"]
@@ -129,7 +235,10 @@ def vlm_note(config: dict, settings) -> str:
     layout = image_layout(config, settings.image_size)
     images = _images(settings)
     extra = f" (resized to {layout['resized'][0]}x{layout['resized'][1]} px)" if "resized" in layout else ""
-    extra += f" ({layout['tiles']} tiles)" if "tiles" in layout else ""
+    if "best" in layout:  # LLaVA-NeXT: the grid of the best pinpoint, and the base tile
+        extra += f" ({layout['tiles'] - 1} tiles of {layout['best'][0]}x{layout['best'][1]} px + the base image)"
+    elif "tiles" in layout:
+        extra += f" ({layout['tiles']} tiles)"
     per_image = layout["tokens"] + layout.get("extra", 0)
     return (f"inputs: {images} image(s) per sample of {per_image} tokens each{extra}, on top of "
             f"{settings.seq_len} text tokens: rows of {settings.seq_len + images * per_image} tokens")
@@ -154,6 +263,9 @@ def make_vlm_inputs(config: dict, settings, floats, device: str) -> dict:
         batch["pixel_values"] = torch.randn(b * images * pixels[0], pixels[1], dtype=floats, device=device)
         batch["image_grid_thw"] = torch.tensor([layout["grid"]] * (b * images), device=device)
         batch["mm_token_type_ids"] = (ids == token).int()  # the processor's: 1 for image tokens (3-D positions)
+    elif "image_sizes" in layout:  # LLaVA-NeXT: (images, tiles + base, 3, crop, crop) and each image's (h, w)
+        batch["pixel_values"] = torch.randn(b * images, *pixels, dtype=floats, device=device)
+        batch["image_sizes"] = torch.tensor([layout["image_sizes"]] * (b * images), device=device)
     elif "tiles" in layout:
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
