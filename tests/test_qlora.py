@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import TINY_LLAMA
+from conftest import TINY_GPT2, TINY_LLAMA, TINY_QWEN3_MOE, TINY_T5
 from hf_memfit.cli.main import main
 from hf_memfit.errors import MemFitError
 from hf_memfit.estimator.assemble import step_memory
@@ -79,3 +79,73 @@ def test_cli_names_the_recipe_and_refuses_it_under_sharding(capsys):
     code = main(common + ["--prepare-model-for-kbit-training", "yes", "--zero-stage", "3"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "--prepare-model-for-kbit-training no" in err[0], err
+
+
+# One of each thing transformers' 4-bit quantizer decides by structure: fused 3-D MoE experts (nn.Parameters,
+# not modules; Jamba's beside Mamba mixers), GPT-2's Conv1D body, T5's `_keep_in_fp32_modules` (`wo`).
+_TINY_JAMBA_MOE = dict(model_type="jamba", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, vocab_size=256, mamba_d_state=8, mamba_d_conv=4,
+                       mamba_expand=2, mamba_dt_rank=8, attn_layer_period=2, attn_layer_offset=1,
+                       expert_layer_period=2, expert_layer_offset=1, num_experts=4, num_experts_per_tok=2,
+                       use_mamba_kernels=False)
+
+
+@pytest.mark.parametrize("config, task, targets, weigh", [
+    (TINY_GPT2, "causal-lm", ("c_attn",), False), (TINY_T5, "seq2seq", ("q", "v"), False),
+    (TINY_QWEN3_MOE, "causal-lm", ("q_proj", "v_proj"), False),
+    (_TINY_JAMBA_MOE, "causal-lm", ("in_proj", "x_proj"), True)],  # one trace: the suite's time is short
+    ids=["gpt2", "t5", "qwen3_moe", "jamba"])
+def test_what_is_packed_to_4_bits_is_what_bitsandbytes_packs(tmp_path, config, task, targets, weigh):
+    """The estimator packs the weights transformers + bitsandbytes pack, and leaves the rest (fused experts) unpacked.
+
+    The real model: saved from the config, loaded with `BitsAndBytesConfig(load_in_4bit=True)` on the CPU, then
+    peft's `prepare_model_for_kbit_training`. Both modes read one rule: exact mode `step.quantizable_linears`
+    (through `build_model`, adapters and all), fast mode's formulas for the hand-written families.
+    """
+    pytest.importorskip("bitsandbytes")
+    from peft import prepare_model_for_kbit_training
+    from transformers import BitsAndBytesConfig
+
+    from hf_memfit.estimator.fast_params import quantizable
+    from hf_memfit.estimator.sharding import packed_4bit_bytes_per_param, shard
+    from hf_memfit.estimator.step import build_model, prepare_like_peft_kbit_training, quantizable_linears
+    from hf_memfit.estimator.trace import _quantizable_linear_params
+    from hf_memfit.models.build import auto_model_class, instantiate
+
+    spec = ModelSpec.from_config(f"tiny-{config['model_type']}", config)
+    settings = TrainSettings(**dict(QLORA, task=task, lora_target_modules=targets)).validate(spec)
+    instantiate(config, task, 2, dtype=torch.bfloat16, attn_implementation="eager").save_pretrained(tmp_path)
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.bfloat16)
+    real = auto_model_class(task).from_pretrained(tmp_path, quantization_config=quant, device_map="cpu")
+    real_packed = {n: p.quant_state.shape.numel() for n, p in real.named_parameters() if type(p).__name__ == "Params4bit"}
+    assert real_packed
+
+    ours = instantiate(config, task, 2, dtype=torch.bfloat16, attn_implementation="eager")
+    packed = {id(m) for m in quantizable_linears(ours)}
+    assert {n + ".weight" for n, m in ours.named_modules() if id(m) in packed} == set(real_packed)
+    prepare_model_for_kbit_training(real, use_gradient_checkpointing=False)
+    prepare_like_peft_kbit_training(ours, settings)
+    # a packed layer's bias: peft upcasts it, and `Linear4bit.forward` casts it back to the compute dtype on the
+    # first step (bitsandbytes nn/modules.py), as the stand-in keeps it
+    layers = {n.removesuffix(".weight") for n in real_packed}
+    real_dtypes = {n: p.dtype for n, p in real.named_parameters() if n.rpartition(".")[0] not in layers}
+    assert {n: p.dtype for n, p in ours.named_parameters() if n.rpartition(".")[0] not in layers} == real_dtypes
+
+    # what the trace counts (the model with its adapters) and what the formulas count
+    built = build_model(config, settings)
+    assert _quantizable_linear_params(built)[0] == sum(real_packed.values())
+    if spec.generic is None:
+        assert quantizable(spec, settings)[0] == sum(real_packed.values())
+    if spec.moe:  # the fused experts: 3-D, unpacked, fp32 once prepared
+        experts = [n for n, p in real.named_parameters() if p.dim() == 3]
+        assert experts and all(real_dtypes[n] == torch.float32 for n in experts)
+    if weigh:  # the estimate's weights: the real model's unpacked bytes, adapters, and the packed ones by formula
+        step = step_memory(spec, settings.replace(mode="exact", batch_size=1, seq_len=8, gradient_checkpointing=False))
+        weights = min(b["weights"] for b in shard(step, settings, spec.hidden_size).candidates.values())
+        unpacked = sum(p.numel() * p.element_size() for n, p in real.named_parameters() if n not in real_packed)
+        biases = sum(p.numel() for n, p in real.named_parameters() if n.rpartition(".")[0] in layers
+                     and n not in real_packed)  # fp32 here, bf16 again after the first forward
+        adapters = sum(p.numel() * p.element_size() for n, p in built.named_parameters() if "lora_" in n)
+        packed_bytes = sum(real_packed.values()) * packed_4bit_bytes_per_param(settings)
+        expected = unpacked - 2 * biases + adapters + packed_bytes
+        assert abs(weights - expected) < 1024, (weights, expected)  # tensors' 512-byte rounding aside

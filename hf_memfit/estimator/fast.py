@@ -40,7 +40,7 @@ from hf_memfit import optimizers
 from hf_memfit.estimator.breakdown import StepMemory
 from hf_memfit.estimator.fast_heads import HeadMemory, head_memory
 from hf_memfit.estimator.fast_params import (ParamGroup, family_of, lora_targets, optimizer_tensors, param_bytes,
-                                             parameters, quantizable)
+                                             parameters, quantizable, unpacked_4bit)
 from hf_memfit.models.forward import DTYPE_BYTES, DTYPE_TAG, ForwardTape, StepContext, SymTensor
 from hf_memfit.optimizers import allocated_bytes
 
@@ -128,7 +128,7 @@ def _ctx(spec, settings) -> StepContext:
                 attn=attn, full_ft=not settings.uses_lora, lora_r=(settings.lora_r or 8) if settings.uses_lora else None,
                 lora_targets=lora_targets(spec, settings), use_cache=use_cache, flash_ok=flash_ok,
                 checkpointing=settings.gradient_checkpointing, decoder_s=settings.decoder_seq_len,
-                packed=settings.padding_free, kbit_compute=kbit_compute)
+                packed=settings.padding_free, kbit_compute=kbit_compute, unpacked_4bit=unpacked_4bit(spec))
 
 
 def _stack_summary(f: ForwardTape, name: str, depth: int, carry: SymTensor, gc_f: ForwardTape | None) -> _Stack:

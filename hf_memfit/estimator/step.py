@@ -115,10 +115,13 @@ def _build_model(config: dict, settings: TrainSettings):
         _add_trl_head(model, settings.trainer)
     if settings.frozen:
         freeze(model, settings.frozen)
+    packed = quantizable_linears(model) if settings.load_in_4bit else None  # by module names: before the adapters
     if settings.kbit_prepared:
-        prepare_like_peft_kbit_training(model, settings)
+        prepare_like_peft_kbit_training(model, settings, packed)
     if settings.uses_lora:
         model = _add_lora(model, settings)
+    if packed is not None:
+        model.__dict__["memfit_packed_4bit"] = packed  # not an attribute: `Module.__getattr__` and peft see nothing
     if settings.activation_offloading:
         # SFTTrainer / DPOTrainer build it on `self.model` (the peft model) after `Trainer.__init__`
         model.__dict__["memfit_trl_offload"] = TrlOffloadedActivations(model)
@@ -170,19 +173,35 @@ def freeze(model, names) -> None:
 
 
 def quantizable_linears(model) -> list:
-    """The Linear modules bitsandbytes packs to 4 bits: every one but the output head and adapters.
+    """The layers bitsandbytes packs to 4 bits, by transformers' own rule; every other parameter stays unpacked.
 
-    (transformers' bitsandbytes quantizer keeps the output embedding, `get_keys_to_not_convert`; a
-    classification head is trained whole.) Here they are built in the compute dtype and packed by formula
-    afterwards (`sharding._pack_4bit`).
+    transformers 5.24 `replace_with_bnb_linear` (integrations/bitsandbytes.py) makes a `Linear4bit` of a module
+    only when it is exactly an `nn.Linear` (`type(module) is nn.Linear`: subclasses such as Falcon's
+    `FalconLinear` or Phi-MoE's router are left alone) or GPT-2's `Conv1D`, and its name is not in the
+    quantizer's `modules_to_not_convert` (quantizer_bnb_4bit.py `_process_model_before_weight_loading`:
+    `get_keys_to_not_convert`, i.e. tied weights, the last parameter's module and the output embedding, plus
+    `_keep_in_fp32_modules`, e.g. T5's `wo`); `param_needs_quantization` then quantizes only `Linear4bit`
+    weights. So the fused 3-D experts of transformers 5 MoE layers (`JambaExperts.gate_up_proj`,
+    `Qwen3MoeExperts.down_proj`: `nn.Parameter`s, not modules) load unpacked in the checkpoint's dtype, and
+    peft's preparation upcasts them to fp32 (tests/test_qlora.py loads tiny MoE models through bitsandbytes).
+    A classification head (`score`, `classifier`) is trained whole, and adapters are never packed. Here the
+    layers are built in the compute dtype and packed by formula afterwards (`sharding._pack_4bit`); on a
+    peft-wrapped model the list `build_model` made before adding adapters is read back.
     """
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    known = model.__dict__.get("memfit_packed_4bit")
+    if known is not None:
+        return known
+    from transformers.pytorch_utils import Conv1D
+    from transformers.quantizers.base import get_keys_to_not_convert
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    skip = list(get_keys_to_not_convert(model)) + list(getattr(model, "_keep_in_fp32_modules", None) or ())
     return [module for name, module in model.named_modules()
-            if isinstance(module, torch.nn.Linear) and module is not head
+            if (type(module) is torch.nn.Linear or isinstance(module, Conv1D)) and should_convert_module(name, skip)
             and not any(part in name for part in ("lora_", "score", "classifier"))]
 
 
-def prepare_like_peft_kbit_training(model, settings: TrainSettings) -> None:
+def prepare_like_peft_kbit_training(model, settings: TrainSettings, packed: list | None = None) -> None:
     """What peft's `prepare_model_for_kbit_training` does to memory, on a model whose 4-bit layers stand in bf16.
 
     peft (utils/other.py) freezes the model and casts every fp16/bf16 parameter that is not a bitsandbytes
@@ -200,7 +219,7 @@ def prepare_like_peft_kbit_training(model, settings: TrainSettings) -> None:
         prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)  # checkpointing is build_model's
         return
     compute = torch_dtype(settings.compute_dtype)
-    packed = quantizable_linears(model)
+    packed = quantizable_linears(model) if packed is None else packed
     # bitsandbytes casts a packed layer's bias to the compute dtype on its first forward
     kept = {id(p) for module in packed for p in (module.weight, module.bias) if p is not None}
     for param in model.parameters():

@@ -86,6 +86,7 @@ class StepContext:
     # A 4-bit model after peft's `prepare_model_for_kbit_training`: the dtype its 4-bit layers compute in (their
     # stand-in weights'), while every other weight (`wdt`) is fp32. None: one weight dtype for the whole model.
     kbit_compute: str | None = None
+    unpacked_4bit: frozenset = frozenset()  # linear names bitsandbytes leaves unpacked (T5's `wo`)
 
     @property
     def embeddings_need_grad(self) -> bool:
@@ -294,7 +295,7 @@ class ForwardTape:
         when the input does.
         """
         ctx = self.ctx
-        if ctx.kbit_compute and self.scope != "head":  # the head stays unpacked (and fp32 once prepared)
+        if ctx.kbit_compute and self.scope != "head" and name not in ctx.unpacked_4bit:  # the rest are fp32 once prepared
             return self._prepared_4bit_linear(x, fin, fout, name, lora)
         trainable = ctx.full_ft if trainable is None else trainable
         rows = x.numel // fin

@@ -18,6 +18,11 @@ from hf_memfit.models._shared import Getter, Lin, common, head_linears, head_par
 
 MODEL_TYPES = ('t5',)
 
+# Linear layers bitsandbytes leaves unpacked on a 4-bit model: transformers 5.24 `T5PreTrainedModel.
+# _keep_in_fp32_modules = ["wo"]` (modeling_t5.py), which its 4-bit quantizer adds to `modules_to_not_convert`;
+# they load in the checkpoint's dtype. Exact mode reads the class attribute (`step.quantizable_linears`).
+UNPACKED_4BIT = ("wo",)
+
 DEFAULTS: dict[str, dict[str, Any]] = {
     "t5": {
         "vocab_size": 32128, "d_model": 512, "d_kv": 64, "d_ff": 2048, "num_layers": 6, "num_decoder_layers": None,
