@@ -142,3 +142,25 @@ def test_timeline_draws_one_rank_as_the_estimate_computes_it(tiny_specs, layout)
         assert timeline.peak_breakdown["optimizer"] < single.peak_breakdown["optimizer"] or \
             timeline.peak_bytes < single.peak_bytes
         assert "per rank: ZeRO-" in timeline.label
+
+
+@pytest.mark.parametrize("fields", [
+    dict(batch_size=4, seq_len=None, task="ctc", audio_seconds=12.5, label_len=80, frozen=("wav2vec2.feature_extractor",),
+         precision="bf16-mixed", gradient_checkpointing=True, gpu="a10g"),
+    dict(batch_size=2, seq_len=512, task="image-text-to-text", image_size=672, images_per_sample=2, lora_r=16,
+         load_in_4bit=True, bnb_4bit_use_double_quant=False, bnb_4bit_quant_storage="bfloat16",
+         prepare_model_for_kbit_training=False, frozen=("vision_tower",), precision="bf16-mixed", zero_stage=3,
+         num_gpus=2),
+    dict(batch_size=1, seq_len=2048, ssm_kernels="torch", gradient_accumulation_steps=8, optim="adamw_bnb_8bit"),
+], ids=["ctc", "vlm-qlora", "ssm"])
+def test_the_printed_estimate_command_is_the_same_step(fields):
+    """A plan prints the `hf-memfit estimate` command of its step: parsed back, it gives the same settings, inputs,
+    frozen modules, 4-bit options and kernel path included (an audio plan's command once lacked `--audio-seconds`)."""
+    from hf_memfit.cli.arguments import settings_from_args
+    from hf_memfit.cli.main import build_parser
+    from hf_memfit.report.text import step_command
+
+    settings = TrainSettings(**fields, mode="fast")
+    command = step_command("estimate", "some/model", settings)
+    parsed = settings_from_args(build_parser().parse_args(command.split()[1:]))
+    assert parsed.to_dict() == settings.to_dict(), command

@@ -154,9 +154,12 @@ def explain_command(model: str, s) -> str:
 def step_command(command: str, model: str, s) -> str:
     """The `hf-memfit estimate|explain` command line for the step `s` (flags at their defaults are omitted)."""
     from hf_memfit.settings import TrainSettings
+    from hf_memfit.tasks import MEDIA_TASKS
 
     default = TrainSettings()
-    flags = [f"--batch-size {s.batch_size}", f"--seq-len {s.seq_len}"]
+    flags = [f"--batch-size {s.batch_size}"]
+    if s.task not in MEDIA_TASKS or s.task == "image-text-to-text":  # else patches / frames, made from the inputs
+        flags.append(f"--seq-len {s.seq_len}")
     if s.gradient_accumulation_steps != 1:
         flags.append(f"--gradient-accumulation-steps {s.gradient_accumulation_steps}")
     for name in ("task", "precision", "optim", "attn_implementation", "lora_r", "lora_alpha", "gpu", "trainer",
@@ -166,6 +169,18 @@ def step_command(command: str, model: str, s) -> str:
             flags.append(f"--{name.replace('_', '-')} {value}")
     if s.task == "seq-cls" and s.num_labels != default.num_labels:
         flags.append(f"--num-labels {s.num_labels}")
+    for name in ("image_size", "images_per_sample", "audio_seconds", "label_len", "ssm_kernels",
+                 "bnb_4bit_quant_storage"):  # the inputs and kernels the step was estimated for
+        value = getattr(s, name)
+        if value is not None and value != getattr(default, name):
+            flags.append(f"--{name.replace('_', '-')} {value:g}" if isinstance(value, float) else
+                         f"--{name.replace('_', '-')} {value}")
+    if s.frozen:
+        flags.append(f"--freeze {','.join(s.frozen)}")
+    if s.load_in_4bit and not s.bnb_4bit_use_double_quant:
+        flags.append("--no-double-quant")
+    if s.load_in_4bit and s.prepare_model_for_kbit_training is not None:
+        flags.append(f"--prepare-model-for-kbit-training {'yes' if s.prepare_model_for_kbit_training else 'no'}")
     if s.lora_target_modules:
         flags.append(f"--lora-target-modules {','.join(s.lora_target_modules)}")
     if s.optim_args:
