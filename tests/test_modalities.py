@@ -136,6 +136,10 @@ def test_vit_trainer_plans_from_pixel_values(tmp_path):
     trainer = MemFitTrainer(model=model, args=args(tmp_path, global_batch_size=4), train_dataset=data)
     assert trainer.memfit_result.estimate.settings.task == "image-cls"
     assert any("image_size 32" in note for note in trainer.memfit_inputs["notes"])
+    from hf_memfit.report.text import format_plan
+
+    table = format_plan(trainer.memfit_result).splitlines()  # the plan says what a row is: 16 patches per image
+    assert any(line.split()[:2] == ["inputs", "pixel_values"] and "16 patches" in line for line in table)
     trainer.train()
     checks = [h for h in trainer.state.log_history if "memfit/relative_error" in h]
     assert checks and abs(checks[0]["memfit/relative_error"]) < 0.10

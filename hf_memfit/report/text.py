@@ -119,6 +119,7 @@ def format_plan(result) -> str:
          format_bytes(est.device_total_bytes)),
         ("predicted throughput", f"{100 * p.predicted_tokens_per_second_relative:.0f}% of the unconstrained step"),
     ]
+    rows[0:0] = [("inputs", note.removeprefix("inputs: ")) for note in est.notes if note.startswith("inputs: ")]
     if est.cpu_bytes:
         rows.append(("host memory per GPU", format_bytes(est.cpu_bytes)))
         rows.append((f"host memory per node ({s.num_gpus} GPU)", format_bytes(host_bytes_per_node(est))))
