@@ -145,9 +145,11 @@ def _pack_4bit(rank: RankMemory, step: StepMemory, settings: TrainSettings) -> N
     rank.notes.append(f"4-bit NF4 base {quant}: {packed:.3f} B/param for {step.quantizable_linear_params / 1e9:.2f}B "
                       f"linear weights, stored as {storage}")
     if settings.kbit_prepared:
-        rank.notes.append("peft's prepare_model_for_kbit_training: embeddings, LM head and norms upcast to fp32, so "
-                          "the residual stream is fp32 (`--prepare-model-for-kbit-training no` if the script does "
-                          "not call it)")
+        unpacked = max(0, step.total_params - step.quantizable_linear_params - step.trainable_params)  # less adapters
+        rank.notes.append(f"peft's prepare_model_for_kbit_training: the {unpacked / 1e9:.2f}B parameters bitsandbytes "
+                          "leaves unpacked (embeddings, LM head, norms; a mixture of experts' fused experts too) "
+                          "upcast to fp32, so the residual stream is fp32 (`--prepare-model-for-kbit-training no` if "
+                          "the script does not call it)")
 
 
 def _zero(rank: RankMemory, step: StepMemory, settings: TrainSettings, hidden_size: int) -> None:

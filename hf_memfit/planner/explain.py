@@ -156,8 +156,9 @@ def make_plan(best: Candidate, candidates, usable: int, budget: int, ideal_secon
     precision_reason, attn_reason = fixed_reasons
     reasons.append(precision_reason)
     if s.load_in_4bit:
-        reasons.append("4-bit base prepared as peft's QLoRA recipe does (`prepare_model_for_kbit_training`: embeddings, "
-                       "LM head and norms in fp32, an fp32 residual stream); `--prepare-model-for-kbit-training no` "
+        reasons.append("4-bit base prepared as peft's QLoRA recipe does (`prepare_model_for_kbit_training`: every weight "
+                       "bitsandbytes leaves unpacked in fp32, a mixture of experts' fused experts included; an fp32 "
+                       "residual stream); `--prepare-model-for-kbit-training no` "
                        "if the script does not call it" if s.kbit_prepared else
                        "4-bit base not prepared by peft (`prepare_model_for_kbit_training` not called: TRL's trainers, "
                        "DeepSpeed and FSDP skip it; `--prepare-model-for-kbit-training yes` if the script calls it)")
