@@ -353,6 +353,7 @@ def main(names: list[str]) -> int:
               f"  exact {result['error_exact']:+6.1%}   plan micro {p['micro_batch']} x acc {p['accumulation']}, "
               f"ckpt {p['checkpointing']}, {p['optim']}, {p['precision']}", flush=True)
     done = [r for r in results if "error" not in r]
+    failed = len(results) - len(done)  # this run's rows (before the saved ones are merged in below)
     for mode in ("fast", "exact"):
         errors = [abs(r[f"error_{mode}"]) for r in done]
         if errors:
@@ -362,7 +363,7 @@ def main(names: list[str]) -> int:
         fresh = {r["row"]: r for r in results}
         results = [fresh.pop(r["row"], r) for r in json.loads(path.read_text())] + list(fresh.values())
     path.write_text(json.dumps(results, indent=2) + "\n")
-    return 0 if len(done) == len(results) else 1
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
