@@ -3,10 +3,10 @@
 Memory grows monotonically with the sequence for every layout the planner searches (activations,
 temporaries and the loss are all at least linear in the tokens; model states do not change), so
 the longest fitting length is found by doubling from `SCALE_FROM` until a length does not fit,
-then bisecting. The probes keep `FAST_MODE_MARGIN` of the usable memory spare for fast mode's error, so
-that the one exact-mode confirmation holds. Each probe is a whole `plan()` in fast mode, so every lever the plan may use
+then bisecting. Each probe is a whole `plan()` in fast mode, so every lever the plan may use
 (checkpointing, offload, ZeRO / FSDP, sequence parallelism, Liger, tiled MLP ...) is used to get
-there, with the same global batch. Only the answer is confirmed in exact mode (as any plan near
+there, with the same global batch, and keeps `FAST_MODE_MARGIN` of the usable memory spare for fast
+mode's error, so that the one exact-mode confirmation of the answer holds. Only the answer is confirmed in exact mode (as any plan near
 its budget is); the probes are not, which is what keeps a cold answer to seconds.
 
 Because a setting's memory grows with the sequence, a probe leaves out the settings that did not fit
