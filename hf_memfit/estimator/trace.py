@@ -49,6 +49,7 @@ from hf_memfit.estimator.fake_patches import (cuda_autocast_policy, deepcopy_fak
 from hf_memfit.models.depths import config_with_depths, depth_plan
 from hf_memfit.models.vision_language import reads_batch_values
 from hf_memfit.settings import TrainSettings
+from hf_memfit.tasks import MEDIA_TASKS
 from hf_memfit.units import CUDA_BLOCK_BYTES
 
 # Progress of the traces ("tracing 2 of 3 ..."), at INFO: the CLI shows it on stderr; a library
@@ -451,6 +452,8 @@ def warm_up_settings(settings: TrainSettings) -> TrainSettings:
     What the warm-up has to leave for the measured step does not depend on the rows' length: the optimizer's
     states are the trainable parameters' size, and so is every gradient a backward makes.
     """
+    if settings.task in MEDIA_TASKS and settings.task != "image-text-to-text":
+        return settings  # rows of pixels or audio samples; `seq_len` is their patches / frames, made from them
     short = {name: min(value, WARM_UP_TOKENS) for name in ("seq_len", "decoder_seq_len")
              if (value := getattr(settings, name)) is not None}
     return settings.replace(**short) if short else settings
