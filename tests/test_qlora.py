@@ -100,7 +100,8 @@ def test_what_is_packed_to_4_bits_is_what_bitsandbytes_packs(tmp_path, config, t
 
     The real model: saved from the config, loaded with `BitsAndBytesConfig(load_in_4bit=True)` on the CPU, then
     peft's `prepare_model_for_kbit_training`. Both modes read one rule: exact mode `step.quantizable_linears`
-    (through `build_model`, adapters and all), fast mode's formulas for the hand-written families.
+    (through `build_model`, adapters and all), the spec's linear modules (`LinearModule.packed`) for fast mode and
+    FSDP's units.
     """
     pytest.importorskip("bitsandbytes")
     from peft import prepare_model_for_kbit_training
@@ -134,8 +135,7 @@ def test_what_is_packed_to_4_bits_is_what_bitsandbytes_packs(tmp_path, config, t
     # what the trace counts (the model with its adapters) and what the formulas count
     built = build_model(config, settings)
     assert _quantizable_linear_params(built)[0] == sum(real_packed.values())
-    if spec.generic is None:
-        assert quantizable(spec, settings)[0] == sum(real_packed.values())
+    assert quantizable(spec, settings)[0] == sum(real_packed.values())  # the spec's linears say it too (FSDP units)
     if spec.moe:  # the fused experts: 3-D, unpacked, fp32 once prepared
         experts = [n for n, p in real.named_parameters() if p.dim() == 3]
         assert experts and all(real_dtypes[n] == torch.float32 for n in experts)
@@ -149,3 +149,21 @@ def test_what_is_packed_to_4_bits_is_what_bitsandbytes_packs(tmp_path, config, t
         packed_bytes = sum(real_packed.values()) * packed_4bit_bytes_per_param(settings)
         expected = unpacked - 2 * biases + adapters + packed_bytes
         assert abs(weights - expected) < 1024, (weights, expected)  # tensors' 512-byte rounding aside
+
+
+def test_linear_subclasses_bitsandbytes_leaves_unpacked_are_unpacked_in_every_count():
+    """Falcon's layers are `FalconLinear` (an nn.Linear subclass), which transformers' 4-bit quantizer does not
+    replace: nothing of the model packs, in fast mode's count and in FSDP's per-layer units alike."""
+    from hf_memfit.estimator.breakdown import StepMemory
+    from hf_memfit.estimator.fast_params import quantizable
+    from hf_memfit.estimator.sharding import wrap_units
+
+    falcon = ModelSpec.from_config("tiny-falcon", dict(model_type="falcon", hidden_size=64, num_hidden_layers=2,
+                                                       num_attention_heads=4, vocab_size=256))
+    settings = TrainSettings(**dict(QLORA, task="causal-lm", lora_target_modules=("query_key_value",),
+                                    device="cuda", fsdp="full_shard", num_gpus=2)).validate(falcon)
+    layer_linears = [m for m in falcon.linear_modules() if m.scope == "layer"]
+    assert layer_linears and not any(m.packed for m in layer_linears)
+    assert quantizable(falcon, settings) == (0, 0)
+    step = StepMemory({}, 0, falcon.parameter_count("causal-lm")["total"], 0)
+    assert wrap_units(falcon, settings, step).layer_quantizable == 0

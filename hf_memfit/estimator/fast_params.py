@@ -80,7 +80,7 @@ def parameters(spec, settings, wdt: str, kbit_compute: str | None = None) -> lis
     head = [m for m in linears if m.scope == "head"]
     for m in body:
         kind = "layer" if m.scope == "layer" else "other"
-        packed = wdt if m.name in unpacked_4bit(spec) else kbit_compute or wdt
+        packed = kbit_compute or wdt if m.packed else wdt
         params.append(ParamGroup((m.out_features, m.in_features), m.count, packed, base_trainable, True, kind, m.name))
         accounted += m.weight_numel * m.count
         if m.bias:
@@ -155,15 +155,14 @@ def _low_rank_targets(spec, settings) -> frozenset:
 
 
 def quantizable(spec, settings) -> tuple[int, int]:
-    """Linear weights bitsandbytes would pack to 4 bits (every Linear but the head, adapters and the family's
-    `UNPACKED_4BIT`), and the largest; the rule is `step.quantizable_linears`'s."""
+    """Linear weights bitsandbytes would pack to 4 bits (`LinearModule.packed`: the rule of
+    `step.quantizable_linears`), and the largest."""
     if not settings.load_in_4bit:
         return 0, 0
-    mods = [m for m in spec.linear_modules(settings.task, settings.num_labels)
-            if m.scope != "head" and m.name not in unpacked_4bit(spec)]
+    mods = [m for m in spec.linear_modules(settings.task, settings.num_labels) if m.packed]
     return sum(m.weight_numel * m.count for m in mods), max((m.weight_numel for m in mods), default=0)
 
 
 def unpacked_4bit(spec) -> frozenset:
-    """Linear layers a hand-written family's 4-bit model keeps unpacked (its `_keep_in_fp32_modules`, e.g. T5's `wo`)."""
-    return frozenset(getattr(family_of(spec), "UNPACKED_4BIT", ()))
+    """Names of the body's linear layers bitsandbytes leaves unpacked (T5's `wo`: its `_keep_in_fp32_modules`)."""
+    return frozenset(m.name for m in spec.linear_modules() if m.scope != "head" and not m.packed)

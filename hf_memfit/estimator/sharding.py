@@ -71,7 +71,7 @@ def wrap_units(spec, settings: TrainSettings, step: StepMemory) -> WrapUnits:
     quantizable = 0
     if settings.load_in_4bit:
         quantizable = sum(m.weight_numel * m.count for m in spec.linear_modules(settings.task, settings.num_labels)
-                          if m.scope == "layer") // layers
+                          if m.scope == "layer" and m.packed) // layers
     if settings.uses_lora:
         trainable_layer, trainable_root = -(-step.trainable_params // layers), 0
     else:

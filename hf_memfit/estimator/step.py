@@ -26,7 +26,7 @@ import tempfile
 
 import torch
 
-from hf_memfit.models.build import instantiate
+from hf_memfit.models.build import bnb_packed_modules, instantiate
 from hf_memfit.estimator.step_levers import (TrlOffloadedActivations, liger_causal_lm_forward,
                                              liger_in_place_accumulation, offload_checkpoint_inputs, tile_mlps)
 from hf_memfit.settings import TrainSettings
@@ -173,32 +173,14 @@ def freeze(model, names) -> None:
 
 
 def quantizable_linears(model) -> list:
-    """The layers bitsandbytes packs to 4 bits, by transformers' own rule; every other parameter stays unpacked.
-
-    transformers 5.24 `replace_with_bnb_linear` (integrations/bitsandbytes.py) makes a `Linear4bit` of a module
-    only when it is exactly an `nn.Linear` (`type(module) is nn.Linear`: subclasses such as Falcon's
-    `FalconLinear` or Phi-MoE's router are left alone) or GPT-2's `Conv1D`, and its name is not in the
-    quantizer's `modules_to_not_convert` (quantizer_bnb_4bit.py `_process_model_before_weight_loading`:
-    `get_keys_to_not_convert`, i.e. tied weights, the last parameter's module and the output embedding, plus
-    `_keep_in_fp32_modules`, e.g. T5's `wo`); `param_needs_quantization` then quantizes only `Linear4bit`
-    weights. So the fused 3-D experts of transformers 5 MoE layers (`JambaExperts.gate_up_proj`,
-    `Qwen3MoeExperts.down_proj`: `nn.Parameter`s, not modules) load unpacked in the checkpoint's dtype, and
-    peft's preparation upcasts them to fp32 (tests/test_qlora.py loads tiny MoE models through bitsandbytes).
-    A classification head (`score`, `classifier`) is trained whole, and adapters are never packed. Here the
-    layers are built in the compute dtype and packed by formula afterwards (`sharding._pack_4bit`); on a
-    peft-wrapped model the list `build_model` made before adding adapters is read back.
-    """
+    """The layers bitsandbytes packs to 4 bits (`models.build.bnb_packed_modules`: transformers' own rule); every
+    other parameter stays unpacked. Here they are built in the compute dtype and packed by formula afterwards
+    (`sharding._pack_4bit`); on a peft-wrapped model the list `build_model` made before adding adapters is read
+    back."""
     known = model.__dict__.get("memfit_packed_4bit")
     if known is not None:
         return known
-    from transformers.pytorch_utils import Conv1D
-    from transformers.quantizers.base import get_keys_to_not_convert
-    from transformers.quantizers.quantizers_utils import should_convert_module
-
-    skip = list(get_keys_to_not_convert(model)) + list(getattr(model, "_keep_in_fp32_modules", None) or ())
-    return [module for name, module in model.named_modules()
-            if (type(module) is torch.nn.Linear or isinstance(module, Conv1D)) and should_convert_module(name, skip)
-            and not any(part in name for part in ("lora_", "score", "classifier"))]
+    return [module for _, module in bnb_packed_modules(model)]
 
 
 def prepare_like_peft_kbit_training(model, settings: TrainSettings, packed: list | None = None) -> None:

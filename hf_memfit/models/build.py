@@ -55,3 +55,28 @@ def instantiate(config: dict, task: str, num_labels: int, *, dtype, attn_impleme
         if attn_implementation not in (None, "sdpa") or "scaled_dot_product_attention" not in str(exc):
             raise
     return cls.from_config(built, dtype=dtype, attn_implementation="eager")  # no SDPA for this model
+
+
+def bnb_packed_modules(model) -> list[tuple[str, object]]:
+    """(name, module) of the layers bitsandbytes packs to 4 bits, by transformers' own rule.
+
+    transformers 5.24 `replace_with_bnb_linear` (integrations/bitsandbytes.py) makes a `Linear4bit` of a module
+    only when it is exactly an `nn.Linear` (`type(module) is nn.Linear`: subclasses such as Falcon's
+    `FalconLinear` or Phi-MoE's router are left alone) or GPT-2's `Conv1D`, and its name is not in the
+    quantizer's `modules_to_not_convert` (quantizer_bnb_4bit.py `_process_model_before_weight_loading`:
+    `get_keys_to_not_convert`, i.e. tied weights, the last parameter's module and the output embedding, plus
+    `_keep_in_fp32_modules`, e.g. T5's `wo`); `param_needs_quantization` then quantizes only `Linear4bit`
+    weights. So the fused 3-D experts of transformers 5 MoE layers (`JambaExperts.gate_up_proj`,
+    `Qwen3MoeExperts.down_proj`: `nn.Parameter`s, not modules) load unpacked in the checkpoint's dtype
+    (tests/test_qlora.py loads tiny models through bitsandbytes). A classification head (`score`,
+    `classifier`) is trained whole, and adapters are never packed.
+    """
+    import torch
+    from transformers.pytorch_utils import Conv1D
+    from transformers.quantizers.base import get_keys_to_not_convert
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    skip = list(get_keys_to_not_convert(model)) + list(getattr(model, "_keep_in_fp32_modules", None) or ())
+    return [(name, module) for name, module in model.named_modules()
+            if (type(module) is torch.nn.Linear or isinstance(module, Conv1D)) and should_convert_module(name, skip)
+            and not any(part in name for part in ("lora_", "score", "classifier"))]

@@ -18,7 +18,7 @@ from typing import Any
 from hf_memfit.cache import config_key, library_version, read_cache, write_cache
 from hf_memfit.errors import CannotEstimate, MemFitError
 from hf_memfit.models import ssm
-from hf_memfit.models.build import hf_config, instantiate
+from hf_memfit.models.build import bnb_packed_modules, hf_config, instantiate
 from hf_memfit.tasks import TASK_TABLE
 
 # --------------------------------------------------------------------------
@@ -113,7 +113,8 @@ def layer_period(stack, layer_types: list | None) -> int:
 
 
 def _linear_entries(model, stack_names: list[str]) -> list[list]:
-    """[name, in, out, bias, count, scope] of every nn.Linear / GPT-2 Conv1D, merged by shape."""
+    """[name, in, out, bias, count, scope, packed] of every nn.Linear / GPT-2 Conv1D, merged by shape; `packed`:
+    bitsandbytes packs it to 4 bits (`build.bnb_packed_modules`)."""
     import torch
 
     try:
@@ -122,6 +123,7 @@ def _linear_entries(model, stack_names: list[str]) -> list[list]:
         Conv1D = ()
     prefix = getattr(model, "base_model_prefix", "") or ""
     has_base = bool(prefix) and hasattr(model, prefix) and getattr(model, prefix) is not model
+    packed = {id(module) for _, module in bnb_packed_modules(model)}
     merged: dict[tuple, int] = {}
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear):
@@ -136,10 +138,10 @@ def _linear_entries(model, stack_names: list[str]) -> list[list]:
             scope = "head"  # lm_head, score, classifier: outside the base model (or top-level, without one)
         else:
             scope = "other"
-        key = (name.rsplit(".", 1)[-1], int(fan_in), int(fan_out), module.bias is not None, scope)
+        key = (name.rsplit(".", 1)[-1], int(fan_in), int(fan_out), module.bias is not None, scope, id(module) in packed)
         merged[key] = merged.get(key, 0) + 1
     order = {"layer": 0, "other": 1, "head": 2}
-    return [[n, i, o, b, c, s] for (n, i, o, b, s), c in sorted(merged.items(), key=lambda kv: order[kv[0][4]])]
+    return [[n, i, o, b, c, s, p] for (n, i, o, b, s, p), c in sorted(merged.items(), key=lambda kv: order[kv[0][4]])]
 
 
 def _parameter_counts(model, stack_names: list[str], depth_stack: str, depth: int) -> dict[str, int]:

@@ -249,7 +249,8 @@ class LinearModule:
     `target_modules` against); `count` is how many such modules the whole
     model has. `scope` says where they live: "layer" (inside the repeated
     blocks), "other" (elsewhere in the body: BERT's pooler, OPT's
-    project_in/out) or "head" (lm_head / score / classifier).
+    project_in/out) or "head" (lm_head / score / classifier). `packed`: bitsandbytes packs it to 4 bits under
+    `load_in_4bit` (`build.bnb_packed_modules`; never the head, nor a family's `UNPACKED_4BIT`).
     """
 
     name: str
@@ -258,6 +259,7 @@ class LinearModule:
     bias: bool
     count: int
     scope: str = "layer"
+    packed: bool = True
 
     @property
     def weight_numel(self) -> int:
@@ -486,15 +488,18 @@ class ModelSpec:
 
             raw = task_facts(self.name, self.config, self.generic, task, num_labels)["linears"]
         else:
-            raw = models.family(self.model_type).linears(self, self._getter(), task, num_labels)
+            family = models.family(self.model_type)
+            unpacked = set(getattr(family, "UNPACKED_4BIT", ()))
+            raw = [[*entry, entry[5] != "head" and entry[0] not in unpacked]
+                   for entry in family.linears(self, self._getter(), task, num_labels)]
         merged: dict[tuple, int] = {}
-        for name, fan_in, fan_out, bias, count, scope in raw:
+        for name, fan_in, fan_out, bias, count, scope, packed in raw:
             if count:
-                key = (name, fan_in, fan_out, bias, scope)
+                key = (name, fan_in, fan_out, bias, scope, packed)
                 merged[key] = merged.get(key, 0) + count
         order = {"layer": 0, "other": 1, "head": 2}
         items = sorted(merged.items(), key=lambda kv: order[kv[0][4]])  # stable: keeps layer order
-        return [LinearModule(n, i, o, b, c, s) for (n, i, o, b, s), c in items]
+        return [LinearModule(n, i, o, b, c, s, p) for (n, i, o, b, s, p), c in items]
 
     def resolve_inputs(self, settings):
         """(settings with the input shape of an image / audio task filled in, problems): `models/inputs.py`."""
