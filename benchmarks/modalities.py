@@ -78,6 +78,10 @@ LLAVA_NEXT = dict(model_type="llava_next", image_token_index=7999,
                                      projection_dim=192))
 LLAVA_NEXT_TOKENS, LLAVA_NEXT_TILES = 14 * 14 + 14 + 7 * 7, 5
 
+# The share of llava-vlm's roomy footprint that llava-vlm-allow-freeze gets: below every plan that trains the
+# whole model, above the smallest with the vision tower frozen (found with the planner on these rows).
+FREEZE_FRACTION = 0.33
+
 # name -> (trainer, config, task Auto class, row maker, argument extras)
 ROWS = {
     "vit-cls": ("trainer", VIT, "AutoModelForImageClassification", "image", {}),
@@ -98,6 +102,9 @@ ROWS = {
     "wav2vec2-ctc-frozen-encoder": ("trainer", WAV2VEC2, "AutoModelForCTC", "ctc", {"freeze": "feature_encoder"}),
     "llava-vlm": ("trainer", LLAVA, "AutoModelForImageTextToText", "llava", {}),
     "llava-vlm-frozen-vision": ("trainer", LLAVA, "AutoModelForImageTextToText", "llava", {"freeze": "vision"}),
+    # `allow_freeze` at a budget nothing trained whole fits in: the plan freezes the vision tower, the trainer applies it
+    "llava-vlm-allow-freeze": ("trainer", LLAVA, "AutoModelForImageTextToText", "llava",
+                               {"allow_freeze": True, "budget_fraction": FREEZE_FRACTION}),
     "gemma3-vlm": ("trainer", GEMMA3, "AutoModelForImageTextToText", "gemma3", {}),
     # TRL's SFTTrainer with its vision collator: PIL images and prompt / completion text, through a processor
     "llava-sft": ("sft", LLAVA, "AutoModelForImageTextToText", "llava-images", {}),
@@ -291,7 +298,7 @@ def make_trainer(name: str, budget: str, out: str, data: list[dict]):
         (MemFitArguments, MemFitTrainer)
     args = args_cls(output_dir=out, memory_budget=budget, per_device_train_batch_size=BATCH, max_steps=2,
                     report_to=[], save_strategy="no", use_cpu=True, logging_steps=1, disable_tqdm=True,
-                    bf16=extras.get("bf16", False), learning_rate=1e-4)
+                    bf16=extras.get("bf16", False), learning_rate=1e-4, allow_freeze=extras.get("allow_freeze", False))
     return trainer_cls(model=model, args=args, train_dataset=Rows(data))
 
 

@@ -76,6 +76,10 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allow-pure-bf16", action="store_true",
                         help="allow bf16 weights with no fp32 master copy (torchao low-bit AdamW with bf16 "
                              "stochastic rounding) when no mixed-precision plan fits; it changes the numerics")
+    parser.add_argument("--allow-freeze", action="store_true",
+                        help="allow freezing the model's towers beside what it trains (a VLM's vision tower, a "
+                             "wav2vec2 / HuBERT feature encoder, Whisper's encoder) when nothing fits with every "
+                             "module trained; it changes what is trained")
     parser.add_argument("--allow-optimizers", default="", metavar="NAMES",
                         help="comma-separated optimizers that change the training dynamics the plan may use: "
                              "galore_adamw, galore_adamw_8bit, apollo_adamw, adafactor, and the layerwise "
@@ -125,7 +129,7 @@ def _plan_kwargs(args: argparse.Namespace) -> dict:
         allow_offload=args.allow_offload, cpu_memory=args.cpu_memory, nvme_path=args.nvme_path,
         headroom=args.headroom, keep_optimizer=args.keep_optimizer, optim=args.optim, device=args.device,
         mode=args.mode, expandable_segments=args.expandable_segments, progress=_progress,
-        allow_pure_bf16=args.allow_pure_bf16, allow_optimizers=args.allow_optimizers,
+        allow_pure_bf16=args.allow_pure_bf16, allow_optimizers=args.allow_optimizers, allow_freeze=args.allow_freeze,
         use_liger_kernel={"auto": None, "yes": True, "no": False}[args.use_liger_kernel],
         tiled_mlp={"auto": None, "yes": True, "no": False}[args.tiled_mlp],
         optim_target_modules=args.optim_target_modules, optim_args=args.optim_args,
@@ -162,6 +166,10 @@ def _print_plan(args: argparse.Namespace, result, *, header: str | None = None, 
 
     notes, args.deepspeed_config_out = write_plan_configs(
         result.plan.settings, result.plan.deepspeed, args.accelerate_config_out, args.deepspeed_config_out)
+    if result.plan.frozen and (args.accelerate_config_out or args.deepspeed_config_out):
+        notes.append(f"the plan freezes {', '.join(result.plan.frozen)}, which no accelerate or DeepSpeed config "
+                     "carries: MemFitTrainer applies it; in your own script call `requires_grad_(False)` on each "
+                     "before the Trainer builds its optimizer (`--json` carries it as plan.frozen)")
     for note in notes:
         print(f"hf-memfit: note: {note}", file=sys.stderr)
     if args.json:

@@ -112,7 +112,8 @@ def _mode_step_memory(spec: ModelSpec, settings: TrainSettings, traced: TrainSet
         from hf_memfit.estimator.batch_fit import batch_fit_step_memory  # no free sequence length to fit over
 
         return held_batches(spec, settings, batch_fit_step_memory(spec, traced))
-    if not spec.hand_written:
+    if not spec.hand_written or settings.frozen:
+        # The hand-written formulas train every module; a step with frozen modules is fitted to traces of itself.
         from hf_memfit.estimator.parametric import parametric_step_memory  # imports torch only to fit
 
         return parametric_step_memory(spec, traced)
@@ -149,7 +150,7 @@ def prepare(spec: ModelSpec, many) -> None:
     another as it meets them. Settings that do not validate are left to
     the estimate that reports them.
     """
-    if spec.hand_written:
+    if spec.hand_written and not any(s.frozen for s in many):  # frozen modules: parametric fits (_mode_step_memory)
         return
     from hf_memfit.estimator.sequence import local_step_settings
 
@@ -166,7 +167,7 @@ def prepare(spec: ModelSpec, many) -> None:
         from hf_memfit.estimator.batch_fit import prepare_batch_fits
 
         prepare_batch_fits(spec, media)
-    text = [s for s in wanted if s.task not in MEDIA_TASKS]
+    text = [s for s in wanted if s.task not in MEDIA_TASKS and (s.frozen or not spec.hand_written)]
     if text:
         from hf_memfit.estimator.parametric import prepare_fits
 

@@ -242,7 +242,9 @@ def parametric_step_memory(spec, settings) -> StepMemory:
     if spec.moe:
         step.notes.append(moe_note(spec.moe, settings))
     points = ", ".join(f"{b}x{s}" for b, s, _ in fit["points"])
-    text = (f"fast mode for model type `{spec.model_type}` (no hand-written formulas): parametric fit from "
+    why = "frozen modules, which its hand-written formulas do not model" if spec.hand_written else \
+        "no hand-written formulas"
+    text = (f"fast mode for model type `{spec.model_type}` ({why}): parametric fit from "
             f"{fit['traces']} traces (depth {fit['depths']}), each stepped at batch x seq {points} (the last "
             "checks the fit)")
     if paid is not None:

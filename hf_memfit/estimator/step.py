@@ -158,10 +158,16 @@ def reference_model(model):
 
 def freeze(model, names) -> None:
     """Freeze the named modules, as `freeze_feature_encoder()` or `model.vision_tower.requires_grad_(False)` do."""
-    from hf_memfit.errors import MemFitError
+    from hf_memfit.errors import CannotEstimate, MemFitError
 
     modules = dict(model.named_modules())
     missing = [name for name in names if name not in modules]
+    if any(part.isdigit() for name in missing for part in name.split(".")):
+        # A layer past the 2-3 a stack is traced with (`models/depths.py`): the extrapolation adds trained
+        # layers, so freezing some layers of a stack is not something it can model.
+        raise CannotEstimate(f"`--freeze` {', '.join(missing)}: freezing single layers of a stack is not modelled "
+                             "(each stack is traced at 2-3 layers and extrapolated); freeze whole modules, such as "
+                             "a tower or a feature encoder")
     if missing:
         raise MemFitError(f"`--freeze` {', '.join(missing)}: no such module in the model; name modules as "
                           "model.named_modules() does (e.g. wav2vec2.feature_extractor, model.vision_tower)")

@@ -48,6 +48,13 @@ class MemFitFields:
                           "adafactor, and the layerwise galore_adamw_layerwise, galore_adamw_8bit_layerwise, "
                           "apollo_adamw_layerwise (planned only with gradient accumulation 1 on one GPU)."},
     )
+    allow_freeze: bool = field(
+        default=False,
+        metadata={"help": "Let the plan freeze the model's towers beside what it trains (a VLM's vision tower, a "
+                          "wav2vec2 / HuBERT feature encoder, Whisper's encoder) when nothing fits with every "
+                          "module trained. It changes what is trained, so it is never chosen without this flag; "
+                          "the trainer then calls requires_grad_(False) on them before building the optimizer."},
+    )
     memfit_max_recoveries: int = field(default=3, metadata={"help": "OOM recoveries before saving and stopping."})
     memfit_debug_memory: bool = field(
         default=False,

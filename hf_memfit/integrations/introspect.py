@@ -502,7 +502,8 @@ def plan_inputs(trainer, model, args, fields, train_dataset, collator, tokenizer
         else None,
         cpu_memory="auto",  # the trainer runs on the machine it plans for: its RAM holds what is offloaded
         allow_pure_bf16=fields.allow_pure_bf16,
-        allow_optimizers=fields.allow_optimizers, attn_implementation=attention or "sdpa",
+        allow_optimizers=fields.allow_optimizers, allow_freeze=fields.allow_freeze,
+        attn_implementation=attention or "sdpa",
         trainer=step.get("trainer", "trainer"), padding_free=padding_free,
         reference_model=step.get("reference_model"), decoder_seq_len=decoder, notes=notes,
         activation_offloading=activation_offloading, sp_size=sp, cp_size=cp, inputs=inputs,

@@ -100,3 +100,17 @@ def frozen_modules(model) -> tuple[str, ...] | None:
         if not any(name.startswith(outer + ".") for outer in frozen):
             frozen.append(name)
     return tuple(frozen) or None
+
+
+def freeze_planned(model, names) -> list[str]:
+    """Freeze the plan's frozen modules that the model still trains, as the estimate traced them; returns those.
+
+    Each goes through the same code as the trace (`estimator.step.freeze`): the module's own `_freeze_parameters`
+    where it has one (wav2vec2's feature encoder: no input gradient either), else `requires_grad_(False)`.
+    """
+    from hf_memfit.estimator.step import freeze
+
+    modules = dict(model.named_modules())
+    todo = [n for n in names or () if n in modules and any(p.requires_grad for p in modules[n].parameters())]
+    freeze(model, todo)
+    return todo

@@ -104,6 +104,12 @@ class MemFitMixin(OomRecoveryMixin):
             from hf_memfit.integrations.tiled import apply_tiled_mlp
 
             apply_tiled_mlp(bound["model"])
+        if self.memfit_plan.frozen:  # before the Trainer builds the optimizer: frozen parameters get no state
+            from hf_memfit.integrations.media import freeze_planned
+
+            froze = freeze_planned(bound["model"], self.memfit_plan.frozen)
+            if froze:
+                self.memfit_overrides["frozen modules"] = (None, ", ".join(froze))
         self.memfit_args = fields
         super().__init__(**bound)
         if self.memfit_result.estimate.settings.task != "causal-lm" and self.compute_loss_func is None:

@@ -297,8 +297,11 @@ def _task_facts(config: dict, task: str, num_labels: int, fields: dict) -> dict:
         for stack_name, layers in stacks:
             side = "decoder" if "decoder" in stack_name.split(".") else "encoder"
             counts.setdefault(f"per_{side}_layer", sum(p.numel() for p in layers[min(1, len(layers) - 1)].parameters()))
+    from hf_memfit.models.freezable import freezable_modules
+
     return {
         "towers": towers,
+        "freezable": freezable_modules(model, towers),  # what `plan(allow_freeze=True)` may freeze, by task
         "linears": _linear_entries(model, names),
         "counts": counts,
         "layer_period": layer_period(stack, layer_types) if stack is not None else 1,

@@ -472,6 +472,20 @@ class ModelSpec:
         counts["total"] = counts["embedding"] + counts["layers"] + counts["final"] + counts["head"]
         return counts
 
+    def freezable_modules(self, task: str | None = None, num_labels: int = 2) -> list[dict]:
+        """The towers beside the trained model a plan may freeze (`models/freezable.py`): [{module, kind, params}].
+
+        Only image, audio and VLM tasks run a tower on their inputs; the hand-written families are text models.
+        """
+        from hf_memfit.tasks import MEDIA_TASKS
+
+        task = self.check_task(task)
+        if self.generic is None or task not in MEDIA_TASKS:
+            return []
+        from hf_memfit.models.generic import task_facts
+
+        return [dict(m) for m in task_facts(self.name, self.config, self.generic, task, num_labels).get("freezable", [])]
+
     # ---- linear modules --------------------------------------------------------
 
     def linear_modules(self, task: str | None = None, num_labels: int = 2) -> list[LinearModule]:

@@ -61,7 +61,7 @@ def runners_up(best: Candidate, fitting: list[Candidate], candidates: list[Candi
 
 def knobs(s: TrainSettings) -> tuple:
     return (s.gradient_checkpointing, s.optim) + layout_key(s) + (s.precision, s.use_liger_kernel, s.offload_activations,
-                                                                    s.tiled_mlp)
+                                                                    s.tiled_mlp, s.frozen)
 
 
 def layout_key(s: TrainSettings) -> tuple:
@@ -85,6 +85,8 @@ def difference(chosen: TrainSettings, other: TrainSettings) -> str:
         parts.append("activation offload " + ("on" if other.offload_activations else "off"))
     if other.tiled_mlp != chosen.tiled_mlp:
         parts.append("tiled MLP " + ("on" if other.tiled_mlp else "off"))
+    if other.frozen != chosen.frozen:
+        parts.append("frozen: " + ", ".join(other.frozen) if other.frozen else "nothing frozen")
     if layout_key(other) != layout_key(chosen):
         parts.append(layout_text(other))
     return ", ".join(parts) or "same knobs"
@@ -245,6 +247,7 @@ def make_plan(best: Candidate, candidates, usable: int, budget: int, ideal_secon
         optim_target_modules=list(s.optim_target_modules) if s.optim_target_modules else None,
         tiled_mlp=s.tiled_mlp,
         parallelism_config=parallelism_config_kwargs(s) or None,
+        frozen=list(s.frozen) if s.frozen else None,
     )
 
 
@@ -367,7 +370,7 @@ def optimizer_reason(s: TrainSettings, candidates, keep_optimizer: bool) -> str:
 
 def nothing_fits(spec, base: TrainSettings, candidates, usable: int, budget: int, allow_offload: str, world: int,
                   per_rank: int, host: HostLimit, optims: tuple[str, ...], *,
-                  pure_bf16_base: TrainSettings | None = None, liger: bool = True) -> str:
+                  pure_bf16_base: TrainSettings | None = None, liger: bool = True, more_helps=()) -> str:
     """The one-line error when no candidate fits: what binds (device or host), and which remedies would fit.
 
     Remedies are tried from the least to the most change to the training: the levers
@@ -430,7 +433,7 @@ def nothing_fits(spec, base: TrainSettings, candidates, usable: int, budget: int
         head = (f"nothing fits in {format_bytes(usable)} ({format_bytes(budget)} less headroom): the smallest "
                 f"footprint found is {format_bytes(smallest.estimate.device_total_bytes)} "
                 f"({difference_text(smallest.settings)})")
-    helps = []
+    helps = list(more_helps)  # remedies the caller checked (`--allow-freeze`: `planner/freezing.py`)
     if pure_bf16_base is not None:
         # The least change that keeps a full fine-tune: bf16 weights, no fp32 master (see `pure_bf16_grid`).
         fits = [c for c in (evaluate_candidate(spec, s, usable, host, None)
@@ -473,8 +476,11 @@ def nothing_fits(spec, base: TrainSettings, candidates, usable: int, budget: int
                              dict(lora, lora_target_modules=("all-linear",))))
     qlora = dict(lora_r=base.lora_r or 16, load_in_4bit=True, optim="adamw_torch_fused",
                  precision="bf16-mixed" if base.precision == "fp32" else base.precision)
+    if not base.lora_target_modules and not _has_default_lora_targets(spec):
+        qlora["lora_target_modules"] = ("all-linear",)  # peft has no default for it and would raise
     if on_gpu and not base.load_in_4bit:
-        remedies.append(("QLoRA `--load-in-4bit --lora-r 16`", qlora))
+        remedies.append(("QLoRA `--load-in-4bit --lora-r 16" + (" --lora-target-modules all-linear"
+                                                                 if "lora_target_modules" in qlora else "") + "`", qlora))
     named_gpus = set()  # the fewest GPUs that fit is enough to name, once with and once without SP
     for text, changes in remedies:
         kind = "sp_size" in changes
@@ -507,6 +513,14 @@ def nothing_fits(spec, base: TrainSettings, candidates, usable: int, budget: int
                          f"with {layout_text(est.settings)}; `--seq-len max` searches every lever)")
     suggestion = "; ".join(helps) if helps else "a larger GPU"
     return f"{head}; what would fit: {suggestion}"
+
+
+def _has_default_lora_targets(spec) -> bool:
+    try:
+        spec.default_lora_target_modules()
+    except MemFitError:
+        return False
+    return True
 
 
 def _dynamics_optimizers(spec, base: TrainSettings, searched: tuple[str, ...]) -> list[tuple[str, dict]]:
@@ -558,4 +572,5 @@ def longest_fitting_seq(seq_len: int, fit, shortest: int = 16) -> tuple[int, Mem
 
 def difference_text(s: TrainSettings) -> str:
     return (f"micro-batch {s.batch_size} x accumulation {s.gradient_accumulation_steps}, checkpointing "
-            f"{'on' if s.gradient_checkpointing else 'off'}, {s.optim}, {layout_text(s)}")
+            f"{'on' if s.gradient_checkpointing else 'off'}, {s.optim}, {layout_text(s)}"
+            + (f", frozen {', '.join(s.frozen)}" if s.frozen else ""))

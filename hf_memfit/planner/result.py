@@ -40,6 +40,9 @@ class Plan:
     tiled_mlp: bool = False  # ALST's TiledMLP: not a TrainingArguments field; MemFitTrainer applies it
     # accelerate.ParallelismConfig keyword arguments (handlers as dicts) when the plan splits sequences
     parallelism_config: dict | None = None
+    # Modules trained frozen (`requires_grad_(False)`; a tower the plan froze with `allow_freeze`, or the run's
+    # own): not a TrainingArguments field; MemFitTrainer freezes them before it builds the optimizer
+    frozen: list[str] | None = None
 
     def to_dict(self) -> dict:
         return {
@@ -57,6 +60,7 @@ class Plan:
             "offload_activations": self.offload_activations,
             "optim_target_modules": self.optim_target_modules,
             "tiled_mlp": self.tiled_mlp,
+            "frozen": self.frozen,
             "attn_implementation": self.attn_implementation,
             "deepspeed": self.deepspeed,
             "fsdp": self.fsdp,
@@ -135,6 +139,7 @@ def alternative_dict(c: Candidate, plan: Plan) -> dict:
         "fsdp_offload": s.fsdp_offload,
         "sp_size": s.sp_size,
         "cp_size": s.cp_size,
+        "frozen": list(s.frozen) if s.frozen else None,
         "fits": c.fits,
         "device_total_bytes": c.estimate.device_total_bytes,
         "predicted_step_seconds": round(c.step_seconds, 4),

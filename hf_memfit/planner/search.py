@@ -46,6 +46,7 @@ from hf_memfit.planner.grid import (
     with_liger,
     with_tiled_mlp,
 )
+from hf_memfit.planner.freezing import freeze_options, freeze_reason, freeze_remedy, newly_frozen
 from hf_memfit.planner.result import PlanResult
 from hf_memfit.planner.speed import ideal_seconds
 from hf_memfit.settings import TrainSettings
@@ -71,7 +72,7 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
          sp_size: int | str = "auto", cp_size: int | str = 1, confirm_in_exact: bool = True,
          tiled_mlp: bool | None = None, inputs: dict | None = None,
          prepare_model_for_kbit_training: bool | None = None, not_fitting: dict | None = None,
-         ssm_kernels: str | None = None) -> PlanResult:
+         ssm_kernels: str | None = None, allow_freeze: bool = False) -> PlanResult:
     """Pick the fastest configuration that trains `model` within the memory budget.
 
     The budget is `gpu_memory` (a size such as "12GiB", or "auto" for the local
@@ -93,6 +94,9 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
     gradients and torchao's low-bit AdamW with bf16 stochastic rounding) when no
     mixed-precision plan fits; `allow_optimizers` names optimizers the planner may
     switch to beyond the AdamW ladder (galore_adamw, apollo_adamw, adafactor, ...).
+    `allow_freeze` lets the plan freeze the model's towers beside what it trains (a VLM's vision tower, a
+    wav2vec2 / HuBERT feature encoder, Whisper's encoder; found by structure, `planner/freezing.py`) when no
+    plan that trains every module fits; before pure bf16 when both are allowed.
     Liger's fused linear cross-entropy (same loss, no logits) is searched for the
     causal-LM families it patches when `liger_kernel` is installed, or when
     `use_liger_kernel` is True; False never searches it.
@@ -206,7 +210,7 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
     offload_acts = base.device == "cuda" and allow_offload != "none"
     tiled = tiled_mlp_searched(spec, base, tiled_mlp)
 
-    def search(splits):
+    def search(splits, base=base):
         found = []
         for sp, cp in splits:
             split = base.replace(sp_size=sp, cp_size=cp)
@@ -248,27 +252,48 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
         if more:
             candidates += search(more)
             fitting = fitting_last_resort_last(candidates)
+            splits = splits + more
     fast_total = fitting[0].estimate.device_total_bytes if fitting else 0
-    if confirm_in_exact:
-        fitting = confirm_in_exact_mode(spec, fitting, usable, host, everything=mode == "exact", progress=progress)
+
+    def confirmed(fitting):
+        if confirm_in_exact:
+            return confirm_in_exact_mode(spec, fitting, usable, host, everything=mode == "exact", progress=progress)
+        return fitting
+
+    fitting = confirmed(fitting)
+    frozen_sets = freeze_options(spec, base, allow_freeze)
+    for frozen in frozen_sets if not fitting else ():
+        # Only once nothing fits with every module trained: freezing a tower changes what is trained.
+        found = search(splits, base.replace(frozen=frozen))
+        candidates += found
+        fitting = fitting_last_resort_last(found)
+        fast_total = fitting[0].estimate.device_total_bytes if fitting else 0
+        if fitting := confirmed(fitting):
+            break
     pure_base = pure_bf16_base(base, gpu_info, deepspeed_layout)
-    if not fitting and allow_pure_bf16 and pure_base is not None:
-        # Only once no mixed-precision plan fits: pure bf16 changes the numerics.
-        pure = evaluate(list(with_tiled_mlp(with_activation_offload(with_liger(pure_bf16_grid(pure_base, per_rank),
+    pure_bases = [pure_base] + [pure_base.replace(frozen=f) for f in frozen_sets] if pure_base is not None else []
+    for pure_base_i in pure_bases if not fitting and allow_pure_bf16 else ():
+        # Only once no mixed-precision plan fits: pure bf16 changes the numerics (then with frozen towers).
+        pure = evaluate(list(with_tiled_mlp(with_activation_offload(with_liger(pure_bf16_grid(pure_base_i, per_rank),
                                                                                 liger), offload_acts), tiled)))
         candidates += pure
         fitting = fitting_last_resort_last(pure)
         fast_total = fitting[0].estimate.device_total_bytes if fitting else 0
-        if confirm_in_exact:
-            fitting = confirm_in_exact_mode(spec, fitting, usable, host, everything=mode == "exact",
-                                            progress=progress)
+        if fitting := confirmed(fitting):
+            break
     if not fitting and left_out:
         raise NothingFits(f"nothing fits at {seq_len:,} tokens: {len(left_out)} settings left out did not fit at a "
                           f"shorter sequence, and the {len(candidates)} others do not fit")
     if not fitting:
+        freeze_help = None
+        if not allow_freeze:  # name `--allow-freeze` where it would fit: the grid at the smallest micro-batch
+            freeze_help = freeze_remedy(spec, base, lambda b: (s for s in settings_grid(
+                b, per_rank, allow_offload, keep_optimizer, world, fixed_layout, optims, low_rank_targets(spec, b))
+                if s.batch_size == 1),
+                lambda s: evaluate_candidate(spec, s, usable, host, gpu_info))
         raise NothingFits(nothing_fits(spec, base, candidates, usable, budget, allow_offload, world, per_rank,
                                         host, optims, pure_bf16_base=pure_base if not allow_pure_bf16 else None,
-                                        liger=liger))
+                                        liger=liger, more_helps=[freeze_help] if freeze_help else []))
     best = fitting[0]
     alternatives = runners_up(best, fitting, candidates)
     ideal = ideal_seconds(spec, best.settings, best.estimate, gpu_info)
@@ -282,6 +307,8 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
                         keep_optimizer, largest, host, fast_total)
     if best.settings.activation_offloading:
         chosen.reasons.append(trl_offload_reason(spec, best, usable, host, gpu_info))
+    if newly_frozen(base, best.settings):
+        chosen.reasons.append(freeze_reason(spec, best, candidates, base))
     return PlanResult(chosen, best.estimate, alternatives, len(candidates))
 
 

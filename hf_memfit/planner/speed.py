@@ -212,11 +212,16 @@ def micro_batch_flops(spec: ModelSpec, settings: TrainSettings, est: MemoryEstim
     table (BERT). Checkpointing re-runs the repeated layers, not the head: by
     default one more forward of them (6 -> 8 FLOPs per weight per token, +33%,
     for a full fine-tune; 4 -> 6 with frozen weights); the CPU passes its
-    measured factor.
+    measured factor. A frozen tower at the input (`models/freezable.py`: a VLM's vision tower, Whisper's
+    encoder) runs its forward only: nothing before it needs a gradient, so autograd runs none of its
+    backward and checkpointing recomputes none of it. Its linear weights are counted so; other frozen
+    modules are timed as trained.
     """
     linears = spec.linear_modules(settings.task, settings.num_labels)
     layer_params = sum(m.weight_numel * m.count for m in linears if m.scope == "layer")
     other_params = sum(m.weight_numel * m.count for m in linears if m.scope != "layer")
+    frozen_towers = min(layer_params, frozen_tower_linear_params(spec, settings))
+    layer_params -= frozen_towers
     backward = 4 if est.trainable_params >= 0.5 * est.total_params else 2
     tokens_micro = settings.batch_size * settings.seq_len
     layers = spec.num_layers + (spec.num_decoder_layers or 0)
@@ -224,6 +229,7 @@ def micro_batch_flops(spec: ModelSpec, settings: TrainSettings, est: MemoryEstim
     layer_flops = ((2 + backward) * layer_params + attention) * tokens_micro
     if settings.gradient_checkpointing:
         layer_flops *= checkpointed_layer_factor or (4 + backward) / (2 + backward)
+    layer_flops += 2 * frozen_towers * tokens_micro
     if settings.tiled_mlp:
         # ALST's TiledMLP runs each MLP's forward once more: under no_grad in forward, then again with grad
         # in backward (DeepSpeed ulysses_sp.TiledMLP: "the forward occurs twice each iteration").
@@ -231,6 +237,14 @@ def micro_batch_flops(spec: ModelSpec, settings: TrainSettings, est: MemoryEstim
         mlp_params = max(0, layer_params - layers * attention_params)
         layer_flops += 2 * mlp_params * tokens_micro
     return layer_flops + (2 + backward) * other_params * tokens_micro
+
+
+def frozen_tower_linear_params(spec: ModelSpec, settings: TrainSettings) -> int:
+    """Linear weights of the input-side towers `settings` freezes (0 when it freezes none)."""
+    if not settings.frozen:
+        return 0
+    return sum(m["linear_params"] for m in spec.freezable_modules(settings.task, settings.num_labels)
+               if m["module"] in settings.frozen)
 
 
 def cpu_step_seconds(spec: ModelSpec, settings: TrainSettings, est: MemoryEstimate) -> float:

@@ -114,6 +114,7 @@ def format_plan(result) -> str:
         *([("use_liger_kernel", "True")] if p.use_liger_kernel else []),
         *([("activation checkpoints", "offloaded to the host")] if p.offload_activations else []),
         *([("tiled MLP", "on (hf_memfit.apply_tiled_mlp; MemFitTrainer applies it)")] if p.tiled_mlp else []),
+        *([("frozen", ", ".join(p.frozen) + " (requires_grad_(False); MemFitTrainer applies it)")] if p.frozen else []),
         ("sharding", layout_text(s)),
         (f"predicted peak per GPU ({'nvidia-smi' if s.device == 'cuda' else 'allocator'}, {est.settings.mode} mode)",
          format_bytes(est.device_total_bytes)),
@@ -134,6 +135,8 @@ def format_plan(result) -> str:
             c_s = c.settings
             label = (f"micro {c_s.batch_size} x acc {c_s.gradient_accumulation_steps}, "
                      f"ckpt {'on' if c_s.gradient_checkpointing else 'off'}, {c_s.optim}, {layout_text(c_s)}")
+            if c_s.frozen != s.frozen:
+                label += ", frozen " + ", ".join(c_s.frozen) if c_s.frozen else ", nothing frozen"
             verdict = c.why_not if c.fits else f"does not fit: {c.why_not}"
             lines.append(f"  - {label}: {verdict}")
     lines += ["", "The same figure from the estimator:", f"  {step_command('estimate', est.model, est.settings)}",
