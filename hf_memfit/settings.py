@@ -59,6 +59,9 @@ class TrainSettings:
     lora_alpha: int | None = None  # None: peft's default (8)
     lora_target_modules: tuple[str, ...] | None = None  # None: peft's default for the model type
     load_in_4bit: bool = False
+    # LLM.int8() base weights (`BitsAndBytesConfig(load_in_8bit=True)`): int8 + per-row fp32 scales, LoRA on top
+    # (estimator/int8.py).
+    load_in_8bit: bool = False
     num_gpus: int = 1  # per node
     num_nodes: int = 1
     zero_stage: int = 0  # 0: plain DDP (or one GPU); 1/2/3: DeepSpeed ZeRO
@@ -163,6 +166,11 @@ class TrainSettings:
         return self.autocast_dtype or self.weights_dtype
 
     @property
+    def load_in_kbit(self) -> bool:
+        """Whether bitsandbytes quantizes the base (4-bit NF4 or 8-bit LLM.int8())."""
+        return self.load_in_4bit or self.load_in_8bit
+
+    @property
     def kbit_prepared(self) -> bool:
         """Whether the 4-bit model runs as `prepare_model_for_kbit_training` leaves it.
 
@@ -171,8 +179,8 @@ class TrainSettings:
         run the model in one dtype, and TRL skips the preparation for sharded QLoRA).
         """
         if self.prepare_model_for_kbit_training is not None:
-            return self.prepare_model_for_kbit_training and self.load_in_4bit
-        return self.load_in_4bit and self.trainer == "trainer" and not self.zero_stage and self.fsdp is None
+            return self.prepare_model_for_kbit_training and self.load_in_kbit
+        return self.load_in_kbit and self.trainer == "trainer" and not self.zero_stage and self.fsdp is None
 
     @property
     def reference(self) -> str | None:
@@ -313,6 +321,7 @@ class TrainSettings:
         if self.load_in_4bit and self.lora_r is None:
             problems.append("`--load-in-4bit` trains LoRA adapters on the 4-bit base: add `--lora-r` (e.g. 16)")
         problems += self._kbit_preparation_problems()
+        problems += self._int8_problems()
         if self.gpu is not None and self.device == "cuda":
             problems += _gpu_problems(self)
         settings = self
@@ -326,13 +335,28 @@ class TrainSettings:
         if not self.prepare_model_for_kbit_training:
             return []
         flag = "`--prepare-model-for-kbit-training yes`"
-        if not self.load_in_4bit:
-            return [f"{flag} upcasts what bitsandbytes left unpacked on a 4-bit model: add `--load-in-4bit`, or "
-                    "`--prepare-model-for-kbit-training no`"]
+        if not self.load_in_kbit:
+            return [f"{flag} upcasts what bitsandbytes left unpacked on a 4-bit or 8-bit model: add `--load-in-4bit` "
+                    "or `--load-in-8bit`, or `--prepare-model-for-kbit-training no`"]
         if self.zero_stage or self.fsdp is not None:
             # DeepSpeed's engine casts the module to its compute dtype; FSDP flattens parameters of one dtype.
             return [f"{flag}: DeepSpeed and FSDP run the model in one dtype, so its fp32 parameters do not survive "
                     "(TRL skips it for sharded QLoRA): use `--prepare-model-for-kbit-training no`"]
+        return []
+
+    def _int8_problems(self) -> list[str]:
+        if not self.load_in_8bit:
+            return []
+        if self.load_in_4bit:
+            return ["`--load-in-8bit` and `--load-in-4bit` are two ways to quantize the base: pick one"]
+        if self.lora_r is None:
+            # transformers refuses to train a purely quantized model (Trainer: "You cannot perform fine-tuning on
+            # purely quantized models. Please attach trainable adapters")
+            return ["`--load-in-8bit` trains LoRA adapters on the int8 base: add `--lora-r` (e.g. 16)"]
+        if self.shards_parameters:
+            # bitsandbytes' Int8Params has no quant_storage (only Params4bit does): FSDP / ZeRO-3 cannot flatten it
+            return ["`--load-in-8bit` with ZeRO-3 or FSDP sharding is not modelled (int8 weights cannot be sharded "
+                    "like a 4-bit base stored in the compute dtype): use `--load-in-4bit`, or ZeRO-1/2 or DDP"]
         return []
 
     def _sequence_problems(self) -> list[str]:

@@ -68,6 +68,8 @@ def add_step_arguments(parser: argparse.ArgumentParser, *, with_batch: bool = Tr
     parser.add_argument("--lora-alpha", type=positive_int)
     parser.add_argument("--lora-target-modules", help="comma-separated module names; default: peft's for the model")
     parser.add_argument("--load-in-4bit", action="store_true", help="QLoRA: 4-bit NF4 base weights (bitsandbytes)")
+    parser.add_argument("--load-in-8bit", action="store_true",
+                        help="LLM.int8() base weights (bitsandbytes load_in_8bit) under LoRA adapters (needs --lora-r)")
     parser.add_argument("--no-double-quant", dest="bnb_4bit_use_double_quant", action="store_false",
                         help="4-bit without double quantisation (bnb_4bit_use_double_quant=False)")
     parser.add_argument("--prepare-model-for-kbit-training", choices=("auto", "yes", "no"), default="auto",
@@ -184,7 +186,7 @@ def settings_from_args(args: argparse.Namespace):
         offload_activations=args.offload_activations, tiled_mlp=args.tiled_mlp,
         attn_implementation=args.attn_implementation, gradient_accumulation_steps=args.gradient_accumulation_steps,
         lora_r=args.lora_r, lora_alpha=args.lora_alpha, lora_target_modules=targets,
-        load_in_4bit=args.load_in_4bit, num_gpus=args.num_gpus, num_nodes=args.num_nodes,
+        load_in_4bit=args.load_in_4bit, load_in_8bit=args.load_in_8bit, num_gpus=args.num_gpus, num_nodes=args.num_nodes,
         zero_stage=args.zero_stage, offload_optimizer=args.offload_optimizer, offload_param=args.offload_param,
         fsdp=args.fsdp, fsdp_version=args.fsdp_version, fsdp_offload=args.fsdp_offload,
         sp_size=args.sp_size, cp_size=args.cp_size,

@@ -111,7 +111,7 @@ def _ctx(spec, settings) -> StepContext:
     kbit_compute = None
     if settings.kbit_prepared:  # peft upcast what is not 4-bit to fp32; the 4-bit layers compute in half precision
         wdt, kbit_compute = "f32", DTYPE_TAG[settings.compute_dtype]
-    elif settings.load_in_4bit and wdt == "f32":
+    elif settings.load_in_kbit and wdt == "f32":
         wdt = DTYPE_TAG[settings.compute_dtype]  # the base is built in the compute dtype (4-bit packing is applied later)
     attn = "eager" if settings.attn_implementation == "eager" else "sdpa"
     if getattr(family_of(spec), "EAGER_ATTENTION_ONLY", False):
@@ -128,7 +128,7 @@ def _ctx(spec, settings) -> StepContext:
                 attn=attn, full_ft=not settings.uses_lora, lora_r=(settings.lora_r or 8) if settings.uses_lora else None,
                 lora_targets=lora_targets(spec, settings), use_cache=use_cache, flash_ok=flash_ok,
                 checkpointing=settings.gradient_checkpointing, decoder_s=settings.decoder_seq_len,
-                packed=settings.padding_free, kbit_compute=kbit_compute, unpacked_4bit=unpacked_4bit(spec))
+                packed=settings.padding_free, kbit_compute=kbit_compute, unpacked_4bit=unpacked_4bit(spec), int8=settings.load_in_8bit)
 
 
 def _stack_summary(f: ForwardTape, name: str, depth: int, carry: SymTensor, gc_f: ForwardTape | None) -> _Stack:

@@ -157,7 +157,7 @@ def _low_rank_targets(spec, settings) -> frozenset:
 def quantizable(spec, settings) -> tuple[int, int]:
     """Linear weights bitsandbytes would pack to 4 bits (`LinearModule.packed`: the rule of
     `step.quantizable_linears`), and the largest."""
-    if not settings.load_in_4bit:
+    if not settings.load_in_kbit:
         return 0, 0
     mods = [m for m in spec.linear_modules(settings.task, settings.num_labels) if m.packed]
     return sum(m.weight_numel * m.count for m in mods), max((m.weight_numel for m in mods), default=0)

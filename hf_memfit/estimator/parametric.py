@@ -170,7 +170,7 @@ def _sibling(settings) -> str | None:
     Not with 4-bit weights: their base is built in the compute dtype (`step._build_model`), so the
     two precisions build different models. Elsewhere the check point says whether the steps agree.
     """
-    return None if settings.load_in_4bit else _SIBLING_PRECISION.get(settings.precision)
+    return None if settings.load_in_kbit else _SIBLING_PRECISION.get(settings.precision)
 
 
 def _gpu_key(settings):
@@ -419,7 +419,7 @@ def _import_for_traces(many) -> None:
     wanted = ["transformers.trainer"]
     if any(s.uses_lora for s in many):
         wanted.append("peft")
-    if any(s.load_in_4bit or s.optimizer.package == "bitsandbytes" for s in many):
+    if any(s.load_in_kbit or s.optimizer.package == "bitsandbytes" for s in many):
         wanted.append("bitsandbytes")
     for name in wanted:
         try:

@@ -13,6 +13,7 @@ for FSDP, torch 2.13 `distributed/fsdp/_fully_shard/` (FSDP2) and
 from dataclasses import dataclass, field
 
 from hf_memfit.estimator.breakdown import StepMemory, is_optimizer_region
+from hf_memfit.estimator.int8 import pack_8bit
 from hf_memfit.settings import TrainSettings
 
 # bitsandbytes NF4 with double quantisation (the QLoRA recipe): 4-bit codes,
@@ -92,6 +93,8 @@ def shard(step: StepMemory, settings: TrainSettings, hidden_size: int, units: Wr
         rank.notes.append(f"activation checkpoints offloaded to pinned host memory: {step.host_bytes / 2**20:.0f} MiB")
     if settings.load_in_4bit:
         _pack_4bit(rank, step, settings)
+    elif settings.load_in_8bit:
+        pack_8bit(rank, step, settings, hidden_size)
     if settings.optim.startswith("paged_") and settings.device == "cuda":  # the CPU falls back to non-paged
         # Paged optimizers keep their states in CUDA managed memory, outside
         # torch's counters, and the driver pages them to the host under

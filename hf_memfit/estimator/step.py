@@ -27,6 +27,7 @@ import tempfile
 import torch
 
 from hf_memfit.models.build import bnb_packed_modules, instantiate
+from hf_memfit.estimator.int8_matmul import like_linear8bit
 from hf_memfit.estimator.step_levers import (TrlOffloadedActivations, liger_causal_lm_forward,
                                              liger_in_place_accumulation, offload_checkpoint_inputs, tile_mlps)
 from hf_memfit.settings import TrainSettings
@@ -96,7 +97,7 @@ def _build_model(config: dict, settings: TrainSettings):
     if attn == "flash_attention_2":
         attn = "sdpa"  # the flash kernel's memory is modelled on the sdpa path (trace.py)
     weights_dtype = settings.weights_dtype
-    if settings.load_in_4bit and weights_dtype == "float32":
+    if settings.load_in_kbit and weights_dtype == "float32":
         weights_dtype = settings.compute_dtype
     model = instantiate(config, settings.task, settings.num_labels, dtype=torch_dtype(weights_dtype),
                         attn_implementation=attn)
@@ -115,9 +116,12 @@ def _build_model(config: dict, settings: TrainSettings):
         _add_trl_head(model, settings.trainer)
     if settings.frozen:
         freeze(model, settings.frozen)
-    packed = quantizable_linears(model) if settings.load_in_4bit else None  # by module names: before the adapters
+    packed = quantizable_linears(model) if settings.load_in_kbit else None  # by module names: before the adapters
     if settings.kbit_prepared:
         prepare_like_peft_kbit_training(model, settings, packed)
+    if settings.load_in_8bit:
+        for module in packed:
+            like_linear8bit(module, cuda=settings.device == "cuda")
     if settings.uses_lora:
         model = _add_lora(model, settings)
     if packed is not None:
@@ -201,7 +205,7 @@ def prepare_like_peft_kbit_training(model, settings: TrainSettings, packed: list
     peft's gradient-checkpointing side (`enable_input_require_grads` for reentrant checkpoints) is left to
     `gradient_checkpointing`, which hf-memfit runs non-reentrant.
     """
-    if any(type(p).__name__ == "Params4bit" for p in model.parameters()):
+    if any(type(p).__name__ in ("Params4bit", "Int8Params") for p in model.parameters()):
         from peft import prepare_model_for_kbit_training  # a real 4-bit model (`hf-memfit check` on CUDA): peft's own
 
         prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)  # checkpointing is build_model's
@@ -209,12 +213,14 @@ def prepare_like_peft_kbit_training(model, settings: TrainSettings, packed: list
     compute = torch_dtype(settings.compute_dtype)
     packed = quantizable_linears(model) if packed is None else packed
     # bitsandbytes casts a packed layer's bias to the compute dtype on its first forward
-    kept = {id(p) for module in packed for p in (module.weight, module.bias) if p is not None}
+    # (an int8 layer's bias is a plain Parameter, which peft upcasts: estimator/int8.py)
+    kept = {id(p) for module in packed for p in (module.weight, module.bias)
+            if p is not None and (settings.load_in_4bit or p is module.weight)}
     for param in model.parameters():
         param.requires_grad_(False)
         if param.dtype in (torch.float16, torch.bfloat16) and id(param) not in kept:
             param.data = param.data.to(torch.float32)
-    for module in packed:
+    for module in packed if settings.load_in_4bit else ():  # int8 layers: `int8.like_linear8bit`
         module.forward = _like_linear4bit(module, compute)
 
 
@@ -237,7 +243,7 @@ def _add_lora(model, settings: TrainSettings):
         targets = list(settings.lora_target_modules)
         # peft takes the string "all-linear" (every linear layer but the output one), not a list holding it.
         kwargs["target_modules"] = "all-linear" if targets == ["all-linear"] else targets
-    if settings.load_in_4bit:
+    if settings.load_in_kbit:
         for param in model.parameters():
             param.requires_grad_(False)
     with _swap_tensors_falls_back_to_set_data():

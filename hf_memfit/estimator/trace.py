@@ -418,7 +418,7 @@ def trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], *
             param_bytes=sum(p.numel() * p.element_size() for p in params),
             stack_depths=tuple(len(stack) for stack in stacks),
         )
-        if settings.load_in_4bit:
+        if settings.load_in_kbit:
             result.quantizable_linear_params, result.largest_linear_numel = _quantizable_linear_params(model)
         result.host_bytes = max(host_peaks, default=0)
         if shapes:  # what `parametric.py` needs to move the optimizer by formula

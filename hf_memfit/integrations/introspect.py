@@ -86,7 +86,7 @@ def model_precision(model, args, on_gpu: bool) -> str | None:
     """The precision the run trains in, from the loaded weights and the mixed-precision flags; None: let the plan pick."""
     base = base_model(model)
     dtype = next(base.parameters()).dtype
-    if getattr(base, "is_loaded_in_4bit", False):
+    if getattr(base, "is_loaded_in_4bit", False) or getattr(base, "is_loaded_in_8bit", False):
         return "bf16-mixed" if args.bf16 or not args.fp16 else "fp16-mixed"
     if dtype == torch.bfloat16:
         return "bf16"
@@ -491,6 +491,8 @@ def plan_inputs(trainer, model, args, fields, train_dataset, collator, tokenizer
         gpu=gpu_name(on_gpu), task=task, num_labels=getattr(base.config, "num_labels", 2), num_gpus=per_node,
         num_nodes=nodes, lora_r=lora.get("r"), lora_alpha=lora.get("lora_alpha"),
         lora_target_modules=lora.get("target_modules"), load_in_4bit=quantized,
+        # transformers sets it on a `load_in_8bit` model (Linear8bitLt layers): planned as LLM.int8() (estimator/int8.py)
+        load_in_8bit=bool(getattr(base, "is_loaded_in_8bit", False)),
         allow_offload=fields.allow_offload if on_gpu else "none", headroom=fields.headroom,
         keep_optimizer=fields.keep_optimizer, optim=str(getattr(args.optim, "value", args.optim)),
         device="cuda" if on_gpu else "cpu", mode=fields.memfit_mode, precision=model_precision(model, args, on_gpu),

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hf_memfit.models.int8_linear import int8_linear
 from hf_memfit.units import cuda_block_bytes
 
 # Element sizes by our dtype tags.
-DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "u8": 1, "bool": 1, "i64": 8}
+DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "u8": 1, "bool": 1, "i64": 8, "i8": 1, "i32": 4}
 DTYPE_TAG = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 
 
@@ -87,6 +88,7 @@ class StepContext:
     # stand-in weights'), while every other weight (`wdt`) is fp32. None: one weight dtype for the whole model.
     kbit_compute: str | None = None
     unpacked_4bit: frozenset = frozenset()  # linear names bitsandbytes leaves unpacked (T5's `wo`)
+    int8: bool = False  # the packed layers are LLM.int8()'s `Linear8bitLt` (models/int8_linear.py)
 
     @property
     def embeddings_need_grad(self) -> bool:
@@ -295,8 +297,8 @@ class ForwardTape:
         when the input does.
         """
         ctx = self.ctx
-        if ctx.kbit_compute and self.scope != "head" and name not in ctx.unpacked_4bit:  # the rest are fp32 once prepared
-            return self._prepared_4bit_linear(x, fin, fout, name, lora)
+        if (ctx.kbit_compute or ctx.int8) and self.scope != "head" and name not in ctx.unpacked_4bit:  # the rest: fp32 once prepared
+            return int8_linear(self, x, fin, fout, name, lora) if ctx.int8 else self._prepared_4bit_linear(x, fin, fout, name, lora)
         trainable = ctx.full_ft if trainable is None else trainable
         rows = x.numel // fin
         w = None

@@ -157,12 +157,12 @@ def layout_variants(base: TrainSettings, allow_offload: str, world: int) -> list
         layouts += [none | dict(zero_stage=stage) for stage in (1, 2, 3)]
         layouts += [none | dict(fsdp="full_shard", fsdp_version=2), none | dict(fsdp="shard_grad_op", fsdp_version=2)]
     if allow_offload in ("cpu", "nvme"):
-        if not base.load_in_4bit:
+        if not base.load_in_kbit:
             layouts += [none | dict(zero_stage=2, offload_optimizer="cpu"), none | dict(zero_stage=3, offload_optimizer="cpu"),
                         none | dict(zero_stage=3, offload_optimizer="cpu", offload_param="cpu")]
         if world > 1:
             layouts += [none | dict(fsdp="full_shard", fsdp_version=2, fsdp_offload=True)]
-    if allow_offload == "nvme" and not base.load_in_4bit:
+    if allow_offload == "nvme" and not base.load_in_kbit:
         layouts += [none | dict(zero_stage=3, offload_optimizer="nvme", offload_param="nvme")]
     return layouts
 
@@ -182,7 +182,7 @@ def sequence_layout_variants(base: TrainSettings, allow_offload: str, none: dict
     """
     if base.sp_size > 1:
         layouts = [none | dict(zero_stage=stage) for stage in (1, 2, 3)]
-        if allow_offload in ("cpu", "nvme") and not base.load_in_4bit:
+        if allow_offload in ("cpu", "nvme") and not base.load_in_kbit:
             layouts += [none | dict(zero_stage=2, offload_optimizer="cpu"), none | dict(zero_stage=3, offload_optimizer="cpu"),
                         none | dict(zero_stage=3, offload_optimizer="cpu", offload_param="cpu")]
         return layouts

@@ -59,7 +59,7 @@ DEFAULT_HEADROOM = 0.05  # the fraction of the budget a plan keeps free (`--head
 def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_memory: str | int | None = None,
          gpu: str | None = None, task: str | None = None, num_labels: int = 2, num_gpus: int = 1, num_nodes: int = 1,
          lora_r: int | None = None, lora_alpha: int | None = None, lora_target_modules=None,
-         load_in_4bit: bool = False, allow_offload: str = "cpu", cpu_memory: str | int | None = None,
+         load_in_4bit: bool = False, load_in_8bit: bool = False, allow_offload: str = "cpu", cpu_memory: str | int | None = None,
          nvme_path: str | None = None, headroom: float = DEFAULT_HEADROOM, keep_optimizer: bool = False,
          optim: str = "adamw_torch_fused", device: str = "cuda", mode: str = "fast",
          precision: str | None = None, deepspeed_layout: tuple[int, str, str] | None = None,
@@ -165,7 +165,7 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
     if isinstance(lora_target_modules, str):
         lora_target_modules = tuple(t for t in lora_target_modules.split(",") if t)
     if precision is None:
-        precision, precision_reason = _precision(gpu_info, device, load_in_4bit)
+        precision, precision_reason = _precision(gpu_info, device, load_in_4bit or load_in_8bit)
     else:
         precision_reason = f"precision {precision}: as the model was loaded"
     if attn_implementation is None:
@@ -176,7 +176,7 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
         batch_size=1, seq_len=seq_len, task=task, num_labels=num_labels, precision=precision, optim=optim,
         attn_implementation=attn, lora_r=lora_r, lora_alpha=lora_alpha,
         lora_target_modules=tuple(lora_target_modules) if lora_target_modules else None,
-        load_in_4bit=load_in_4bit, num_gpus=num_gpus, num_nodes=num_nodes, device=device,
+        load_in_4bit=load_in_4bit, load_in_8bit=load_in_8bit, num_gpus=num_gpus, num_nodes=num_nodes, device=device,
         gpu=gpu_info.name if gpu_info else None, mode="fast", expandable_segments=expandable_segments,
         bnb_4bit_use_double_quant=bnb_4bit_use_double_quant, bnb_4bit_quant_storage=bnb_4bit_quant_storage,
         prepare_model_for_kbit_training=prepare_model_for_kbit_training, trainer=trainer, padding_free=padding_free, reference_model=reference_model, decoder_seq_len=decoder_seq_len,
