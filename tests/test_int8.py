@@ -25,13 +25,17 @@ def test_refusals_name_the_flag_and_the_fix(llama, fields, flag):
     assert flag in str(info.value)
 
 
-@pytest.mark.parametrize("device, prepared", [("cuda", True), ("cuda", False), ("cpu", True)])
-def test_fast_and_exact_agree(llama, device, prepared):
-    """benchmarks/int8_cpu.py holds the real bitsandbytes CPU step against these (exact within 0.3%)."""
-    s = TrainSettings(**INT8, device=device, prepare_model_for_kbit_training=prepared).validate(llama)
+@pytest.mark.parametrize("device, prepared, checkpointing", [("cuda", True, False), ("cuda", False, False),
+                                                               ("cpu", True, False), ("cpu", True, True)])
+def test_fast_and_exact_agree(llama, device, prepared, checkpointing):
+    """benchmarks/int8_cpu.py holds the real bitsandbytes CPU step against these (exact within 0.3%). Under
+    checkpointing fast mode fits traces of the step (the int8 matmul's kept inputs): the same figure."""
+    s = TrainSettings(**INT8, device=device, prepare_model_for_kbit_training=prepared,
+                      gradient_checkpointing=checkpointing).validate(llama)
     exact = step_memory(llama, s.replace(mode="exact")).peak_bytes
-    fast = step_memory(llama, s).peak_bytes
-    assert abs(fast - exact) / exact < 0.02, (fast, exact)
+    fast = step_memory(llama, s)
+    assert abs(fast.peak_bytes - exact) / exact < (0.001 if checkpointing else 0.02), (fast.peak_bytes, exact)
+    assert any("LLM.int8() layers under checkpointing" in note for note in fast.notes) == checkpointing
 
 
 def test_int8_weights_are_a_byte_a_param_and_cli_takes_the_flag(capsys):
@@ -47,3 +51,29 @@ def test_int8_weights_are_a_byte_a_param_and_cli_takes_the_flag(capsys):
     bf16 = json.loads(capsys.readouterr().out)
     saved = bf16["breakdown"]["weights"] - int8["breakdown"]["weights"]
     assert 0.9 * 85e6 < saved < 85e6, saved  # 1 B/param less, less the fp32 row scales
+
+
+def test_the_trainer_plans_a_model_loaded_in_8bit_as_int8(tmp_path):
+    """A script that loads its model with `BitsAndBytesConfig(load_in_8bit=True)` (bitsandbytes' CPU int8 here) and
+    adds LoRA: MemFitTrainer plans LLM.int8() weights, not a bf16 model."""
+    pytest.importorskip("bitsandbytes")
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from hf_memfit.integrations.args import MemFitArguments
+    from hf_memfit.integrations.trainer import MemFitTrainer
+    from hf_memfit.models.build import instantiate
+
+    instantiate(dict(TINY_LLAMA), "causal-lm", 2, dtype=torch.bfloat16, attn_implementation="sdpa").save_pretrained(
+        tmp_path / "model")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "model", device_map="cpu",
+                                                 quantization_config=BitsAndBytesConfig(load_in_8bit=True))
+    model = get_peft_model(model, LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))
+    ids = torch.randint(0, 512, (8, 64), generator=torch.Generator().manual_seed(0))
+    rows = [{"input_ids": row, "labels": row} for row in ids]
+    args = MemFitArguments(output_dir=str(tmp_path / "out"), memory_budget="2GiB", per_device_train_batch_size=2,
+                           max_steps=1, report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True)
+    trainer = MemFitTrainer(model=model, args=args, train_dataset=rows)
+    settings = trainer.memfit_result.estimate.settings
+    assert settings.load_in_8bit and not settings.load_in_4bit and settings.lora_r == 8

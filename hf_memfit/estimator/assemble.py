@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from hf_memfit.errors import MemFitError
 from hf_memfit.estimator.breakdown import CATEGORIES, StepMemory
+from hf_memfit.estimator.fast_params import formulas_miss
 from hf_memfit.settings import TrainSettings, beyond_positions_note
 from hf_memfit.models.inputs import input_note
 from hf_memfit.models.spec import ModelSpec, resolve_model
@@ -112,8 +113,8 @@ def _mode_step_memory(spec: ModelSpec, settings: TrainSettings, traced: TrainSet
         from hf_memfit.estimator.batch_fit import batch_fit_step_memory  # no free sequence length to fit over
 
         return held_batches(spec, settings, batch_fit_step_memory(spec, traced))
-    if not spec.hand_written or settings.frozen:
-        # The hand-written formulas train every module; a step with frozen modules is fitted to traces of itself.
+    if not spec.hand_written or formulas_miss(settings):
+        # A step the hand-written formulas do not cover is fitted to traces of itself.
         from hf_memfit.estimator.parametric import parametric_step_memory  # imports torch only to fit
 
         return parametric_step_memory(spec, traced)
@@ -150,7 +151,7 @@ def prepare(spec: ModelSpec, many) -> None:
     another as it meets them. Settings that do not validate are left to
     the estimate that reports them.
     """
-    if spec.hand_written and not any(s.frozen for s in many):  # frozen modules: parametric fits (_mode_step_memory)
+    if spec.hand_written and not any(formulas_miss(s) for s in many):  # else parametric fits (_mode_step_memory)
         return
     from hf_memfit.estimator.sequence import local_step_settings
 
@@ -167,7 +168,7 @@ def prepare(spec: ModelSpec, many) -> None:
         from hf_memfit.estimator.batch_fit import prepare_batch_fits
 
         prepare_batch_fits(spec, media)
-    text = [s for s in wanted if s.task not in MEDIA_TASKS and (s.frozen or not spec.hand_written)]
+    text = [s for s in wanted if s.task not in MEDIA_TASKS and (formulas_miss(s) or not spec.hand_written)]
     if text:
         from hf_memfit.estimator.parametric import prepare_fits
 

@@ -242,8 +242,12 @@ def parametric_step_memory(spec, settings) -> StepMemory:
     if spec.moe:
         step.notes.append(moe_note(spec.moe, settings))
     points = ", ".join(f"{b}x{s}" for b, s, _ in fit["points"])
-    why = "frozen modules, which its hand-written formulas do not model" if spec.hand_written else \
-        "no hand-written formulas"
+    if spec.hand_written:
+        from hf_memfit.estimator.fast_params import formulas_miss
+
+        why = formulas_miss(settings)
+    else:
+        why = "no hand-written formulas"
     text = (f"fast mode for model type `{spec.model_type}` ({why}): parametric fit from "
             f"{fit['traces']} traces (depth {fit['depths']}), each stepped at batch x seq {points} (the last "
             "checks the fit)")
