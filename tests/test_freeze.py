@@ -11,13 +11,8 @@ from hf_memfit.errors import NothingFits
 from hf_memfit.integrations.args import MemFitArguments
 from hf_memfit.integrations.trainer import MemFitTrainer
 from hf_memfit.planner import search
+from test_vlm import LLAVA  # the tiny LLaVA of the VLM tests
 
-LLAVA = dict(model_type="llava", image_token_index=511, image_seq_length=16,
-             text_config=dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                              num_attention_heads=2, num_key_value_heads=2, vocab_size=512),
-             vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64,
-                                num_hidden_layers=2, num_attention_heads=2, image_size=64, patch_size=16,
-                                projection_dim=32))
 # Global batch 2 of 16 image + 32 text tokens, fp32 on the CPU: nothing trained whole fits below 2.80 MiB; with the
 # vision tower frozen, micro-batch 1 x 2 without checkpointing takes 2.69 MiB. 95% of this budget (2.75 MiB) lies
 # between. (The tiny model's checkpointed steps miss the profiler by 4-15%, frozen or not: kept out of this check.)
