@@ -58,6 +58,10 @@ class TrainSettings:
     lora_r: int | None = None
     lora_alpha: int | None = None  # None: peft's default (8)
     lora_target_modules: tuple[str, ...] | None = None  # None: peft's default for the model type
+    # peft's `target_modules` given as one string: a regex each module's full name must match (peft's
+    # `check_target_module_exists`), e.g. r".*language_model.*\.(q_proj|v_proj)" for a VLM's language model only.
+    # Layers are traced at 2-3 per stack and extrapolated, so a pattern must treat every layer alike.
+    lora_target_regex: str | None = None
     load_in_4bit: bool = False
     # LLM.int8() base weights (`BitsAndBytesConfig(load_in_8bit=True)`): int8 + per-row fp32 scales, LoRA on top
     # (estimator/int8.py).
@@ -287,6 +291,8 @@ class TrainSettings:
             problems.append("`--lora-alpha` needs `--lora-r` (LoRA is off without it)")
         if self.lora_target_modules is not None and self.lora_r is None and not self.load_in_4bit:
             problems.append("`--lora-target-modules` needs `--lora-r` (LoRA is off without it)")
+        if self.lora_target_regex is not None:
+            problems += _regex_problems(self)
         if self.zero_stage == 0 and (self.offload_optimizer != "none" or self.offload_param != "none"):
             problems.append("offloading needs DeepSpeed: add `--zero-stage 2` (optimizer) or `--zero-stage 3` (parameters)")
         if self.offload_param != "none" and self.zero_stage != 3:
@@ -491,6 +497,22 @@ def _validate_against_model(settings: TrainSettings, spec) -> tuple[TrainSetting
     settings, input_problems = spec.resolve_inputs(settings.replace(task=task))
     return settings, problems + input_problems
 
+
+
+def _regex_problems(settings: TrainSettings) -> list[str]:
+    """`--lora-target-regex`: LoRA on, one way of naming the targets, and a pattern Python's `re` compiles."""
+    import re
+
+    if settings.lora_r is None and not settings.load_in_4bit:
+        return ["`--lora-target-regex` needs `--lora-r` (LoRA is off without it)"]
+    if settings.lora_target_modules is not None:
+        return ["`--lora-target-regex` and `--lora-target-modules` are two ways to name LoRA's targets: give one"]
+    try:
+        re.compile(settings.lora_target_regex)
+    except re.error as exc:
+        return [f"`--lora-target-regex {settings.lora_target_regex}` is not a regular expression ({exc}); peft "
+                "matches it against each module's full name, e.g. '.*language_model.*\\.(q_proj|v_proj)'"]
+    return []
 
 def _sequence_model_problems(settings: TrainSettings, spec, task: str) -> list[str]:
     """What sp_size / cp_size need of the model: heads that split, and a model the libraries can shard."""

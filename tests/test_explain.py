@@ -1,5 +1,7 @@
 """`hf-memfit explain`: the timeline agrees with exact mode, phases are ordered, the plot is drawn."""
 
+import shlex
+
 import pytest
 
 from hf_memfit.cli.main import main
@@ -148,7 +150,7 @@ def test_timeline_draws_one_rank_as_the_estimate_computes_it(tiny_specs, layout)
     dict(batch_size=4, seq_len=None, task="ctc", audio_seconds=12.5, label_len=80, frozen=("wav2vec2.feature_extractor",),
          precision="bf16-mixed", gradient_checkpointing=True, gpu="a10g"),
     dict(batch_size=2, seq_len=512, task="image-text-to-text", image_size=672, images_per_sample=2, lora_r=16,
-         load_in_4bit=True, bnb_4bit_use_double_quant=False, bnb_4bit_quant_storage="bfloat16",
+         lora_target_regex=r".*language_model.*\.(q_proj|v_proj)", load_in_4bit=True, bnb_4bit_use_double_quant=False, bnb_4bit_quant_storage="bfloat16",
          prepare_model_for_kbit_training=False, frozen=("vision_tower",), precision="bf16-mixed", zero_stage=3,
          num_gpus=2),
     dict(batch_size=1, seq_len=2048, ssm_kernels="torch", gradient_accumulation_steps=8, optim="adamw_bnb_8bit"),
@@ -162,5 +164,5 @@ def test_the_printed_estimate_command_is_the_same_step(fields):
 
     settings = TrainSettings(**fields, mode="fast")
     command = step_command("estimate", "some/model", settings)
-    parsed = settings_from_args(build_parser().parse_args(command.split()[1:]))
+    parsed = settings_from_args(build_parser().parse_args(shlex.split(command)[1:]))  # as a shell splits it
     assert parsed.to_dict() == settings.to_dict(), command

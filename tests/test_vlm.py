@@ -5,6 +5,7 @@ import pytest
 import torch
 from transformers import AutoConfig
 
+from hf_memfit.cli.main import main
 from hf_memfit.estimator.assemble import estimate_settings
 from hf_memfit.estimator.measure import measure_cpu_peak
 from hf_memfit.models.spec import ModelSpec
@@ -200,3 +201,36 @@ def test_llava_next_pinpoints_it_cannot_tile_exit_2_with_one_line(tmp_path, caps
                  "--seq-len", "16"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "[[48, 48]] are not multiples of the vision tower's 32-px tile" in err
+
+
+def test_lora_on_the_language_model_only_by_a_regex(capsys):
+    """peft's `target_modules` as a regex (TRL's VLM recipes train LoRA on the language model only): the trace
+    trains exactly what peft wraps, fast mode equals exact, the trainer reads the regex off the adapter, and a
+    pattern that matches nothing, or does not compile, is one line and exit 2."""
+    from peft import LoraConfig, get_peft_model
+
+    from hf_memfit.integrations.introspect import lora_settings
+    from hf_memfit.models.build import instantiate
+
+    config = AutoConfig.for_model(**LLAVA).to_dict()
+    spec = ModelSpec.from_config("tiny-llava", config)
+    regex = r".*language_model.*\.(q_proj|v_proj)"
+    settings = TrainSettings(batch_size=2, seq_len=16, task="image-text-to-text", device="cpu", lora_r=4,
+                             lora_target_regex=regex)
+    exact = estimate_settings(spec, settings.replace(mode="exact"))
+    peft_model = get_peft_model(instantiate(config, "image-text-to-text", 2, dtype=torch.float32,
+                                            attn_implementation="sdpa"),
+                                LoraConfig(r=4, target_modules=regex))
+    assert exact.trainable_params == sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+    assert exact.trainable_params < estimate_settings(spec, settings.replace(
+        mode="exact", lora_target_regex=None, lora_target_modules=("q_proj", "v_proj"))).trainable_params  # + tower
+    assert estimate_settings(spec, settings).peak_allocated_bytes == pytest.approx(exact.peak_allocated_bytes, rel=0.02)
+    assert lora_settings(peft_model)["target_regex"] == regex
+    from hf_memfit.errors import MemFitError
+
+    with pytest.raises(MemFitError, match="matches no module"):
+        estimate_settings(spec, settings.replace(mode="exact", lora_target_regex=r".*vision_model.*\.nothing"))
+    code = main(["estimate", "llava-hf/llava-1.5-7b-hf", "--task", "image-text-to-text", "--seq-len", "16",
+                 "--batch-size", "1", "--lora-r", "4", "--lora-target-regex", "(q_proj"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "not a regular expression" in err[0], err

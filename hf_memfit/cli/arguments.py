@@ -67,6 +67,9 @@ def add_step_arguments(parser: argparse.ArgumentParser, *, with_batch: bool = Tr
     parser.add_argument("--lora-r", type=positive_int, help="train LoRA adapters of this rank (peft)")
     parser.add_argument("--lora-alpha", type=positive_int)
     parser.add_argument("--lora-target-modules", help="comma-separated module names; default: peft's for the model")
+    parser.add_argument("--lora-target-regex", metavar="PATTERN",
+                        help="peft's target_modules as a regex over full module names (instead of "
+                             "--lora-target-modules), e.g. '.*language_model.*\\.(q_proj|v_proj)': a VLM's LM only")
     parser.add_argument("--load-in-4bit", action="store_true", help="QLoRA: 4-bit NF4 base weights (bitsandbytes)")
     parser.add_argument("--load-in-8bit", action="store_true",
                         help="LLM.int8() base weights (bitsandbytes load_in_8bit) under LoRA adapters (needs --lora-r)")
@@ -186,6 +189,7 @@ def settings_from_args(args: argparse.Namespace):
         offload_activations=args.offload_activations, tiled_mlp=args.tiled_mlp,
         attn_implementation=args.attn_implementation, gradient_accumulation_steps=args.gradient_accumulation_steps,
         lora_r=args.lora_r, lora_alpha=args.lora_alpha, lora_target_modules=targets,
+        lora_target_regex=args.lora_target_regex,
         load_in_4bit=args.load_in_4bit, load_in_8bit=args.load_in_8bit, num_gpus=args.num_gpus, num_nodes=args.num_nodes,
         zero_stage=args.zero_stage, offload_optimizer=args.offload_optimizer, offload_param=args.offload_param,
         fsdp=args.fsdp, fsdp_version=args.fsdp_version, fsdp_offload=args.fsdp_offload,

@@ -125,7 +125,8 @@ def _plan_kwargs(args: argparse.Namespace) -> dict:
     return dict(
         global_batch_size=args.global_batch_size, gpu_memory=args.gpu_memory,
         gpu=args.gpu, task=args.task, num_labels=args.num_labels, num_gpus=args.num_gpus, num_nodes=args.num_nodes,
-        lora_r=args.lora_r, lora_alpha=args.lora_alpha, lora_target_modules=args.lora_target_modules, load_in_4bit=args.load_in_4bit,
+        lora_r=args.lora_r, lora_alpha=args.lora_alpha, lora_target_modules=args.lora_target_modules,
+        lora_target_regex=args.lora_target_regex, load_in_4bit=args.load_in_4bit,
         load_in_8bit=args.load_in_8bit,
         allow_offload=args.allow_offload, cpu_memory=args.cpu_memory, nvme_path=args.nvme_path,
         headroom=args.headroom, keep_optimizer=args.keep_optimizer, optim=args.optim, device=args.device,

@@ -173,6 +173,8 @@ def formulas_miss(settings) -> str:
     traces of itself (`parametric.py`), so fast mode still equals exact mode."""
     if settings.frozen:
         return "frozen modules, which its hand-written formulas do not model"
+    if settings.lora_target_regex is not None:  # the formulas know modules by their short names only
+        return "LoRA targets named by a regex over full module names, which its hand-written formulas do not read"
     if settings.load_in_8bit and settings.gradient_checkpointing:
         # bitsandbytes' int8 matmul keeps its input on the autograd context (`ctx.tensors`, not saved tensors),
         # which checkpointing does not drop: the formulas' tape has no such tensor (-6.7% on a tiny Llama on

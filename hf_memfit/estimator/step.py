@@ -243,11 +243,23 @@ def _add_lora(model, settings: TrainSettings):
         targets = list(settings.lora_target_modules)
         # peft takes the string "all-linear" (every linear layer but the output one), not a list holding it.
         kwargs["target_modules"] = "all-linear" if targets == ["all-linear"] else targets
+    if settings.lora_target_regex is not None:
+        kwargs["target_modules"] = settings.lora_target_regex  # a string: peft full-matches it as a regex
     if settings.load_in_kbit:
         for param in model.parameters():
             param.requires_grad_(False)
     with _swap_tensors_falls_back_to_set_data():
-        return get_peft_model(model, LoraConfig(**kwargs))
+        try:
+            return get_peft_model(model, LoraConfig(**kwargs))
+        except ValueError as exc:
+            if settings.lora_target_regex is None or "not found" not in str(exc):
+                raise
+            from hf_memfit.errors import MemFitError
+
+            raise MemFitError(f"`--lora-target-regex {settings.lora_target_regex}` matches no module of the model "
+                              "(peft full-matches it against names such as model.layers.0.self_attn.q_proj; a "
+                              "pattern that names layers by index is not modelled: each stack is traced at 2-3 "
+                              "layers)") from None
 
 
 def make_batch(settings: TrainSettings, config: dict, device: str = "cpu") -> dict:

@@ -73,7 +73,10 @@ def lora_settings(model) -> dict:
     lora = next(iter(config.values()))
     targets = lora.target_modules
     return {"r": getattr(lora, "r", None), "lora_alpha": getattr(lora, "lora_alpha", None),
-            "target_modules": tuple(sorted(targets)) if isinstance(targets, (set, list, tuple)) else None}
+            "target_modules": tuple(sorted(targets)) if isinstance(targets, (set, list, tuple)) else None,
+            # a string is a regex peft full-matched (or its "all-linear" shorthand)
+            "target_regex": targets if isinstance(targets, str) and targets != "all-linear" else None,
+            **({"target_modules": ("all-linear",)} if targets == "all-linear" else {})}
 
 
 def attention_implementation(model) -> str | None:
@@ -490,7 +493,8 @@ def plan_inputs(trainer, model, args, fields, train_dataset, collator, tokenizer
         model=spec, seq_len=shape.seq_len, global_batch_size=global_batch, gpu_memory=fields.memory_budget,
         gpu=gpu_name(on_gpu), task=task, num_labels=getattr(base.config, "num_labels", 2), num_gpus=per_node,
         num_nodes=nodes, lora_r=lora.get("r"), lora_alpha=lora.get("lora_alpha"),
-        lora_target_modules=lora.get("target_modules"), load_in_4bit=quantized,
+        lora_target_modules=lora.get("target_modules"), lora_target_regex=lora.get("target_regex"),
+        load_in_4bit=quantized,
         # transformers sets it on a `load_in_8bit` model (Linear8bitLt layers): planned as LLM.int8() (estimator/int8.py)
         load_in_8bit=bool(getattr(base, "is_loaded_in_8bit", False)),
         allow_offload=fields.allow_offload if on_gpu else "none", headroom=fields.headroom,

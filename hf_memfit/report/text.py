@@ -1,5 +1,7 @@
 """Readable text for estimates and plans. Pure formatting: no estimation happens here."""
 
+import shlex
+
 from hf_memfit.estimator.breakdown import CATEGORIES
 from hf_memfit.units import format_bytes
 
@@ -187,6 +189,8 @@ def step_command(command: str, model: str, s) -> str:
         flags.append(f"--prepare-model-for-kbit-training {'yes' if s.prepare_model_for_kbit_training else 'no'}")
     if s.lora_target_modules:
         flags.append(f"--lora-target-modules {','.join(s.lora_target_modules)}")
+    if s.lora_target_regex:
+        flags.append(f"--lora-target-regex {shlex.quote(s.lora_target_regex)}")
     if s.optim_args:
         flags.append(f'--optim-args "{s.optim_args}"')
     if s.optim_target_modules:
