@@ -175,6 +175,12 @@ class TrainSettings:
         return self.load_in_4bit or self.load_in_8bit
 
     @property
+    def kbit_stand_in_bytes(self) -> int:
+        """Bytes per weight of a quantized layer's stand-in as the trace builds it (fp32 only for an fp32 model
+        without autocast, else 2); the 4-bit and int8 packings replace them by formula."""
+        return 4 if self.weights_dtype == "float32" and not self.autocast_dtype else 2
+
+    @property
     def kbit_prepared(self) -> bool:
         """Whether the 4-bit model runs as `prepare_model_for_kbit_training` leaves it.
 

@@ -49,10 +49,9 @@ def pack_8bit(rank, step, settings: TrainSettings, hidden_size: int) -> None:
     output row. The rows are counted as params / hidden_size: exact for layers that read the hidden state,
     an over-count for a down projection (its rows are the hidden size), at most 4 B per intermediate row.
     """
-    traced = 4 if settings.weights_dtype == "float32" and not settings.autocast_dtype else 2
     params = step.quantizable_linear_params
     stored = params * INT8_BYTES_PER_PARAM + SCB_BYTES_PER_ROW * params // max(1, hidden_size)
-    saved = params * traced - stored
+    saved = params * settings.kbit_stand_in_bytes - stored
     # The layer's input dtype: fp32 once peft upcast the residual stream, else the compute dtype.
     in_bytes = 4 if settings.kbit_prepared or settings.compute_dtype == "float32" else 2
     dequant = in_bytes * step.largest_linear_numel  # `CB.to(ctx.dtype_A, copy=True)` in the backward

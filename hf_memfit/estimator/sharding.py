@@ -135,9 +135,8 @@ def _quant_state_bytes(step: StepMemory, settings: TrainSettings) -> int:
 
 
 def _pack_4bit(rank: RankMemory, step: StepMemory, settings: TrainSettings) -> None:
-    traced_bytes = 4 if settings.weights_dtype == "float32" and not settings.autocast_dtype else 2
     packed = packed_4bit_bytes_per_param(settings)
-    saved = int(step.quantizable_linear_params * (traced_bytes - packed))
+    saved = int(step.quantizable_linear_params * (settings.kbit_stand_in_bytes - packed))
     # bitsandbytes dequantises one weight at a time to the compute dtype for its matmul.
     dequant = 2 * step.largest_linear_numel
     for b in rank.candidates.values():
