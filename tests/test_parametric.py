@@ -180,16 +180,20 @@ def test_forked_traces_give_the_fit_of_one_process(tmp_path, monkeypatch):
     assert forked.run_jobs(divmod, [(7, 2), (9, 4), (1, 1)], workers=2) == [(3, 1), (2, 1), (1, 0)]
 
 
-def test_a_plan_makes_its_fits_before_it_searches(tmp_path, monkeypatch):
-    """The planner hands its grid to `prepare`: every fit it reads is made there, side by side."""
+def test_a_plan_makes_the_fits_it_needs_before_it_reads_them(tmp_path, monkeypatch):
+    """The planner hands what it will estimate to `prepare` (fits made there, side by side), and estimates only
+    what could change the plan (`planner/lazy_grid.py`): a roomy budget reads the fit of its fastest settings."""
     from hf_memfit.planner import plan
 
     monkeypatch.setenv("HF_MEMFIT_CACHE", str(tmp_path))
     spec = ModelSpec.from_config("qwen3", TINY_QWEN3)
     made = []
     original = parametric.calibrate_many
-    monkeypatch.setattr(parametric, "calibrate_many", lambda spec, many, *a: made.append(len(many)) or
+    monkeypatch.setattr(parametric, "calibrate_many", lambda spec, many, *a: made.extend(many) or
                         original(spec, many, *a))
-    # no host offload: the grid reads two fits (checkpointing on and off) instead of six, the same mechanism
-    plan(spec, seq_len=256, global_batch_size=8, gpu="A10G", allow_offload="none")
-    assert made[0] >= 2 and len(made) == 1  # checkpointing on and off, both in the first call
+    # no host offload: a smaller grid, the same mechanism
+    result = plan(spec, seq_len=256, global_batch_size=8, gpu="A10G", allow_offload="none")
+    assert made and not result.plan.gradient_checkpointing
+    # the plan and its runners-up (other optimizers) fit uncheckpointed: slower checkpointed steps are not fitted
+    assert not any(s.gradient_checkpointing for s in made)
+    assert result.candidates_tried < result.candidates_searched

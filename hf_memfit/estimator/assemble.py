@@ -175,6 +175,28 @@ def prepare(spec: ModelSpec, many) -> None:
         prepare_fits(spec, text)
 
 
+def fit_group(spec: ModelSpec, settings: TrainSettings) -> str | None:
+    """Which traced fit fast mode reads for `settings`, as a label the settings reading the same fit share; None
+    where it reads formulas (nothing to trace) or the settings do not validate. The planner makes fits a few
+    groups at a time (`planner/lazy_grid.py`). Routed as `_mode_step_memory` routes a step."""
+    if settings.mode != "fast" or (spec.hand_written and not formulas_miss(settings)
+                                   and settings.task not in MEDIA_TASKS):
+        return None
+    from hf_memfit.estimator.sequence import local_step_settings
+
+    try:
+        traced = local_step_settings(traced_settings(settings.validate(spec)))
+    except MemFitError:
+        return None
+    if traced.task in MEDIA_TASKS:
+        from hf_memfit.estimator.batch_fit import fit_group as batch_fit_group
+
+        return "batch:" + batch_fit_group(spec, traced)
+    from hf_memfit.estimator.parametric import fit_group as parametric_fit_group
+
+    return "parametric:" + parametric_fit_group(spec, traced)
+
+
 def traced_settings(settings: TrainSettings) -> TrainSettings:
     """The step as the device really runs it.
 

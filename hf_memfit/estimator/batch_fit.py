@@ -107,6 +107,11 @@ def evaluate(fit: dict, settings) -> StepMemory:
     return step
 
 
+def fit_group(spec, settings) -> str:
+    """A label that the settings reading one line share: its first cache key (as `batch_fit_step_memory` reads it)."""
+    return _key(spec, settings, by_optimizer=False)
+
+
 def prepare_batch_fits(spec, many) -> int:
     """Make the lines that the settings in `many` will read and that are not cached, their traces side by
     side (`forked.run_jobs`): the planner's grid asks for one per precision and lever. Returns how many.

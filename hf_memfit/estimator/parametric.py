@@ -206,6 +206,12 @@ def _lookup(spec, settings) -> tuple[str, dict | None, bool]:
             return key, fit, False
 
 
+def fit_group(spec, settings) -> str:
+    """A label that the settings reading one fit share: its first cache key (`_lookup` may go on to a key of their
+    own precision or optimizer once that fit is read, which only splits a group)."""
+    return config_key(spec.config, _settings_key(spec, settings, by_optimizer=False))
+
+
 def prepare_fits(spec, many) -> int:
     """Make the fits that the settings in `many` will read and that are not cached, side by side.
 

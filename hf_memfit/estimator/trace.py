@@ -327,6 +327,7 @@ def trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], *
         steps = 1 + len(shapes)
     warm_up = warm_up_settings(settings) if short_warm_up else settings
     cuda = settings.device == "cuda"
+    _import_untracked(config)
     tracker = StorageTracker(round_to=CUDA_BLOCK_BYTES if cuda else 1)  # the caching allocator's blocks
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     patches = contextlib.ExitStack()
@@ -444,6 +445,25 @@ def trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], *
 # 100 shards in every layer, forward and again in backward) is not run once more for nothing. Checked
 # byte-identical on 55 configurations (benchmarks/trace_identity.py, docs/benchmarks.md section 17).
 WARM_UP_TOKENS = 128
+
+
+def _import_untracked(config: dict) -> None:
+    """Import what a step imports on its way before the tracker starts. Some modules make tensors when imported
+    (bitsandbytes' 4-bit code tables, peft's LoHa default scale: 144 B, kept for the life of the process); made
+    inside a trace, they would be counted as weights in the first trace of a process only."""
+    import importlib
+
+    names = ["transformers.trainer"]  # the optimizer table; it imports peft, bitsandbytes and torchao
+    if config.get("model_type"):
+        from transformers.models.auto.configuration_auto import model_type_to_module_name
+
+        module = model_type_to_module_name(config["model_type"])
+        names.append(f"transformers.models.{module}.modeling_{module}")
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except ImportError:  # the step that needs it reports it
+            pass
 
 
 def warm_up_settings(settings: TrainSettings) -> TrainSettings:

@@ -41,6 +41,42 @@ def host_bytes_per_node(est: MemoryEstimate) -> int:
     return est.cpu_bytes * est.settings.num_gpus
 
 
+class Candidates(list):
+    """The candidates a plan estimated, in the order an exhaustive search would list them, and the settings its
+    lazy search left unestimated (`lazy_grid.py`: they could be neither the plan nor one of its runners-up).
+
+    An explanation that names one of those (`lookup`: "offloading them would free ...") or a set of them
+    (`where`: the bigger micro-batches of the plan's knobs) estimates it on demand, so a plan says what an
+    exhaustive search would have said. `estimate_one(settings)` gives the Candidate, or None for settings the
+    search skips (`plan(not_fitting=...)`); `searched` counts the settings of the grids searched.
+    """
+
+    def __init__(self, estimate_one):
+        super().__init__()
+        self.estimate_one = estimate_one
+        self.unestimated: dict[TrainSettings, None] = {}  # insertion-ordered
+        self.searched = 0
+
+    def lookup(self, settings: TrainSettings) -> "Candidate | None":
+        for c in self:
+            if c.settings == settings:
+                return c
+        return self._estimate(settings) if settings in self.unestimated else None
+
+    def where(self, predicate) -> list["Candidate"]:
+        """Every candidate whose settings match `predicate`, the unestimated ones estimated first."""
+        for settings in [s for s in self.unestimated if predicate(s)]:
+            self._estimate(settings)
+        return [c for c in self if predicate(c.settings)]
+
+    def _estimate(self, settings: TrainSettings) -> "Candidate | None":
+        del self.unestimated[settings]
+        candidate = self.estimate_one(settings)
+        if candidate is not None:
+            self.append(candidate)
+        return candidate
+
+
 def fitting_last_resort_last(candidates: list[Candidate]) -> list[Candidate]:
     """The fitting candidates, fastest first; offloaded activation checkpoints only when nothing else fits.
 
@@ -76,6 +112,11 @@ CONFIRM_IN_EXACT_MARGIN = 0.05
 MAX_EXACT_CONFIRMATIONS = 5
 
 
+def needs_confirming(candidate: Candidate, usable: int, everything: bool) -> bool:
+    """Whether `confirm_in_exact_mode` traces this fitting candidate before choosing it."""
+    return everything or candidate.estimate.device_total_bytes > (1 - CONFIRM_IN_EXACT_MARGIN) * usable
+
+
 def confirm_in_exact_mode(spec, fitting: list[Candidate], usable: int, host: HostLimit, *, everything: bool,
                    progress=None) -> list[Candidate]:
     """The fitting candidates, fastest first, with the first one confirmed in exact mode where needed.
@@ -87,7 +128,7 @@ def confirm_in_exact_mode(spec, fitting: list[Candidate], usable: int, host: Hos
     """
     traced = 0
     for i, candidate in enumerate(fitting):
-        if not everything and candidate.estimate.device_total_bytes <= (1 - CONFIRM_IN_EXACT_MARGIN) * usable:
+        if not needs_confirming(candidate, usable, everything):
             return fitting[i:]
         if traced == MAX_EXACT_CONFIRMATIONS:
             break

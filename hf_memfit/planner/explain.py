@@ -2,14 +2,13 @@
 
 import math
 
-from hf_memfit.errors import MemFitError
-
 from hf_memfit import optimizers
 from hf_memfit.errors import MemFitError
 from hf_memfit.estimator.assemble import MemoryEstimate, estimate_settings
 from hf_memfit.planner.candidates import (
     CONFIRM_IN_EXACT_MARGIN,
     Candidate,
+    Candidates,
     HostLimit,
     evaluate_candidate,
     host_bytes_per_node,
@@ -43,19 +42,30 @@ def pure_bf16_reason(best: "Candidate", candidates: list["Candidate"], host: "Ho
 
 def runners_up(best: Candidate, fitting: list[Candidate], candidates: list[Candidate]) -> list[Candidate]:
     """Two fitting runners-up that differ in a knob, and the closest configuration that did not fit."""
-    picked: list[Candidate] = []
-    seen = {knobs(best.settings)}
-    for c in fitting[1:]:
-        if knobs(c.settings) not in seen:
-            c.why_not = f"{100 * (c.step_seconds / best.step_seconds - 1):.0f}% slower: {difference(best.settings, c.settings)}"
-            picked.append(c)
-            seen.add(knobs(c.settings))
-        if len(picked) == 2:
-            break
+    picked = runner_up_picks(fitting)
+    for c in picked:
+        c.why_not = f"{100 * (c.step_seconds / best.step_seconds - 1):.0f}% slower: {difference(best.settings, c.settings)}"
     faster_misfits = [c for c in candidates if not c.fits and c.step_seconds < best.step_seconds]
     if faster_misfits:
         closest = min(faster_misfits, key=lambda c: c.estimate.device_total_bytes)
         picked.append(closest)
+    return picked
+
+
+RUNNERS_UP = 2
+
+
+def runner_up_picks(fitting: list[Candidate]) -> list[Candidate]:
+    """The fitting runners-up a plan lists after `fitting[0]`: the fastest ones whose knobs differ from the plan's
+    and from each other's."""
+    picked: list[Candidate] = []
+    seen = {knobs(fitting[0].settings)} if fitting else set()
+    for c in fitting[1:]:
+        if len(picked) == RUNNERS_UP:
+            break
+        if knobs(c.settings) not in seen:
+            picked.append(c)
+            seen.add(knobs(c.settings))
     return picked
 
 
@@ -109,10 +119,17 @@ def layout_text(s: TrainSettings) -> str:
 
 
 def lookup_candidate(candidates: list[Candidate], settings: TrainSettings) -> Candidate | None:
-    for c in candidates:
-        if c.settings == settings:
-            return c
-    return None
+    """The candidate with these settings (estimated now if the lazy search left it out), or None."""
+    if isinstance(candidates, Candidates):
+        return candidates.lookup(settings)
+    return next((c for c in candidates if c.settings == settings), None)
+
+
+def candidates_where(candidates: list[Candidate], predicate) -> list[Candidate]:
+    """The candidates whose settings match `predicate` (those the lazy search left out estimated now)."""
+    if isinstance(candidates, Candidates):
+        return candidates.where(predicate)
+    return [c for c in candidates if predicate(c.settings)]
 
 
 def make_plan(best: Candidate, candidates, usable: int, budget: int, ideal_seconds: float, fixed_reasons: list[str],
@@ -133,7 +150,7 @@ def make_plan(best: Candidate, candidates, usable: int, budget: int, ideal_secon
         reasons.append(f"host memory: {format_bytes(est.cpu_bytes)} per GPU, {format_bytes(need)} per node "
                        f"({s.num_gpus} GPU(s)); {checked}")
     global_batch = s.batch_size * s.gradient_accumulation_steps * s.dp_size
-    bigger = [c for c in candidates if c.settings.batch_size > s.batch_size and knobs(c.settings) == knobs(s)]
+    bigger = candidates_where(candidates, lambda o: o.batch_size > s.batch_size and knobs(o) == knobs(s))
     replicas = (f"{s.dp_size} data-parallel replica(s) ({s.world_size} GPUs / {s.seq_shards} sequence shards)"
                 if s.seq_shards > 1 else f"{s.world_size} GPU(s)")
     batch_reason = f"micro-batch {s.batch_size} x accumulation {s.gradient_accumulation_steps} x {replicas} = global batch {global_batch}"
@@ -254,7 +271,7 @@ def make_plan(best: Candidate, candidates, usable: int, budget: int, ideal_secon
 def sequence_reason(best: Candidate, candidates) -> str:
     """Why the plan splits each sequence over ranks (Ulysses SP or context parallelism), with its numbers."""
     s, est = best.settings, best.estimate
-    whole = [c for c in candidates if c.settings.seq_shards == 1]
+    whole = candidates_where(candidates, lambda o: o.seq_shards == 1)
     split = (f"Ulysses sequence parallelism over {s.sp_size} GPUs (DeepSpeed, `ParallelismConfig(sp_size="
              f"{s.sp_size}, sp_backend=\"deepspeed\")`)" if s.sp_size > 1 else
              f"context parallelism over {s.cp_size} GPUs (FSDP2 ring attention, `ParallelismConfig(cp_size={s.cp_size})`)")

@@ -114,7 +114,8 @@ class PlanResult:
     plan: Plan
     estimate: MemoryEstimate
     alternatives: list[Candidate]
-    candidates_tried: int
+    candidates_tried: int  # estimated (`lazy_grid.py` leaves out those that could not change the plan)
+    candidates_searched: int = 0  # the settings of the grids searched
 
     def to_dict(self) -> dict:
         return {

@@ -16,14 +16,15 @@ import importlib.util
 
 from hf_memfit import optimizers
 from hf_memfit.errors import MemFitError, NothingFits, check_all
-from hf_memfit.estimator.assemble import prepare
 from hf_memfit.models.spec import ModelSpec, resolve_model
 from hf_memfit.planner.candidates import (
+    Candidates,
     HostLimit,
     confirm_in_exact_mode,
     evaluate_candidate,
-    fitting_last_resort_last,
+    needs_confirming,
 )
+from hf_memfit.planner.lazy_grid import search_grid
 from hf_memfit.planner.explain import (
     make_plan,
     nothing_fits,
@@ -212,8 +213,28 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
     offload_acts = base.device == "cuda" and allow_offload != "none"
     tiled = tiled_mlp_searched(spec, base, tiled_mlp)
 
-    def search(splits, base=base):
-        found = []
+    left_out = []
+
+    def estimate_one(s: TrainSettings):
+        """A candidate, or None for settings `not_fitting` leaves out (they did not fit at a shorter sequence)."""
+        key = s.replace(seq_len=None) if not_fitting is not None else None
+        if key is not None and not_fitting.get(key, seq_len + 1) <= seq_len:
+            left_out.append(s)
+            return None
+        candidate = evaluate_candidate(spec, s, usable, host, gpu_info)
+        if key is not None and not candidate.fits:
+            not_fitting[key] = min(not_fitting.get(key, seq_len), seq_len)
+        return candidate
+
+    candidates = Candidates(estimate_one)
+
+    def uncertain(candidate) -> bool:  # one `confirmed` will trace before choosing it
+        return confirm_in_exact and needs_confirming(candidate, usable, everything=mode == "exact")
+
+    def search(grid) -> tuple[list, int]:
+        return search_grid(spec, list(grid), candidates, gpu_info=gpu_info, uncertain=uncertain)
+
+    def grid_of(splits, base=base):
         for sp, cp in splits:
             split = base.replace(sp_size=sp, cp_size=cp)
             grid = with_tiled_mlp(with_activation_offload(with_liger(
@@ -223,64 +244,37 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
                 # On the CPU, DeepSpeed's UlyssesSPDataLoaderAdapter leaves each rank's shard a non-contiguous slice
                 # (its `.cpu()` copies only device tensors) and transformers' ForCausalLMLoss `.view`s it: 2+ rows fail
                 grid = (s for s in grid if s.batch_size == 1)
-            grid = list(grid)
-            prepare(spec, grid)  # fits the grid will read, made side by side (families without formulas)
-            found += evaluate(grid)
-        return found
-
-    left_out = []
-
-    def evaluate(grid) -> list:
-        if not_fitting is None:
-            return [evaluate_candidate(spec, s, usable, host, gpu_info) for s in grid]
-        found = []
-        for s in grid:
-            key = s.replace(seq_len=None)
-            if not_fitting.get(key, seq_len + 1) <= seq_len:
-                left_out.append(s)
-                continue
-            candidate = evaluate_candidate(spec, s, usable, host, gpu_info)
-            if not candidate.fits:
-                not_fitting[key] = min(not_fitting.get(key, seq_len), seq_len)
-            found.append(candidate)
-        return found
+            yield from grid
 
     splits = sequence_splits(spec, base, sp_size, cp_size, global_batch_size, nothing_fits_without=False)
-    candidates = search(splits)
-    fitting = fitting_last_resort_last(candidates)
+    fitting, fast_total = search(grid_of(splits))
     if not fitting and splits == [(1, 1)]:  # "auto": split the sequence when nothing fits whole
         more = [p for p in sequence_splits(spec, base, sp_size, cp_size, global_batch_size, nothing_fits_without=True)
                 if p != (1, 1)]
         if more:
-            candidates += search(more)
-            fitting = fitting_last_resort_last(candidates)
+            fitting, fast_total = search(grid_of(more))
             splits = splits + more
-    fast_total = fitting[0].estimate.device_total_bytes if fitting else 0
 
     def confirmed(fitting):
         if confirm_in_exact:
-            return confirm_in_exact_mode(spec, fitting, usable, host, everything=mode == "exact", progress=progress)
+            fitting = confirm_in_exact_mode(spec, fitting, usable, host, everything=mode == "exact", progress=progress)
+        if not fitting:  # exact mode rejected what fast mode fitted: the refusal sees every candidate
+            candidates.where(lambda s: True)
         return fitting
 
     fitting = confirmed(fitting)
     frozen_sets = freeze_options(spec, base, allow_freeze)
     for frozen in frozen_sets if not fitting else ():
         # Only once nothing fits with every module trained: freezing a tower changes what is trained.
-        found = search(splits, base.replace(frozen=frozen))
-        candidates += found
-        fitting = fitting_last_resort_last(found)
-        fast_total = fitting[0].estimate.device_total_bytes if fitting else 0
+        fitting, fast_total = search(grid_of(splits, base.replace(frozen=frozen)))
         if fitting := confirmed(fitting):
             break
     pure_base = pure_bf16_base(base, gpu_info, deepspeed_layout)
     pure_bases = [pure_base] + [pure_base.replace(frozen=f) for f in frozen_sets] if pure_base is not None else []
     for pure_base_i in pure_bases if not fitting and allow_pure_bf16 else ():
         # Only once no mixed-precision plan fits: pure bf16 changes the numerics (then with frozen towers).
-        pure = evaluate(list(with_tiled_mlp(with_activation_offload(with_liger(pure_bf16_grid(pure_base_i, per_rank),
-                                                                                liger), offload_acts), tiled)))
-        candidates += pure
-        fitting = fitting_last_resort_last(pure)
-        fast_total = fitting[0].estimate.device_total_bytes if fitting else 0
+        fitting, fast_total = search(with_tiled_mlp(with_activation_offload(with_liger(
+            pure_bf16_grid(pure_base_i, per_rank), liger), offload_acts), tiled))
         if fitting := confirmed(fitting):
             break
     if not fitting and left_out:
@@ -311,7 +305,7 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
         chosen.reasons.append(trl_offload_reason(spec, best, usable, host, gpu_info))
     if newly_frozen(base, best.settings):
         chosen.reasons.append(freeze_reason(spec, best, candidates, base))
-    return PlanResult(chosen, best.estimate, alternatives, len(candidates))
+    return PlanResult(chosen, best.estimate, alternatives, len(candidates), candidates.searched)
 
 
 def _host_limit(cpu_memory, gpu_memory) -> HostLimit:

@@ -94,6 +94,14 @@ def format_estimate(est) -> str:
     return "\n".join(lines)
 
 
+def _searched_text(result) -> str:
+    searched, estimated = result.candidates_searched, result.candidates_tried
+    if searched <= estimated:
+        return f"{estimated} configurations estimated"
+    # planner/lazy_grid.py: the others were predicted slower than the runners-up before their memory was needed
+    return f"{searched} configurations searched, the {estimated} that could change the plan estimated"
+
+
 def format_plan(result) -> str:
     """The `hf-memfit plan` table: the plan, its memory breakdown, the runners-up and the reasons."""
     from hf_memfit.planner.candidates import host_bytes_per_node
@@ -103,7 +111,7 @@ def format_plan(result) -> str:
     p, est, s = result.plan, result.estimate, result.plan.settings
     lines = [f"Plan for {est.model}: {s.seq_len} tokens x global batch "
              f"{p.per_device_train_batch_size * p.gradient_accumulation_steps * s.dp_size}, "
-             f"budget {format_bytes(p.budget_bytes)} per GPU ({result.candidates_tried} configurations estimated)", ""]
+             f"budget {format_bytes(p.budget_bytes)} per GPU ({_searched_text(result)})", ""]
     rows = [
         ("per_device_train_batch_size", str(p.per_device_train_batch_size)),
         ("gradient_accumulation_steps", str(p.gradient_accumulation_steps)),

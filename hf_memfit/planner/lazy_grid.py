@@ -1,0 +1,126 @@
+"""Estimating a grid lazily: only the candidates that could be the plan, a runner-up, or a faster misfit.
+
+The speed model (`speed.step_seconds`) reads a candidate's estimate for two things only: its parameter counts,
+the same for every candidate of one grid (the model, its adapters and what it freezes are fixed there), and,
+under TRL's activation offloading, its host bytes, whose PCIe time only grows with them. So once one candidate
+is estimated, every other one's step time is known before its memory is (under TRL's offloading, a lower bound
+on it): the speed model with that candidate's parameter counts and no host bytes.
+
+The grid is estimated in that order, fastest first, until every candidate left is slower than the second
+runner-up of the fastest fitting candidate that exact mode cannot reject (`explain.runner_up_picks`; one
+whose fast estimate is near the budget may be rejected when the plan confirms it, so the runners-up are
+counted from the first one that is not). A candidate left is then none of what a plan reports: its choice,
+the near-budget candidates confirmed before it, its runners-up, and the faster configurations that did not fit.
+A grid where nothing fits, or only with activation checkpoints offloaded (a last resort, taken only when
+nothing on the device fits), is estimated whole; so is every grid of `plan(mode="exact")`, which confirms
+every choice. An explanation naming a slower candidate estimates it on demand (`Candidates.lookup`).
+
+Estimating costs nothing for families with formulas; for image, audio and VLM inputs and families without
+formulas each fast-mode fit is traced (seconds each), and a plan whose fastest settings fit needs only theirs.
+Until the plan and its runners-up are known the fits are made one group at a time, fastest first; after
+that, what is left below the threshold side by side (`assemble.prepare`). Candidates are kept in grid order,
+as an exhaustive search lists them, so ties break the same way. `tests/test_lazy_grid.py` checks that plans
+come out the same as an exhaustive search's.
+"""
+
+import dataclasses
+import math
+from types import SimpleNamespace
+
+from hf_memfit.estimator.assemble import fit_group, prepare
+from hf_memfit.planner.candidates import Candidate, Candidates, MAX_EXACT_CONFIRMATIONS, fitting_last_resort_last
+from hf_memfit.planner.explain import RUNNERS_UP, runner_up_picks
+from hf_memfit.planner.speed import step_seconds
+
+#: False estimates every candidate (the exhaustive search this one must agree with; tests compare the two).
+LAZY = True
+
+# Parameter counts for ordering the grid before any candidate is estimated: the speed model's compute and
+# sequence exchange alone (its optimizer, offload and communication terms scale with these counts).
+_NO_PARAMETERS = SimpleNamespace(total_params=0, trainable_params=0, cpu_bytes=0)
+
+
+def search_grid(spec, grid: list, found: Candidates, *, gpu_info, uncertain) -> tuple[list[Candidate], int]:
+    """Estimate what `grid` needs, adding it to `found` (the rest to `found.unestimated`).
+
+    Returns the fitting candidates, fastest first, offloaded activations last (`fitting_last_resort_last`),
+    unconfirmed, and the fastest one's fast-mode device total (0: none fits). `uncertain(candidate)` says
+    whether the plan will confirm a fitting candidate in exact mode before choosing it (`needs_confirming`).
+    """
+    found.searched += len(grid)
+    results: dict[int, Candidate | None] = {}  # grid index -> candidate (None: the search skips it)
+
+    def estimate(indices: list[int]) -> None:
+        prepare(spec, [grid[i] for i in indices])  # the traced fits these read, side by side
+        for i in indices:
+            results[i] = found.estimate_one(grid[i])
+
+    def estimated() -> list[Candidate]:
+        return [results[i] for i in sorted(results) if results[i] is not None]
+
+    if not LAZY:
+        estimate(list(range(len(grid))))
+        return _done(grid, results, found, estimated())
+
+    order = sorted(range(len(grid)), key=lambda i: step_seconds(spec, grid[i], _NO_PARAMETERS, gpu_info))
+    seed = None
+    for i in order:  # the least compute first: its fit is the one a roomy budget needs
+        estimate([i])
+        if results[i] is not None:
+            seed, seed_group = results[i], fit_group(spec, grid[i])
+            break
+    if seed is None:
+        return _done(grid, results, found, [])
+    counts = (seed.estimate.total_params, seed.estimate.trainable_params)
+    proxy = dataclasses.replace(seed.estimate, cpu_bytes=0)
+    bounds = [step_seconds(spec, s, proxy, gpu_info) for s in grid]
+    order = sorted(range(len(grid)), key=bounds.__getitem__)
+    order_of = {i: at for at, i in enumerate(order)}
+    groups: dict[int, str | None] = {}  # grid index -> its fit group (`assemble.fit_group`)
+    made = {seed_group}  # the fit groups of what has been estimated
+    while True:
+        threshold = _threshold(fitting_last_resort_last(estimated()), uncertain)
+        todo = [i for i in order if i not in results and bounds[i] <= threshold]
+        if not todo:
+            break
+        for i in todo:
+            if i not in groups:
+                groups[i] = fit_group(spec, grid[i])
+        if math.isinf(threshold):
+            # Until the plan is known: the next fit group, fastest first (all its members: they cost nothing
+            # more), and of the settings that need no new fit, as many as are estimated so far (doubling).
+            new = next((groups[i] for i in todo if groups[i] is not None and groups[i] not in made), None)
+            free = [i for i in todo if groups[i] is None or groups[i] in made][:max(1, len(results))]
+            todo = sorted(free + [i for i in todo if new is not None and groups[i] == new], key=order_of.__getitem__)
+        made.update(groups[i] for i in todo)
+        estimate(todo)
+        if any((c.estimate.total_params, c.estimate.trainable_params) != counts for c in estimated()):
+            bounds = [-math.inf] * len(grid)  # the step times are not known before the estimates: all of them
+    return _done(grid, results, found, estimated())
+
+
+def _done(grid, results, found: Candidates, estimated: list[Candidate]) -> tuple[list[Candidate], int]:
+    for i, settings in enumerate(grid):
+        if i not in results:
+            found.unestimated[settings] = None
+    found.extend(estimated)
+    fitting = fitting_last_resort_last(estimated)
+    return fitting, fitting[0].estimate.device_total_bytes if fitting else 0
+
+
+def _threshold(fitting: list[Candidate], uncertain) -> float:
+    """The step time below which every candidate must be estimated; infinite until the plan is known.
+
+    From the first fitting candidate exact mode cannot reject: the plan is it or a faster one (confirmed), so
+    its second runner-up's time bounds everything the plan reports. More near-budget candidates before it than
+    the plan confirms, and the plan may come out empty (nothing fits): everything is estimated then.
+    """
+    if not fitting or fitting[0].settings.offload_activations:
+        return math.inf  # none on the device yet: one that fits there would be chosen however slow
+    for i, candidate in enumerate(fitting):
+        if i > MAX_EXACT_CONFIRMATIONS:
+            return math.inf
+        if not uncertain(candidate):
+            picks = runner_up_picks(fitting[i:])
+            return picks[-1].step_seconds if len(picks) == RUNNERS_UP else math.inf
+    return math.inf

@@ -1,0 +1,73 @@
+"""The lazy grid search (`planner/lazy_grid.py`) plans what an exhaustive search plans, estimating fewer settings."""
+
+import pytest
+
+from hf_memfit.errors import NothingFits
+from hf_memfit.models.spec import ModelSpec
+from hf_memfit.planner import lazy_grid
+from hf_memfit.planner.search import plan
+from hf_memfit.report.text import format_plan
+from tests.conftest import TINY_LLAMA
+
+# Hand-written families (formulas: every estimate costs milliseconds), across what makes the search take
+# another path: a roomy budget, checkpointing, ZeRO with offload, sequence parallelism, a last-resort
+# offload of the checkpoints, pure bf16, TRL's activation offloading (its step time only bounded before the
+# estimate), the CPU's speed model, and a refusal.
+CASES = {
+    "roomy": dict(model="gpt2", seq_len=1024, global_batch_size=32, gpu="a100"),
+    "lora-tight": dict(model="meta-llama/Llama-3.1-8B", seq_len=4096, global_batch_size=16, gpu="a10g", lora_r=16),
+    "full-ft-offload": dict(model="meta-llama/Llama-3.1-8B", seq_len=2048, global_batch_size=16, gpu="a10g",
+                            num_gpus=2),
+    "sequence-parallel": dict(model="meta-llama/Llama-3.1-8B", seq_len=131072, global_batch_size=8, gpu="h100",
+                              num_gpus=8),
+    "qlora-12gb": dict(model="Qwen/Qwen2.5-7B", seq_len=8192, global_batch_size=8, gpu_memory="12GiB",
+                       load_in_4bit=True, lora_r=16),
+    "pure-bf16": dict(model="gpt2-xl", seq_len=1024, global_batch_size=16, gpu_memory="16GiB", allow_pure_bf16=True,
+                      allow_offload="none"),
+    "trl-activation-offloading": dict(model="meta-llama/Llama-3.2-1B", seq_len=8192, global_batch_size=8,
+                                      gpu="a10g", trainer="sft", activation_offloading=True),
+    "cpu": dict(model="gpt2", seq_len=256, global_batch_size=8, gpu_memory="3GiB", device="cpu"),
+    "refused": dict(model="meta-llama/Llama-2-70b-hf", seq_len=4096, global_batch_size=8, gpu_memory="12GiB",
+                    allow_offload="none"),
+}
+
+
+def _outcome(monkeypatch, lazy: bool, kwargs: dict):
+    monkeypatch.setattr(lazy_grid, "LAZY", lazy)
+    try:
+        result = plan(**{"confirm_in_exact": False, **kwargs})
+    except NothingFits as refusal:
+        return str(refusal), None
+    table = format_plan(result).split("\n", 1)[1]  # the first line counts what was estimated
+    return (result.to_dict(), table), result
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_the_same_plan_as_an_exhaustive_search(monkeypatch, name):
+    lazy, lazy_result = _outcome(monkeypatch, True, CASES[name])
+    exhaustive, exhaustive_result = _outcome(monkeypatch, False, CASES[name])
+    assert lazy == exhaustive
+    if lazy_result is not None:
+        assert exhaustive_result.candidates_tried == exhaustive_result.candidates_searched
+        assert lazy_result.candidates_searched == exhaustive_result.candidates_searched
+        assert lazy_result.candidates_tried <= exhaustive_result.candidates_tried
+
+
+def test_a_roomy_plan_estimates_a_fraction_of_its_grid(monkeypatch):
+    monkeypatch.setattr(lazy_grid, "LAZY", True)
+    result = plan(**CASES["roomy"])
+    assert result.candidates_tried < result.candidates_searched / 2
+    assert "configurations searched" in format_plan(result).splitlines()[0]
+
+
+def test_near_budget_choices_confirmed_in_exact_mode_as_an_exhaustive_search_confirms_them(monkeypatch):
+    """The plan's fastest fast-mode choices sit near the budget: exact mode confirms (or rejects) them first,
+    so the lazy search counts the runners-up only from the first one it cannot reject."""
+    spec = ModelSpec.from_config("tiny-llama", TINY_LLAMA)
+    common = dict(seq_len=128, global_batch_size=4, device="cpu", headroom=0.0)
+    roomy = plan(spec, gpu_memory="1GiB", **common)
+    budget = int(roomy.estimate.device_total_bytes * 1.02)  # the fastest plan within 5% of the budget
+    outcomes = [_outcome(monkeypatch, lazy, dict(model=spec, gpu_memory=budget, confirm_in_exact=True, **common))
+                for lazy in (True, False)]
+    assert outcomes[0][0] == outcomes[1][0]
+    assert any("confirmed in exact mode" in r for r in outcomes[0][1].plan.reasons)
