@@ -7,7 +7,7 @@ imports torch. `validate()` collects every problem and reports them at once.
 
 from dataclasses import asdict, dataclass, field, replace
 
-from hf_memfit.errors import check_all
+from hf_memfit.errors import MemFitError, check_all
 from hf_memfit.tasks import MEDIA_TASKS, TASKS
 from hf_memfit.optimizers import OPTIMIZERS  # the one optimizer model: every optim name we plan
 
@@ -495,6 +495,11 @@ def _validate_against_model(settings: TrainSettings, spec) -> tuple[TrainSetting
         if missing:
             problems.append(f"`--optim-target-modules` {', '.join(missing)} not found in {spec.name}; its linear "
                             f"modules are {', '.join(known)} (or use all-linear)")
+    if settings.uses_lora and settings.lora_target_modules is None and settings.lora_target_regex is None:
+        try:  # peft raises (a traceback, mid-trace) for a model type it has no default targets for: say so here
+            spec.default_lora_target_modules()
+        except MemFitError as exc:
+            problems.append(str(exc))
     if settings.uses_lora and settings.lora_target_modules is not None:
         known = sorted({m.name for m in spec.linear_modules()})
         missing = [m for m in settings.lora_target_modules if m not in known and m != "all-linear"]

@@ -234,3 +234,8 @@ def test_lora_on_the_language_model_only_by_a_regex(capsys):
                  "--batch-size", "1", "--lora-r", "4", "--lora-target-regex", "(q_proj"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "not a regular expression" in err[0], err
+    # LoRA with no targets on a model type peft has no default for: peft would raise mid-trace; one line here
+    code = main(["plan", "llava-hf/llava-1.5-7b-hf", "--task", "image-text-to-text", "--seq-len", "16",
+                 "--global-batch-size", "1", "--gpu", "a10g", "--lora-r", "4"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "no default LoRA target modules for model type `llava`" in err[0], err

@@ -531,7 +531,8 @@ class ModelSpec:
         if targets is None:
             names = ", ".join(dict.fromkeys(m.name for m in self.linear_modules() if m.scope == "layer"))
             raise MemFitError(f"peft has no default LoRA target modules for model type `{self.model_type}`; "
-                              f"pass `--lora-target-modules all-linear` or some of: {names}")
+                              f"pass `--lora-target-modules all-linear` or some of: {names} (or a pattern, "
+                              "`--lora-target-regex`)")
         return list(targets)
 
 

@@ -17,13 +17,16 @@ every choice. An explanation naming a slower candidate estimates it on demand (`
 
 Estimating costs nothing for families with formulas; for image, audio and VLM inputs and families without
 formulas each fast-mode fit is traced (seconds each), and a plan whose fastest settings fit needs only theirs.
-Until the plan and its runners-up are known the fits are made one group at a time, fastest first; after
-that, what is left below the threshold side by side (`assemble.prepare`). Candidates are kept in grid order,
+Until the plan and its runners-up are known, candidates are estimated strictly fastest first and a fit is
+made only when every faster candidate has been estimated (with any other fit whose fastest setting ties it,
+such as a ZeRO layout's bf16 step on one GPU); after that, every fit left below the threshold side by side
+(`assemble.prepare`). Candidates are kept in grid order,
 as an exhaustive search lists them, so ties break the same way. `tests/test_lazy_grid.py` checks that plans
 come out the same as an exhaustive search's.
 """
 
 import dataclasses
+import itertools
 import math
 from types import SimpleNamespace
 
@@ -62,12 +65,24 @@ def search_grid(spec, grid: list, found: Candidates, *, gpu_info, uncertain) -> 
         estimate(list(range(len(grid))))
         return _done(grid, results, found, estimated())
 
-    order = sorted(range(len(grid)), key=lambda i: step_seconds(spec, grid[i], _NO_PARAMETERS, gpu_info))
+    groups: dict[int, str | None] = {}  # grid index -> its fit group (`assemble.fit_group`)
+
+    def group(i: int) -> str | None:
+        if i not in groups:
+            groups[i] = fit_group(spec, grid[i])
+        return groups[i]
+
+    compute = [step_seconds(spec, s, _NO_PARAMETERS, gpu_info) for s in grid]
+    order = sorted(range(len(grid)), key=compute.__getitem__)
+    firsts = _next_groups(order, set(), group, compute)  # the least compute's fits: a roomy budget needs those
+    prepare(spec, [grid[i] for i in firsts])
+    made = {group(i) for i in firsts}  # the fit groups made
     seed = None
-    for i in order:  # the least compute first: its fit is the one a roomy budget needs
+    for i in order:
         estimate([i])
         if results[i] is not None:
-            seed, seed_group = results[i], fit_group(spec, grid[i])
+            seed = results[i]
+            made.add(group(i))
             break
     if seed is None:
         return _done(grid, results, found, [])
@@ -75,28 +90,40 @@ def search_grid(spec, grid: list, found: Candidates, *, gpu_info, uncertain) -> 
     proxy = dataclasses.replace(seed.estimate, cpu_bytes=0)
     bounds = [step_seconds(spec, s, proxy, gpu_info) for s in grid]
     order = sorted(range(len(grid)), key=bounds.__getitem__)
-    order_of = {i: at for at, i in enumerate(order)}
-    groups: dict[int, str | None] = {}  # grid index -> its fit group (`assemble.fit_group`)
-    made = {seed_group}  # the fit groups of what has been estimated
     while True:
         threshold = _threshold(fitting_last_resort_last(estimated()), uncertain)
         todo = [i for i in order if i not in results and bounds[i] <= threshold]
         if not todo:
             break
-        for i in todo:
-            if i not in groups:
-                groups[i] = fit_group(spec, grid[i])
         if math.isinf(threshold):
-            # Until the plan is known: the next fit group, fastest first (all its members: they cost nothing
-            # more), and of the settings that need no new fit, as many as are estimated so far (doubling).
-            new = next((groups[i] for i in todo if groups[i] is not None and groups[i] not in made), None)
-            free = [i for i in todo if groups[i] is None or groups[i] in made][:max(1, len(results))]
-            todo = sorted(free + [i for i in todo if new is not None and groups[i] == new], key=order_of.__getitem__)
-        made.update(groups[i] for i in todo)
+            # Strictly in bound order: what needs no new fit up to the next new fit group, then that group (and
+            # those tied with it); a new fit is made only when every faster candidate is estimated.
+            free = list(itertools.takewhile(lambda i: group(i) is None or group(i) in made, todo))
+            if free:
+                todo = free[:max(1, len(results))]
+            else:
+                new = {group(i) for i in _next_groups(todo, made, group, bounds)}
+                todo = [i for i in todo if group(i) is None or group(i) in made or group(i) in new]
+        made.update(group(i) for i in todo)
         estimate(todo)
         if any((c.estimate.total_params, c.estimate.trainable_params) != counts for c in estimated()):
             bounds = [-math.inf] * len(grid)  # the step times are not known before the estimates: all of them
     return _done(grid, results, found, estimated())
+
+
+def _next_groups(indices, made: set, group, times) -> list[int]:
+    """The first index (in `indices`' order) of the next fit group not in `made`, and of each other new group
+    whose first setting ties its time (`times`): made side by side (a ZeRO layout on one GPU times as the
+    plain one, but the trace of its bf16 step is another fit)."""
+    firsts: dict = {}
+    for i in indices:
+        g = group(i)
+        if g is None or g in made or g in firsts:
+            continue
+        if firsts and not math.isclose(times[i], times[next(iter(firsts.values()))], rel_tol=1e-9):
+            break
+        firsts[g] = i
+    return list(firsts.values())
 
 
 def _done(grid, results, found: Candidates, estimated: list[Candidate]) -> tuple[list[Candidate], int]:
