@@ -34,7 +34,10 @@ ROWS = {
     "llava-1.5": ["llava-hf/llava-1.5-7b-hf", "--gpu", "a100", "--global-batch-size", "32", "--task",
                   "image-text-to-text", "--seq-len", "512"],
     "llava-1.5-a10g-lora": ["llava-hf/llava-1.5-7b-hf", "--gpu", "a10g", "--global-batch-size", "16", "--task",
-                            "image-text-to-text", "--seq-len", "512", "--lora-r", "16"],
+                            "image-text-to-text", "--seq-len", "512", "--lora-r", "16", "--lora-target-regex",
+                            r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj)"],
+    "gemma-3": ["google/gemma-3-4b-it", "--gpu", "a100", "--global-batch-size", "32", "--task", "image-text-to-text",
+                "--seq-len", "512"],
     "qwen3-8b-qlora": ["Qwen/Qwen3-8B-Base", "--gpu", "a10g", "--global-batch-size", "32", "--seq-len", "2048",
                        "--load-in-4bit", "--lora-r", "16"],
 }

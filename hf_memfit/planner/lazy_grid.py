@@ -20,9 +20,8 @@ formulas each fast-mode fit is traced (seconds each), and a plan whose fastest s
 Until the plan and its runners-up are known, candidates are estimated strictly fastest first and a fit is
 made only when every faster candidate has been estimated (with any other fit whose fastest setting ties it,
 such as a ZeRO layout's bf16 step on one GPU); after that, every fit left below the threshold side by side
-(`assemble.prepare`). Candidates are kept in grid order,
-as an exhaustive search lists them, so ties break the same way. `tests/test_lazy_grid.py` checks that plans
-come out the same as an exhaustive search's.
+(`assemble.prepare`). Candidates are kept in grid order, as an exhaustive search lists them, so ties break the
+same way. `tests/test_lazy_grid.py` checks that plans come out the same as an exhaustive search's.
 """
 
 import dataclasses
@@ -120,10 +119,16 @@ def _next_groups(indices, made: set, group, times) -> list[int]:
         g = group(i)
         if g is None or g in made or g in firsts:
             continue
-        if firsts and not math.isclose(times[i], times[next(iter(firsts.values()))], rel_tol=1e-9):
+        if len(firsts) >= AT_LEAST_GROUPS and not math.isclose(times[i], times[next(iter(firsts.values()))],
+                                                               rel_tol=1e-9):
             break
         firsts[g] = i
     return list(firsts.values())
+
+
+# Fits made per step at least (the next ones in order, while there are): each step waits for its slowest trace,
+# and a fit's 2-3 depth traces leave a CPU idle on two CPUs where two fits' traces keep both busy.
+AT_LEAST_GROUPS = 2
 
 
 def _done(grid, results, found: Candidates, estimated: list[Candidate]) -> tuple[list[Candidate], int]:
