@@ -17,10 +17,10 @@ every choice. An explanation naming a slower candidate estimates it on demand (`
 
 Estimating costs nothing for families with formulas; for image, audio and VLM inputs and families without
 formulas each fast-mode fit is traced (seconds each), and a plan whose fastest settings fit needs only theirs.
-Until the plan and its runners-up are known, candidates are estimated strictly fastest first and a fit is
-made only when every faster candidate has been estimated (with any other fit whose fastest setting ties it,
-such as a ZeRO layout's bf16 step on one GPU); after that, every fit left below the threshold side by side
-(`assemble.prepare`). Candidates are kept in grid order, as an exhaustive search lists them, so ties break the
+Until the plan and its runners-up are known, candidates are estimated strictly fastest first and fits are made
+when every faster candidate has been estimated: the next `AT_LEAST_GROUPS` in that order, and any other whose
+fastest setting ties theirs (a ZeRO layout's bf16 step on one GPU); after that, every fit left below the
+threshold side by side (`assemble.prepare`). Candidates are kept in grid order, as an exhaustive search lists them, so ties break the
 same way. `tests/test_lazy_grid.py` checks that plans come out the same as an exhaustive search's.
 """
 
