@@ -151,24 +151,13 @@ def prepare(spec: ModelSpec, many) -> None:
     another as it meets them. Settings that do not validate are left to
     the estimate that reports them.
     """
-    if spec.hand_written and not any(formulas_miss(s) for s in many):  # else parametric fits (_mode_step_memory)
-        return
-    from hf_memfit.estimator.sequence import local_step_settings
-
-    wanted = []
-    for settings in many:
-        if settings.mode != "fast":
-            continue
-        try:
-            wanted.append(local_step_settings(traced_settings(settings.validate(spec))))
-        except MemFitError:
-            continue
-    media = [s for s in wanted if s.task in MEDIA_TASKS]  # their fast mode is the batch fit, not the parametric one
+    fitted = [f for f in (_fitted(spec, s) for s in many) if f is not None]
+    media = [traced for kind, traced in fitted if kind == "batch"]
     if media:
         from hf_memfit.estimator.batch_fit import prepare_batch_fits
 
         prepare_batch_fits(spec, media)
-    text = [s for s in wanted if s.task not in MEDIA_TASKS and (formulas_miss(s) or not spec.hand_written)]
+    text = [traced for kind, traced in fitted if kind == "parametric"]
     if text:
         from hf_memfit.estimator.parametric import prepare_fits
 
@@ -178,7 +167,24 @@ def prepare(spec: ModelSpec, many) -> None:
 def fit_group(spec: ModelSpec, settings: TrainSettings) -> str | None:
     """Which traced fit fast mode reads for `settings`, as a label the settings reading the same fit share; None
     where it reads formulas (nothing to trace) or the settings do not validate. The planner makes fits a few
-    groups at a time (`planner/lazy_grid.py`). Routed as `_mode_step_memory` routes a step."""
+    groups at a time (`planner/lazy_grid.py`)."""
+    fitted = _fitted(spec, settings)
+    if fitted is None:
+        return None
+    kind, traced = fitted
+    if kind == "batch":
+        from hf_memfit.estimator.batch_fit import fit_group as batch_fit_group
+
+        return "batch:" + batch_fit_group(spec, traced)
+    from hf_memfit.estimator.parametric import fit_group as parametric_fit_group
+
+    return "parametric:" + parametric_fit_group(spec, traced)
+
+
+def _fitted(spec: ModelSpec, settings: TrainSettings) -> tuple[str, TrainSettings] | None:
+    """("batch" or "parametric", the settings the fit is read for) where fast mode reads a traced fit for
+    `settings`, routed as `_mode_step_memory` routes a step; None where it reads formulas or the settings do
+    not validate (the estimate reports them)."""
     if settings.mode != "fast" or (spec.hand_written and not formulas_miss(settings)
                                    and settings.task not in MEDIA_TASKS):
         return None
@@ -188,13 +194,7 @@ def fit_group(spec: ModelSpec, settings: TrainSettings) -> str | None:
         traced = local_step_settings(traced_settings(settings.validate(spec)))
     except MemFitError:
         return None
-    if traced.task in MEDIA_TASKS:
-        from hf_memfit.estimator.batch_fit import fit_group as batch_fit_group
-
-        return "batch:" + batch_fit_group(spec, traced)
-    from hf_memfit.estimator.parametric import fit_group as parametric_fit_group
-
-    return "parametric:" + parametric_fit_group(spec, traced)
+    return ("batch" if traced.task in MEDIA_TASKS else "parametric"), traced
 
 
 def traced_settings(settings: TrainSettings) -> TrainSettings:

@@ -118,21 +118,7 @@ def layout_text(s: TrainSettings) -> str:
     return text
 
 
-def lookup_candidate(candidates: list[Candidate], settings: TrainSettings) -> Candidate | None:
-    """The candidate with these settings (estimated now if the lazy search left it out), or None."""
-    if isinstance(candidates, Candidates):
-        return candidates.lookup(settings)
-    return next((c for c in candidates if c.settings == settings), None)
-
-
-def candidates_where(candidates: list[Candidate], predicate) -> list[Candidate]:
-    """The candidates whose settings match `predicate` (those the lazy search left out estimated now)."""
-    if isinstance(candidates, Candidates):
-        return candidates.where(predicate)
-    return [c for c in candidates if predicate(c.settings)]
-
-
-def make_plan(best: Candidate, candidates, usable: int, budget: int, ideal_seconds: float, fixed_reasons: list[str],
+def make_plan(best: Candidate, candidates: Candidates, usable: int, budget: int, ideal_seconds: float, fixed_reasons: list[str],
                nvme_path: str | None, keep_optimizer: bool, largest_param_numel: int, host: HostLimit,
                fast_total: int) -> Plan:
     s, est = best.settings, best.estimate
@@ -150,7 +136,7 @@ def make_plan(best: Candidate, candidates, usable: int, budget: int, ideal_secon
         reasons.append(f"host memory: {format_bytes(est.cpu_bytes)} per GPU, {format_bytes(need)} per node "
                        f"({s.num_gpus} GPU(s)); {checked}")
     global_batch = s.batch_size * s.gradient_accumulation_steps * s.dp_size
-    bigger = candidates_where(candidates, lambda o: o.batch_size > s.batch_size and knobs(o) == knobs(s))
+    bigger = candidates.where(lambda o: o.batch_size > s.batch_size and knobs(o) == knobs(s))
     replicas = (f"{s.dp_size} data-parallel replica(s) ({s.world_size} GPUs / {s.seq_shards} sequence shards)"
                 if s.seq_shards > 1 else f"{s.world_size} GPU(s)")
     batch_reason = f"micro-batch {s.batch_size} x accumulation {s.gradient_accumulation_steps} x {replicas} = global batch {global_batch}"
@@ -160,7 +146,7 @@ def make_plan(best: Candidate, candidates, usable: int, budget: int, ideal_secon
                          if not nxt.fits else f"; micro-batch {nxt.settings.batch_size} fits but is predicted slower")
     reasons.append(batch_reason)
     if s.gradient_checkpointing:
-        without = lookup_candidate(candidates, s.replace(gradient_checkpointing=False))
+        without = candidates.lookup(s.replace(gradient_checkpointing=False))
         if without is not None and not without.fits:
             reasons.append(f"gradient checkpointing on: without it the peak would be "
                            f"{format_bytes(without.estimate.device_total_bytes)}, "
@@ -190,7 +176,7 @@ def make_plan(best: Candidate, candidates, usable: int, budget: int, ideal_secon
     if activation_reason:
         reasons.append(activation_reason)
     if s.use_liger_kernel:
-        plain = lookup_candidate(candidates, s.replace(use_liger_kernel=False))
+        plain = candidates.lookup(s.replace(use_liger_kernel=False))
         detail = (f"; without it the peak would be {format_bytes(plain.estimate.device_total_bytes)}"
                   if plain is not None and not plain.fits else
                   "; it fits without it too, but only with a smaller micro-batch or more recompute"
@@ -198,7 +184,7 @@ def make_plan(best: Candidate, candidates, usable: int, budget: int, ideal_secon
         reasons.append("Liger fused linear cross-entropy (`use_liger_kernel=True`): the loss runs over chunks of "
                        "tokens and never materialises the logits or their fp32 copies" + detail)
     if s.tiled_mlp:
-        plain = lookup_candidate(candidates, s.replace(tiled_mlp=False))
+        plain = candidates.lookup(s.replace(tiled_mlp=False))
         detail = (f"; without it the peak would be {format_bytes(plain.estimate.device_total_bytes)}"
                   if plain is not None and not plain.fits else "")
         reasons.append("tiled MLP (ALST's TiledMLP, `MemFitTrainer` applies it; elsewhere "
@@ -211,7 +197,7 @@ def make_plan(best: Candidate, candidates, usable: int, budget: int, ideal_secon
     if s.seq_shards > 1:
         reasons.append(sequence_reason(best, candidates))
     if s.zero_stage or s.fsdp is not None:
-        plain = lookup_candidate(candidates, s.replace(zero_stage=0, offload_optimizer="none", offload_param="none", fsdp=None,
+        plain = candidates.lookup(s.replace(zero_stage=0, offload_optimizer="none", offload_param="none", fsdp=None,
                                               fsdp_offload=False))
         detail = (f"; without it the peak would be {format_bytes(plain.estimate.device_total_bytes)}"
                   if plain is not None and not plain.fits else "")
@@ -268,10 +254,10 @@ def make_plan(best: Candidate, candidates, usable: int, budget: int, ideal_secon
     )
 
 
-def sequence_reason(best: Candidate, candidates) -> str:
+def sequence_reason(best: Candidate, candidates: Candidates) -> str:
     """Why the plan splits each sequence over ranks (Ulysses SP or context parallelism), with its numbers."""
     s, est = best.settings, best.estimate
-    whole = candidates_where(candidates, lambda o: o.seq_shards == 1)
+    whole = candidates.where(lambda o: o.seq_shards == 1)
     split = (f"Ulysses sequence parallelism over {s.sp_size} GPUs (DeepSpeed, `ParallelismConfig(sp_size="
              f"{s.sp_size}, sp_backend=\"deepspeed\")`)" if s.sp_size > 1 else
              f"context parallelism over {s.cp_size} GPUs (FSDP2 ring attention, `ParallelismConfig(cp_size={s.cp_size})`)")
@@ -306,12 +292,12 @@ def trl_offload_reason(spec, best: Candidate, usable: int, host: "HostLimit", gp
             ("" if freed > 0 else "; it does not pay here: set `activation_offloading=False`"))
 
 
-def activation_offload_reason(best: Candidate, candidates) -> str:
+def activation_offload_reason(best: Candidate, candidates: Candidates) -> str:
     """Why the checkpoints are (or are not) offloaded to the host: what it frees on the GPU and what the copies cost."""
     s = best.settings
     if not s.gradient_checkpointing:
         return ""
-    other = lookup_candidate(candidates, s.replace(offload_activations=not s.offload_activations))
+    other = candidates.lookup(s.replace(offload_activations=not s.offload_activations))
     if other is None:
         return ""
     on, off = (best, other) if s.offload_activations else (other, best)
@@ -349,7 +335,7 @@ def expandable_segments_reason(est: MemoryEstimate) -> str:
             f"{format_bytes(EXPANDABLE_SEGMENTS_SLACK_BYTES)} (`--expandable-segments` plans with it)")
 
 
-def optimizer_reason(s: TrainSettings, candidates, keep_optimizer: bool) -> str:
+def optimizer_reason(s: TrainSettings, candidates: Candidates, keep_optimizer: bool) -> str:
     """Why this optimizer: what its state costs per parameter, and what the faster one would have needed."""
     o = s.optimizer
     if keep_optimizer:
@@ -378,7 +364,7 @@ def optimizer_reason(s: TrainSettings, candidates, keep_optimizer: bool) -> str:
     earlier = ladder[:ladder.index(s.optim)] if s.optim in ladder else ("adamw_torch_fused",)
     detail = ""
     for name in reversed(earlier):
-        c = lookup_candidate(candidates, s.replace(optim=name, optim_target_modules=None))
+        c = candidates.lookup(s.replace(optim=name, optim_target_modules=None))
         if c is not None and not c.fits:
             detail = f"; {name} would need {format_bytes(c.estimate.device_total_bytes)}"
             break

@@ -20,8 +20,9 @@ formulas each fast-mode fit is traced (seconds each), and a plan whose fastest s
 Until the plan and its runners-up are known, candidates are estimated strictly fastest first and fits are made
 when every faster candidate has been estimated: the next `AT_LEAST_GROUPS` in that order, and any other whose
 fastest setting ties theirs (a ZeRO layout's bf16 step on one GPU); after that, every fit left below the
-threshold side by side (`assemble.prepare`). Candidates are kept in grid order, as an exhaustive search lists them, so ties break the
-same way. `tests/test_lazy_grid.py` checks that plans come out the same as an exhaustive search's.
+threshold side by side (`assemble.prepare`). Candidates are kept in grid order, as an exhaustive search lists
+them, so ties break the same way. `tests/test_lazy_grid.py` checks that plans come out the same as an exhaustive
+search's.
 """
 
 import dataclasses
