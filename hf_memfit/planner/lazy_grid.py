@@ -96,8 +96,8 @@ def search_grid(spec, grid: list, found: Candidates, *, gpu_info, uncertain) -> 
         if not todo:
             break
         if math.isinf(threshold):
-            # Strictly in bound order: what needs no new fit up to the next new fit group, then that group (and
-            # those tied with it); a new fit is made only when every faster candidate is estimated.
+            # Strictly in bound order: what needs no new fit up to the next new fit group, then the next new
+            # groups (`_next_groups`); a new fit is made only when every faster candidate is estimated.
             free = list(itertools.takewhile(lambda i: group(i) is None or group(i) in made, todo))
             if free:
                 todo = free[:max(1, len(results))]
@@ -112,9 +112,9 @@ def search_grid(spec, grid: list, found: Candidates, *, gpu_info, uncertain) -> 
 
 
 def _next_groups(indices, made: set, group, times) -> list[int]:
-    """The first index (in `indices`' order) of the next fit group not in `made`, and of each other new group
-    whose first setting ties its time (`times`): made side by side (a ZeRO layout on one GPU times as the
-    plain one, but the trace of its bf16 step is another fit)."""
+    """The first index (in `indices`' order) of each of the next `AT_LEAST_GROUPS` fit groups not in `made`, and
+    of each further new group whose first setting ties the first one's time (`times`): made side by side (a ZeRO
+    layout on one GPU times as the plain one, but the trace of its bf16 step is another fit)."""
     firsts: dict = {}
     for i in indices:
         g = group(i)
