@@ -210,3 +210,22 @@ def test_trl_step_costs_what_its_head_keeps(capsys):
     logits = 4 * 2048 * 151936 * 4  # one fp32 copy of the logits
     assert need["trainer"] - need["sft"] > logits
     assert need["dpo"] > need["sft"]
+
+
+def test_stdout_holds_only_the_result_when_a_library_prints_to_it(capsys, monkeypatch):
+    """DeepSpeed's logger reports its accelerator on stdout when transformers or bitsandbytes first import it
+    mid-run, which broke `check --json` (stdout began with a `[WARNING]` line). Whatever a library prints while a
+    command runs goes to stderr; stdout carries the JSON alone."""
+    import hf_memfit.models.spec as spec_module
+
+    resolve = spec_module.resolve_model
+
+    def chatty_resolve(*args, **kwargs):
+        print("[WARNING] [real_accelerator.py:213:get_accelerator] Setting accelerator to CPU.")
+        return resolve(*args, **kwargs)
+
+    monkeypatch.setattr(spec_module, "resolve_model", chatty_resolve)
+    assert main(["estimate", "gpt2", "--batch-size", "1", "--seq-len", "128", "--mode", "fast", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["peak_allocated_bytes"] > 0
+    assert "Setting accelerator to CPU" in err

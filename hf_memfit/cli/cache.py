@@ -3,6 +3,7 @@
 import argparse
 import time
 
+from hf_memfit.cli.output import emit
 from hf_memfit.errors import MemFitError
 
 CACHE_EPILOG = """examples:
@@ -59,9 +60,9 @@ def cmd_cache_info(args: argparse.Namespace) -> int:
     from hf_memfit.cache import CACHE_VERSION, cache_dir, cache_entries, code_version, library_versions
 
     entries = cache_entries()
-    print(f"cache: {cache_dir()} (set HF_MEMFIT_CACHE to move it)")
-    print(f"entries: {', '.join(f'{kind} {count}' for kind, count in entries.items()) or 'none'}")
-    print(f"valid for: hf-memfit code {code_version()} (format {CACHE_VERSION}), "
+    emit(f"cache: {cache_dir()} (set HF_MEMFIT_CACHE to move it)")
+    emit(f"entries: {', '.join(f'{kind} {count}' for kind, count in entries.items()) or 'none'}")
+    emit(f"valid for: hf-memfit code {code_version()} (format {CACHE_VERSION}), "
           + ", ".join(f"{name} {version}" for name, version in library_versions().items()))
     return 0
 
@@ -69,7 +70,7 @@ def cmd_cache_info(args: argparse.Namespace) -> int:
 def cmd_cache_clear(args: argparse.Namespace) -> int:
     from hf_memfit.cache import cache_dir, clear_cache
 
-    print(f"removed {clear_cache()} file(s) from {cache_dir()}")
+    emit(f"removed {clear_cache()} file(s) from {cache_dir()}")
     return 0
 
 
@@ -81,13 +82,12 @@ def cmd_cache_warm(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     for number, spec in enumerate(specs, 1):
         if spec.hand_written:
-            print(f"[{number}/{len(specs)}] {spec.name}: hand-written formulas, nothing to calibrate")
+            emit(f"[{number}/{len(specs)}] {spec.name}: hand-written formulas, nothing to calibrate")
             continue
         t0 = time.perf_counter()
         made = warm_model(spec)
-        print(f"[{number}/{len(specs)}] {spec.name}: {made} calibration(s) made in {time.perf_counter() - t0:.1f} s",
-              flush=True)
-    print(f"done in {time.perf_counter() - started:.1f} s")
+        emit(f"[{number}/{len(specs)}] {spec.name}: {made} calibration(s) made in {time.perf_counter() - t0:.1f} s")
+    emit(f"done in {time.perf_counter() - started:.1f} s")
     if not specs:
         raise MemFitError("nothing to warm: the catalogue has no model without hand-written formulas")
     return 0

@@ -13,6 +13,7 @@ import os
 import platform
 import sys
 
+from hf_memfit.cli.output import emit
 from hf_memfit.errors import MemFitError, check_all
 from hf_memfit.units import GiB, format_bytes
 
@@ -88,7 +89,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     if not args.grid:
         row = check_row(spec, base, steps=args.steps, terms=args.terms, exact=args.mode == "exact",
                         memory_snapshot=args.memory_snapshot)
-        print(json.dumps({"model": spec.name, "machine": machine, **row}, indent=2) if args.json
+        emit(json.dumps({"model": spec.name, "machine": machine, **row}, indent=2) if args.json
               else format_row(spec.name, row, machine))
         return 0
     # What no row could run (several processes, pinned offload on a CPU ...) is refused once, up front; the
@@ -106,7 +107,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     document = {"model": spec.name, "machine": machine, "steps": args.steps, "rows": rows,
                 "summary": summarize(rows)}
     _write_json(document, args.out)
-    print(json.dumps(document, indent=2) if args.json else format_grid(spec.name, document))
+    emit(json.dumps(document, indent=2) if args.json else format_grid(spec.name, document))
     print(f"hf-memfit: wrote {args.out}", file=sys.stderr)
     return 0
 

@@ -14,6 +14,7 @@ from hf_memfit.cli.arguments import (MemFitArgumentParser, add_step_arguments, c
                                       media_inputs, positive_int, settings_from_args, step_shape)
 from hf_memfit.cli.cache import add_cache_parser
 from hf_memfit.cli.check import add_check_parser
+from hf_memfit.cli.output import emit, results_on_stdout
 from hf_memfit.errors import MemFitError
 
 _ESTIMATE_EPILOG = """examples:
@@ -35,7 +36,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
         args.gpu = find_gpu(args.gpu).name
     est = estimate_settings(spec, settings_from_args(args))
-    print(json.dumps(est.to_dict(), indent=2) if args.json else format_estimate(est))
+    emit(json.dumps(est.to_dict(), indent=2) if args.json else format_estimate(est))
     return 0
 
 
@@ -197,7 +198,7 @@ def _print_plan(args: argparse.Namespace, result, *, header: str | None = None, 
             from hf_memfit.report.text import format_timeline
 
             output += "\n\n" + format_timeline(timelines[0])
-    print(json.dumps(output, indent=2) if args.json else output)
+    emit(json.dumps(output, indent=2) if args.json else output)
     return 0
 
 
@@ -248,9 +249,9 @@ def cmd_explain(args: argparse.Namespace) -> int:
     configs = [("as given", base)] + [(text, _override(base, text)) for text in args.compare or []]
     timelines = _trace(spec, configs, args.plot)
     if args.json:
-        print(json.dumps([_timeline_dict(t) for t in timelines], indent=2))
+        emit(json.dumps([_timeline_dict(t) for t in timelines], indent=2))
     else:
-        print("\n\n".join(format_timeline(t) for t in timelines))
+        emit("\n\n".join(format_timeline(t) for t in timelines))
     return 0
 
 
@@ -388,7 +389,8 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     try:
         args = build_parser().parse_args(argv)
-        return args.func(args)
+        with results_on_stdout():
+            return args.func(args)
     except MemFitError as error:
         print(f"hf-memfit: error: {error}", file=sys.stderr)
         return 2

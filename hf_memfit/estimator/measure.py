@@ -8,6 +8,7 @@ code the exact estimator traces (`step.py`), run on real tensors.
 """
 
 import gc
+import tempfile
 from contextlib import contextmanager
 
 import torch
@@ -19,7 +20,8 @@ from hf_memfit.settings import TrainSettings
 def measure_cpu_peak(config: dict, settings: TrainSettings, *, steps: int = 2, seed: int = 0) -> int:
     """Run `steps` real optimizer steps on the CPU and return the allocator's peak bytes."""
     torch.manual_seed(seed)
-    with training.cuda_synchronize_without_cuda(), profiled_allocations() as prof:
+    with training.cuda_synchronize_without_cuda(), bitsandbytes_build(settings, "cpu"), \
+            profiled_allocations() as prof:
         model = training.build_model(config, settings)
         optimizer = training.make_optimizer(model, settings)
         for _ in range(steps):
@@ -65,3 +67,45 @@ def allocator_peak(prof, *, from_marker_bytes: int | None = None) -> int:
         if started:
             peak = max(peak, live)
     return peak
+
+
+@contextmanager
+def bitsandbytes_build(settings: TrainSettings, device):
+    """While open, `build_model` gets base weights bitsandbytes packed, as a real run has them (else a no-op).
+
+    A measurement must run the real layers, not the stand-ins exact mode traces (`build_model` keeps a 4-bit
+    base in the compute dtype, and runs an int8 one through `int8_matmul.like_linear8bit`: fake tensors cannot
+    be packed). Here its `instantiate` is swapped for one that saves the random weights and loads them back
+    with a `BitsAndBytesConfig` onto `device`, which is how `from_pretrained` quantises a checkpoint;
+    `build_model` then adds checkpointing, peft's own `prepare_model_for_kbit_training` (it finds the packed
+    parameters) and the adapters as usual. bitsandbytes 0.50 runs int8 layers on the CPU too (`MatMul8bitFp`);
+    4-bit ones are packed on a GPU only (`check` refuses them on the CPU).
+    """
+    if not (settings.load_in_4bit or settings.load_in_8bit):
+        yield
+        return
+    from transformers import BitsAndBytesConfig
+
+    from hf_memfit.models.build import auto_model_class
+
+    original = training.instantiate
+    storage = settings.bnb_4bit_quant_storage or "uint8"
+
+    def quantized(config, task, num_labels, *, dtype, attn_implementation):
+        quant = BitsAndBytesConfig(load_in_8bit=True) if settings.load_in_8bit else BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype,
+            bnb_4bit_use_double_quant=settings.bnb_4bit_use_double_quant,
+            bnb_4bit_quant_storage=getattr(torch, storage))
+        with tempfile.TemporaryDirectory(prefix="hf-memfit-check-") as folder:
+            with torch.device("cpu"):  # the random weights never reach the device unpacked
+                original(config, task, num_labels, dtype=dtype, attn_implementation=attn_implementation) \
+                    .save_pretrained(folder)
+            return auto_model_class(task).from_pretrained(folder, quantization_config=quant, dtype=dtype,
+                                                          attn_implementation=attn_implementation or "sdpa",
+                                                          device_map={"": device})
+
+    training.instantiate = quantized
+    try:
+        yield
+    finally:
+        training.instantiate = original

@@ -14,7 +14,7 @@ measures, run on real tensors with random weights (the model built from its conf
   device-wide used memory); the cuBLAS workspaces (the allocator's growth over a
   forward and backward matmul before the model exists) and the CUDA context (the
   device memory the process uses beyond what the allocator reserved). 4-bit QLoRA
-  loads the random weights through bitsandbytes as `from_pretrained` does.
+  and LLM.int8() load the random weights through bitsandbytes as `from_pretrained` does.
   This path has not run on the machine the package was written on (no GPU there);
   `tests/test_check.py::test_check_on_cuda` runs it where there is one.
 """
@@ -22,13 +22,12 @@ measures, run on real tensors with random weights (the model built from its conf
 import contextlib
 import dataclasses
 import os
-import tempfile
 import time
 
 import torch
 
 from hf_memfit.estimator import step as training
-from hf_memfit.estimator.measure import measure_cpu_peak
+from hf_memfit.estimator.measure import bitsandbytes_build, measure_cpu_peak
 from hf_memfit.settings import TrainSettings
 
 # The profiler's categories (torch/profiler/_memory_profiler.py `Category`) as the estimate's breakdown names them.
@@ -99,7 +98,7 @@ def cpu_terms_at_peak(config: dict, settings: TrainSettings, *, steps: int = 2) 
     )
 
     torch.manual_seed(0)
-    with training.cuda_synchronize_without_cuda(), \
+    with training.cuda_synchronize_without_cuda(), bitsandbytes_build(settings, "cpu"), \
             profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
                     with_stack=True) as prof:
         model = training.build_model(config, settings)
@@ -161,10 +160,10 @@ def _measure_cuda(config: dict, settings: TrainSettings, steps: int, memory_snap
 
 def build_on_cuda(config: dict, settings: TrainSettings):
     """The model (plus adapters) and optimizer of `settings` on the GPU, 4-bit bases packed by bitsandbytes."""
-    # A 4-bit build places itself (`from_pretrained(device_map=...)`, and peft puts each adapter on its base
+    # A bitsandbytes build places itself (`from_pretrained(device_map=...)`, and peft puts each adapter on its base
     # layer's device); everything else is built straight on the GPU.
-    placement = contextlib.nullcontext() if settings.load_in_4bit else torch.device("cuda")
-    with _quantized_build(settings), placement:
+    placement = contextlib.nullcontext() if settings.load_in_kbit else torch.device("cuda")
+    with bitsandbytes_build(settings, torch.cuda.current_device()), placement:
         model = training.build_model(config, settings)
     return model, training.make_optimizer(model, settings, cuda_semantics=True)
 
@@ -216,41 +215,3 @@ def process_device_bytes() -> int:
                 return int(process.usedGpuMemory)
     free, total = torch.cuda.mem_get_info()
     return int(total - free)
-
-
-@contextlib.contextmanager
-def _quantized_build(settings: TrainSettings):
-    """For 4-bit QLoRA on CUDA: `build_model` gets its base weights packed by bitsandbytes, as a real run has them.
-
-    `build_model` keeps a 4-bit base in the compute dtype (fake tensors cannot be packed).
-    Here its `instantiate` is swapped for one that saves the random weights and loads them
-    back with a `BitsAndBytesConfig`, which is how `from_pretrained` quantises a checkpoint;
-    checkpointing and the LoRA adapters are then added by `build_model` as usual.
-    """
-    if not settings.load_in_4bit:
-        yield
-        return
-    from transformers import BitsAndBytesConfig
-
-    from hf_memfit.models.build import auto_model_class
-
-    original = training.instantiate
-    storage = settings.bnb_4bit_quant_storage or "uint8"
-
-    def quantized(config, task, num_labels, *, dtype, attn_implementation):
-        with tempfile.TemporaryDirectory(prefix="hf-memfit-check-") as folder:
-            with torch.device("cpu"):  # the random weights never touch the GPU unpacked
-                original(config, task, num_labels, dtype=dtype, attn_implementation=attn_implementation) \
-                    .save_pretrained(folder)
-            quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype,
-                                       bnb_4bit_use_double_quant=settings.bnb_4bit_use_double_quant,
-                                       bnb_4bit_quant_storage=getattr(torch, storage))
-            return auto_model_class(task).from_pretrained(folder, quantization_config=quant, dtype=dtype,
-                                                          attn_implementation=attn_implementation or "sdpa",
-                                                          device_map={"": torch.cuda.current_device()})
-
-    training.instantiate = quantized
-    try:
-        yield
-    finally:
-        training.instantiate = original
