@@ -204,8 +204,35 @@ def test_check_writes_a_memory_snapshot_on_cuda(tmp_path, capsys):
     import pickle
 
     snapshot = tmp_path / "snaps" / "check.pickle"
-    code, _, err = _run(capsys, _config(tmp_path, TINY_LLAMA), "--batch-size", "1", "--seq-len", "64", "--device",
-                        "cuda", "--mode", "fast", "--memory-snapshot", str(snapshot))
+    code, out, err = _run(capsys, _config(tmp_path, TINY_LLAMA), "--batch-size", "1", "--seq-len", "64", "--device",
+                          "cuda", "--mode", "fast", "--memory-snapshot", str(snapshot), "--json")
     assert code == 0, err
     recorded = pickle.loads(snapshot.read_bytes())
     assert recorded["segments"] and any(trace for trace in recorded["device_traces"])
+    # the replayed history peaks where the allocator's own counter did (the peaks were reset as it began)
+    measured = json.loads(out)["measured"]
+    assert measured["snapshot_peak"]["peak_live_bytes"] == pytest.approx(measured["peak_allocated_bytes"], rel=0.005)
+    assert measured["snapshot_peak"]["groups"]
+
+
+def test_snapshot_peak_replays_the_history_to_the_allocator_peak():
+    """`report.allocator_snapshot.peak_blocks` on a CPU profile in the snapshot's format (torch's own converter,
+    `_profile_to_snapshot`): the replayed peak is the allocator's, a block made before the recording and freed
+    inside it is counted until freed, and the sites name the lines that allocated."""
+    import torch
+    from torch.cuda._memory_viz import _profile_to_snapshot
+    from torch.profiler import ProfilerActivity, profile
+
+    from hf_memfit.estimator.measure import allocator_peak
+    from hf_memfit.report.allocator_snapshot import peak_blocks
+
+    early = torch.randn(256, 256)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
+        del early  # freed inside the recording, allocated before it
+        x = torch.randn(500, 500, requires_grad=True)
+        (x * 2).sin().sum().backward()
+    peak = peak_blocks(_profile_to_snapshot(prof))
+    assert peak["peak_live_bytes"] == allocator_peak(prof)  # the running sum the benchmarks read
+    assert peak["before_recording_bytes"] == 0  # `early` was freed before the peak
+    assert sum(group["bytes"] for group in peak["groups"]) + peak["other_bytes"] == peak["peak_live_bytes"]
+    assert peak["groups"][0]["bytes"] >= 500 * 500 * 4

@@ -215,6 +215,12 @@ def check_row(spec, settings, *, steps: int, terms: bool, exact: bool, memory_sn
         row["prediction_errors"] = errors
     if settings.device == "cuda":
         row["constants"] = cuda_constants(predicted.get("exact", predicted["fast"]), measured)
+    if memory_snapshot:
+        from hf_memfit.report.allocator_snapshot import load_snapshot, peak_blocks
+
+        # the history's peak can sit a few blocks under max_memory_allocated: cuBLAS's workspaces and
+        # anything else made before the recording are counted from the snapshot's segments
+        row["measured"]["snapshot_peak"] = peak_blocks(load_snapshot(memory_snapshot))
     return row
 
 
@@ -396,6 +402,12 @@ def format_row(name: str, row: dict, machine: dict) -> str:
         for family, c in row["constants"].items():
             lines.append(f"  {family.removesuffix('_bytes'):<26}{_size(c['predicted']):>14}{_size(c['measured']):>14}"
                          f"{_pct(c['error_percent']):>11}")
+    if m.get("snapshot_peak"):
+        peak = m["snapshot_peak"]
+        lines += ["", f"Alive at the allocator's peak ({_size(peak['peak_live_bytes'])}, --memory-snapshot), by the "
+                      "line that allocated it"]
+        lines += [f"  {_size(group['bytes']):>12}  {group['blocks']:>5} block(s)  {group['site']}"
+                  for group in peak["groups"][:12]]
     lines += [f"note: {note}" for note in m["notes"]]
     return "\n".join(lines)
 
