@@ -129,6 +129,10 @@ SNAPSHOT_MAX_ENTRIES = 100_000
 
 
 def _measure_cuda(config: dict, settings: TrainSettings, steps: int, memory_snapshot: str | None = None) -> Measurement:
+    # The run uses the allocator the settings predict (`--expandable-segments`), whatever PYTORCH_CUDA_ALLOC_CONF
+    # says; the setting applies to segments made from here on, which is every one of the measured run's.
+    torch.cuda.memory._set_allocator_settings(
+        f"expandable_segments:{'True' if settings.expandable_segments else 'False'}")
     torch.cuda.init()
     torch.cuda.empty_cache()
     torch.cuda.synchronize()
