@@ -3,7 +3,9 @@
 `benchmarks/gpu_session.sh` runs `check --grid` with fast predictions only, so that the GPU's time goes to
 measuring. Predictions are deterministic and offline, so this makes both modes' afresh from each row's
 recorded settings (the GPU named as the run found it), with the estimator of this checkout: rerun it when the
-estimator changes. The attention rows (`attn_*.json`, single `check --json` runs) are the suite's tiny Llama.
+estimator changes. The attention rows (`attn_*.json`, single `check --json` runs) are the suite's tiny Llama;
+`rows.json` holds the named rows of `gpu_session.sh`'s part `rows` (benchmarks/data/gpu_rows.txt), whose configs
+made on the GPU machine (`/tmp/tiny_llama.json`, `/tmp/gpt2_nodrop.json`) are made here the same way.
 
     python benchmarks/gpu_results.py benchmarks/results/gpu_h200 [--json PATH]
 """
@@ -39,7 +41,7 @@ def predict_row(spec, row: dict) -> None:
     from hf_memfit.estimator.assemble import estimate_settings
     from hf_memfit.estimator.measure_device import Measurement
 
-    measured = Measurement(**row["measured"])
+    measured = Measurement(**{k: v for k, v in row["measured"].items() if k != "snapshot_peak"})
     for mode in ("fast", "exact"):
         sink = io.StringIO()
         with redirect_stdout(sink), redirect_stderr(sink):
@@ -67,6 +69,18 @@ def constants_lines(rows: list[dict], label) -> list[str]:
         lines.append(f"| {label(row)} | " + " | ".join(cells) + " |")
     lines.append("(a grid's rows after its first find the workspaces already allocated: measured 0 there)")
     return lines
+
+
+def row_spec(row: dict):
+    """The model a row ran: a catalogue name, or a config the session wrote to /tmp on the GPU machine."""
+    from hf_memfit.models.spec import ModelSpec, resolve_model
+
+    if _is_tiny_llama(row):
+        return tiny_llama_spec()
+    if row["model"].endswith("gpt2_nodrop.json"):  # GPT-2 with its three dropouts at 0 (gpu_session.sh)
+        config = dict(resolve_model("gpt2").config, attn_pdrop=0.0, embd_pdrop=0.0, resid_pdrop=0.0)
+        return ModelSpec.from_config("gpt2 (no dropout)", config)
+    return resolve_model(row["model"])
 
 
 def tiny_llama_spec():
@@ -132,10 +146,8 @@ def main(argv=None) -> int:
         with open(os.path.join(args.folder, "single_rows.json"), encoding="utf-8") as f:
             rows += json.load(f)
     if rows:
-        from hf_memfit.models.spec import resolve_model
-
         for row in rows:
-            predict_row(tiny_llama_spec() if _is_tiny_llama(row) else resolve_model(row["model"]), row)
+            predict_row(row_spec(row), row)
         print("\nSingle `check --json` rows (bf16-mixed; tiny-llama is the suite's tiny Llama):\n")
 
         def label(row: dict) -> str:
@@ -146,6 +158,24 @@ def main(argv=None) -> int:
         print("\n".join(table(rows, label)))
         print()
         print("\n".join(constants_lines(rows, label)[:-1]))
+    named_path = os.path.join(args.folder, "rows.json")
+    if os.path.exists(named_path):
+        with open(named_path, encoding="utf-8") as f:
+            named = json.load(f)
+        measured = [row for row in named if "measured" in row]
+        for number, row in enumerate(measured, 1):
+            print(f"[{number}/{len(measured)}] predicting {row['name']} ...", file=sys.stderr, flush=True)
+            predict_row(row_spec(row), row)
+        print(f"\nNamed rows (benchmarks/data/gpu_rows.txt) on {measured[0]['machine']['device_name']}:\n")
+        print("\n".join(table(measured, lambda r: r["name"])))
+        print()
+        print("\n".join(constants_lines(measured, lambda r: r["name"])[:-1]))
+        for row in named:
+            if "failed" in row:
+                print(f"\n{row['name']}: did not run: {row['failed'].strip().splitlines()[-1]}")
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump(named, f, indent=1)
     return 0
 
 

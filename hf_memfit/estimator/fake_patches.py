@@ -103,10 +103,14 @@ def gpu_sdpa(flash_supported: bool):
 
 # What CUDA autocast runs in fp32 and CPU autocast does not (autocast_mode.cpp
 # fp32 lists), as (namespace, attribute) pairs the model code calls through.
+# pow is on CUDA's list and not on the CPU's: GPT-2's NewGELU (`torch.pow(x, 3.0)`)
+# keeps an fp32 copy of its input and an fp32 result on a GPU (an H100 check of
+# GPT-2 held 84 MiB a layer there where the CPU policy gives 48).
 _CUDA_FP32_OPS = (
     (torch.nn.functional, "layer_norm"), (torch, "layer_norm"), (torch.nn.functional, "group_norm"),
     (torch.nn.functional, "softmax"), (torch, "softmax"), (torch.Tensor, "softmax"),
     (torch.nn.functional, "log_softmax"), (torch, "log_softmax"), (torch.Tensor, "log_softmax"),
+    (torch, "pow"), (torch.Tensor, "pow"), (torch.Tensor, "__pow__"),
 )
 
 
@@ -141,6 +145,44 @@ def cuda_autocast_policy():
     try:
         for owner, name, original in originals:
             setattr(owner, name, fp32_when_autocast(original))
+        yield
+    finally:
+        for owner, name, original in originals:
+            setattr(owner, name, original)
+
+
+@contextlib.contextmanager
+def cuda_softmax_backward():
+    """CUDA's softmax backward also makes `tmp = grad * output`, the size of the gradient, beside its result.
+
+    aten/src/ATen/native/cuda/SoftMax.cu, `softmax_backward_cuda_out`: the structured kernel's `grad_input`
+    is allocated first, then `Tensor tmp = grad * output;` feeds `host_softmax_backward` (the CPU kernel
+    makes no such temporary, and log_softmax's CUDA backward none either). Found on an H100: eager
+    attention's backward held one more fp32 [b, heads, s, s] buffer than the trace (docs/benchmarks.md
+    section 19). A hook on each softmax's backward node allocates and drops that temporary while the
+    node's gradients are alive, in the recompute of a checkpointed layer too.
+    """
+
+    def temporary(grad_inputs, grad_outputs):
+        if grad_outputs and grad_outputs[0] is not None:
+            tmp = torch.empty_like(grad_outputs[0])
+            del tmp
+
+    def with_cuda_backward(original):
+        @functools.wraps(original)
+        def softmax(*args, **kwargs):
+            out = original(*args, **kwargs)
+            if type(out.grad_fn).__name__ == "SoftmaxBackward0":
+                out.grad_fn.register_hook(temporary)
+            return out
+
+        return softmax
+
+    owners = ((torch.nn.functional, "softmax"), (torch, "softmax"), (torch.Tensor, "softmax"))
+    originals = [(owner, name, getattr(owner, name)) for owner, name in owners]
+    try:
+        for owner, name, original in originals:
+            setattr(owner, name, with_cuda_backward(original))
         yield
     finally:
         for owner, name, original in originals:

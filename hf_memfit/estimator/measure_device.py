@@ -169,6 +169,11 @@ def build_on_cuda(config: dict, settings: TrainSettings):
     placement = contextlib.nullcontext() if settings.load_in_kbit else torch.device("cuda")
     with bitsandbytes_build(settings, torch.cuda.current_device()), placement:
         model = training.build_model(config, settings)
+    if not settings.load_in_kbit:
+        # A parameter made by the legacy constructor ignores the device context (wav2vec2's `masked_spec_embed =
+        # nn.Parameter(torch.Tensor(hidden_size))` stayed on the CPU, and SpecAugment's indexing failed); a
+        # user's model is moved whole, by `.to(device)` or the Trainer. A no-op for everything already there.
+        model.to("cuda")
     return model, training.make_optimizer(model, settings, cuda_semantics=True)
 
 

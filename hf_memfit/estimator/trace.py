@@ -43,8 +43,9 @@ from hf_memfit.estimator.fake_optimizers import apollo_on_fake_tensors, make_tra
 from hf_memfit.estimator.fake_vision import real_integer_metadata
 from hf_memfit.estimator.regions import by_class
 from hf_memfit.estimator.ssm_kernels import cuda_kernel_path
-from hf_memfit.estimator.fake_patches import (cuda_autocast_policy, deepcopy_fake_tensors_as_real_ones, environment,
-                                              gpu_sdpa, grouped_mm_any_dtype, is_experts, masks_as_the_batch_has,
+from hf_memfit.estimator.fake_patches import (cuda_autocast_policy, cuda_softmax_backward,
+                                              deepcopy_fake_tensors_as_real_ones, environment, gpu_sdpa,
+                                              grouped_mm_any_dtype, is_experts, masks_as_the_batch_has,
                                               spec_augment_off, triton_folds_in_place, truncated_normal_init_in_place)
 from hf_memfit.models.depths import config_with_depths, depth_plan
 from hf_memfit.models.vision_language import reads_batch_values
@@ -364,6 +365,8 @@ def trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], *
         position = {"step": 0, "micro": 0}
         step_tag = lambda: f"{position['step']}.{min(position['micro'], 1)}"  # noqa: E731
         handles = _install_region_hooks(tracker, stacks, step_tag)
+        if cuda:
+            patches.enter_context(cuda_softmax_backward())
         if cuda and settings.autocast_dtype:
             patches.enter_context(cuda_autocast_policy())
         patches.enter_context(_module_names(tracker, model))

@@ -268,13 +268,15 @@ class ForwardTape:
 
     def activation(self, x: SymTensor, kind: str) -> SymTensor:
         if kind in ("gelu_new", "gelu_fast"):
-            # NewGELUActivation: 0.5 * x * (1 + tanh(c * (x + 0.044715 * x**3))).
-            # pow saves x; tanh saves its output; the final mul saves 0.5*x and (1 + tanh).
-            self.save(x)
+            # NewGELUActivation: 0.5 * x * (1 + tanh(c * (x + 0.044715 * x**3))). pow saves its input, tanh
+            # its output, the final mul 0.5*x and (1 + tanh). CUDA autocast runs pow in fp32 (its fp32 list), which
+            # promotes the rest to fp32 (an H100 measured it: fake_patches._CUDA_FP32_OPS).
+            cube_in = self.cast(x, "f32") if self.ctx.ac and self.ctx.cuda else x
+            self.save(cube_in)
             half = self.scale(x)
-            cube = self.new(x.numel, x.dtype, x.rg, inputs=(x,))
-            inner = self.new(x.numel, x.dtype, x.rg, inputs=(x, cube))  # c * (x + 0.044715 * cube)
-            th = self.new(x.numel, x.dtype, x.rg, inputs=(inner,))
+            cube = self.new(x.numel, cube_in.dtype, x.rg, inputs=(cube_in,))
+            inner = self.new(x.numel, cube.dtype, x.rg, inputs=(x, cube))  # c * (x + 0.044715 * cube)
+            th = self.new(x.numel, inner.dtype, x.rg, inputs=(inner,))
             self.save(th)
             one_plus = self.scale(th)
             return self.mul(half, one_plus)
@@ -527,13 +529,12 @@ class ForwardTape:
             scaled = self.new(rows * s, _promote(scaled.dtype, ctx.wdt), True, inputs=(scaled,))
         # softmax: llama/opt/neox/gemma ask for fp32 and cast back to q's dtype; gpt2/bert/t5
         # take CUDA autocast's fp32 softmax, then gpt2 casts to v's dtype.
-        if style == "llama" or (ctx.ac and ctx.cuda):
-            soft_in = self.cast(scaled, "f32")
-            probs = self.new(rows * s, "f32", True, inputs=(soft_in,))
-        else:
-            soft_in = scaled
-            probs = self.new(rows * s, scaled.dtype, True, inputs=(soft_in,))
+        soft_in = self.cast(scaled, "f32") if style == "llama" or (ctx.ac and ctx.cuda) else scaled
+        probs = self.new(rows * s, soft_in.dtype, True, inputs=(soft_in,))
         self.save(probs)
+        probs.first_save = probs.idx  # its own backward reads it: freed after that, not after the next op's
+        if ctx.cuda:  # CUDA's backward also makes `grad * output` (fake_patches.cuda_softmax_backward)
+            self.backward_extra[probs.idx] = self.backward_extra.get(probs.idx, 0) + self.bytes_of(probs)
         back = {"llama": q.dtype, "gpt2": v.dtype}.get(style, probs.dtype)
         probs = self.cast(probs, back)
         probs = self.dropout(probs, dropout)
