@@ -239,3 +239,30 @@ def test_lora_on_the_language_model_only_by_a_regex(capsys):
                  "--global-batch-size", "1", "--gpu", "a10g", "--lora-r", "4"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "no default LoRA target modules for model type `llava`" in err[0], err
+
+
+def test_catalogue_image_tokens_are_inside_the_text_vocabulary():
+    """A real step embeds the image placeholder ids before replacing them (`get_input_embeddings()(input_ids)`):
+    an id past the text vocabulary is a device-side assert on a GPU. The SmolVLM entry carried SmolVLM2's 49190
+    (its vocabulary is 49,155) until an H100 check failed on it; fake tensors never index, so no trace saw it."""
+    import glob
+    import json
+    import os
+
+    from transformers import AutoConfig
+
+    import hf_memfit
+
+    folder = os.path.join(os.path.dirname(hf_memfit.__file__), "catalogue")
+    checked = 0
+    for path in sorted(glob.glob(os.path.join(folder, "*.json"))):
+        with open(path, encoding="utf-8") as f:
+            fields = {k: v for k, v in json.load(f).items() if not k.startswith("_")}
+        token = fields.get("image_token_id", fields.get("image_token_index"))
+        if token is None:
+            continue
+        config = AutoConfig.for_model(**fields)
+        vocab = config.get_text_config().vocab_size
+        assert 0 <= token < vocab, (os.path.basename(path), token, vocab)
+        checked += 1
+    assert checked >= 5  # Qwen2.5-VL, three Gemma-3, two LLaVA, SmolVLM
