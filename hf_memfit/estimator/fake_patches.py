@@ -151,6 +151,25 @@ def cuda_autocast_policy():
             setattr(owner, name, original)
 
 
+class _CudaSoftmax(torch.autograd.Function):
+    """`_softmax` whose backward allocates as CUDA's does: the result, then `grad * output` (see below)."""
+
+    @staticmethod
+    def forward(ctx, x, dim):
+        out = torch._softmax(x, dim, False)
+        ctx.save_for_backward(out)
+        ctx.dim = dim
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (out,) = ctx.saved_tensors  # a checkpointed layer's recomputed output is alive only in here
+        grad_input = torch._softmax_backward_data(grad, out, ctx.dim, out.dtype)
+        tmp = torch.empty_like(grad)
+        del tmp
+        return grad_input, None
+
+
 @contextlib.contextmanager
 def cuda_softmax_backward():
     """CUDA's softmax backward also makes `tmp = grad * output`, the size of the gradient, beside its result.
@@ -159,22 +178,17 @@ def cuda_softmax_backward():
     is allocated first, then `Tensor tmp = grad * output;` feeds `host_softmax_backward` (the CPU kernel
     makes no such temporary, and log_softmax's CUDA backward none either). Found on an H100: eager
     attention's backward held one more fp32 [b, heads, s, s] buffer than the trace (docs/benchmarks.md
-    section 19). A hook on each softmax's backward node allocates and drops that temporary while the
-    node's gradients are alive, in the recompute of a checkpointed layer too.
+    section 19). Softmax runs as an autograd Function whose backward allocates the same, while its saved
+    output is unpacked: under checkpointing that recomputed output lives only inside the backward, so a
+    hook on the node (before or after it runs) would miss it, as a first version did (-22% on the H100).
     """
-
-    def temporary(grad_inputs, grad_outputs):
-        if grad_outputs and grad_outputs[0] is not None:
-            tmp = torch.empty_like(grad_outputs[0])
-            del tmp
 
     def with_cuda_backward(original):
         @functools.wraps(original)
-        def softmax(*args, **kwargs):
-            out = original(*args, **kwargs)
-            if type(out.grad_fn).__name__ == "SoftmaxBackward0":
-                out.grad_fn.register_hook(temporary)
-            return out
+        def softmax(input, dim=None, *args, dtype=None, **kwargs):
+            if args or kwargs or dim is None or not (torch.is_grad_enabled() and input.requires_grad):
+                return original(input, dim, *args, dtype=dtype, **kwargs)
+            return _CudaSoftmax.apply(input if dtype is None else input.to(dtype), dim)
 
         return softmax
 
