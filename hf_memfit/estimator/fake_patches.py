@@ -151,6 +151,32 @@ def cuda_autocast_policy():
             setattr(owner, name, original)
 
 
+@contextlib.contextmanager
+def cuda_dropout():
+    """Training-mode dropout as CUDA runs it: the fused `native_dropout`, which saves a bool mask.
+
+    aten/src/ATen/native/Dropout.cpp `dropout`: on a CUDA tensor with 0 < p < 1 (`is_fused_kernel_acceptable`)
+    it returns `std::get<0>(at::native_dropout(input, p, train))`, and NativeDropoutBackward0 keeps the bool
+    mask (1 B an element); a CPU tensor takes `_dropout_impl`, whose multiply keeps noise of the input's dtype
+    (2 or 4 B). Measured on an H100 (docs/benchmarks.md section 19): GPT-2's dropouts kept 1.5 MiB masks for
+    [4, 512, 768] activations, and wav2vec2's feed-forward dropouts were over-predicted by the CPU mask.
+    `native_dropout` runs on fake CPU tensors as it does on a GPU, so the trace calls it.
+    """
+    original = torch.nn.functional.dropout
+
+    @functools.wraps(original)
+    def dropout(input, p=0.5, training=True, inplace=False):
+        if training and 0 < p < 1 and not inplace and input.numel() > 0:
+            return torch.native_dropout(input, p, True)[0]
+        return original(input, p, training, inplace)
+
+    torch.nn.functional.dropout = dropout
+    try:
+        yield
+    finally:
+        torch.nn.functional.dropout = original
+
+
 class _CudaSoftmax(torch.autograd.Function):
     """`_softmax` whose backward allocates as CUDA's does: the result, then `grad * output` (see below)."""
 

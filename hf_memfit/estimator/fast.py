@@ -27,9 +27,9 @@ so everything is derived from the `ModelSpec`:
 - Optimizer temporaries follow the code path torch takes on the device
   (foreach on CUDA, single-tensor on CPU, in-place fused / bitsandbytes kernels).
 
-The semantics follow exact mode, which runs the real step on fake tensors, so
-that both modes agree; where exact mode's CUDA emulation departs from a real
-GPU (see `_EXACT_CUDA_EMULATION`) the fast mode follows exact mode and says so.
+The semantics follow exact mode, which runs the real step on fake tensors with
+CUDA's behaviour emulated where it differs from the CPU's (`fake_patches`), so
+that both modes agree.
 """
 
 from __future__ import annotations

@@ -20,7 +20,8 @@ the trace runs on fake CPU tensors, and what differs on a GPU is applied
 explicitly, each item sourced in `shared/CUDA_MEMORY_FACTS.md`:
 - the SDPA backend a GPU picks (flash / memory-efficient) and what its kernels
   keep for backward, by `fake_patches.GpuAttentionMemory`;
-- CUDA autocast's fp32 op list (layer_norm, softmax, ...) by `fake_patches.cuda_autocast_policy`;
+- CUDA autocast's fp32 op list (layer_norm, softmax, pow, ...), fused dropout (a bool mask) and softmax
+  backward (`grad * output`): `fake_patches.cuda_autocast_policy`, `cuda_dropout`, `cuda_softmax_backward`;
 - torch's default foreach optimizer path on CUDA (`step.make_optimizer`);
 - the caching allocator's 512-byte rounding (its reserved memory beyond that is
   `cuda_overhead.allocator_slack_bytes`, the same model as fast mode's).
@@ -43,7 +44,7 @@ from hf_memfit.estimator.fake_optimizers import apollo_on_fake_tensors, make_tra
 from hf_memfit.estimator.fake_vision import real_integer_metadata
 from hf_memfit.estimator.regions import by_class
 from hf_memfit.estimator.ssm_kernels import cuda_kernel_path
-from hf_memfit.estimator.fake_patches import (cuda_autocast_policy, cuda_softmax_backward,
+from hf_memfit.estimator.fake_patches import (cuda_autocast_policy, cuda_dropout, cuda_softmax_backward,
                                               deepcopy_fake_tensors_as_real_ones, environment, gpu_sdpa,
                                               grouped_mm_any_dtype, is_experts, masks_as_the_batch_has,
                                               spec_augment_off, triton_folds_in_place, truncated_normal_init_in_place)
@@ -365,10 +366,9 @@ def trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], *
         position = {"step": 0, "micro": 0}
         step_tag = lambda: f"{position['step']}.{min(position['micro'], 1)}"  # noqa: E731
         handles = _install_region_hooks(tracker, stacks, step_tag)
-        if cuda:
-            patches.enter_context(cuda_softmax_backward())
-        if cuda and settings.autocast_dtype:
-            patches.enter_context(cuda_autocast_policy())
+        for emulation in ([cuda_softmax_backward(), cuda_dropout()] if cuda else []) + (
+                [cuda_autocast_policy()] if cuda and settings.autocast_dtype else []):
+            patches.enter_context(emulation)
         patches.enter_context(_module_names(tracker, model))
         micro_batches = min(settings.gradient_accumulation_steps, 2)  # later micro-batches repeat the second
         stash = getattr(model, "memfit_host_stash", None) or getattr(getattr(model, "base_model", None),

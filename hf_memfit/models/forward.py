@@ -20,14 +20,6 @@ DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "u8": 1, "bool": 1, "i64": 8, "i8"
 DTYPE_TAG = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 
 
-# Exact mode emulates CUDA on fake CPU tensors. One CPU behaviour survives in
-# it, and fast mode follows it so that both modes agree (a real difference from
-# a GPU; flip it to model the GPU instead):
-# - dropout on a CPU tensor saves a mask of the input's dtype (`_dropout_impl`),
-#   where CUDA's fused `native_dropout` saves a bool mask.
-_EXACT_CUDA_EMULATION = {"cpu_dropout_mask": True}
-
-
 # ---------------------------------------------------------------------------
 # Symbolic tensors and the forward recorder
 # ---------------------------------------------------------------------------
@@ -259,8 +251,7 @@ class ForwardTape:
         """
         if not p:
             return x
-        cpu_mask = not self.ctx.cuda or _EXACT_CUDA_EMULATION["cpu_dropout_mask"]
-        mask = self.new(x.numel, x.dtype if cpu_mask else "bool", False)
+        mask = self.new(x.numel, "bool" if self.ctx.cuda else x.dtype, False)
         self.save(mask)
         return self.new(x.numel, x.dtype, x.rg, layout=x.layout, inputs=(x, mask))
 
