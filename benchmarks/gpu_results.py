@@ -80,6 +80,9 @@ def row_spec(row: dict):
     if row["model"].endswith("gpt2_nodrop.json"):  # GPT-2 with its three dropouts at 0 (gpu_session.sh)
         config = dict(resolve_model("gpt2").config, attn_pdrop=0.0, embd_pdrop=0.0, resid_pdrop=0.0)
         return ModelSpec.from_config("gpt2 (no dropout)", config)
+    if row["model"].endswith("w2v_nolayerdrop.json"):  # wav2vec2-base-960h without LayerDrop (the fifth call)
+        config = dict(resolve_model("facebook/wav2vec2-base-960h").config, layerdrop=0.0)
+        return ModelSpec.from_config("wav2vec2-base-960h (no LayerDrop)", config)
     return resolve_model(row["model"])
 
 
