@@ -21,6 +21,7 @@ measures, run on real tensors with random weights (the model built from its conf
 
 import contextlib
 import dataclasses
+import gc
 import os
 import time
 
@@ -134,6 +135,10 @@ def _measure_cuda(config: dict, settings: TrainSettings, steps: int, memory_snap
     torch.cuda.memory._set_allocator_settings(
         f"expandable_segments:{'True' if settings.expandable_segments else 'False'}")
     torch.cuda.init()
+    # A row of `check --grid` runs after others in the same process: a model or optimizer they left in reference
+    # cycles (hooks, closures) keeps its device memory until the cycle collector runs, and would count in this
+    # row's peak (the CPU path collects for the same reason: measure.profiled_allocations).
+    gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.synchronize()
     torch.manual_seed(0)
