@@ -260,3 +260,22 @@ def test_planner_picks_layerwise_only_at_accumulation_1_on_one_gpu():
         with pytest.raises(MemFitError) as refused:
             plan("meta-llama/Llama-2-7b-hf", gpu_memory="50GiB", seq_len=1024, **{**allow, **extra})
         assert "layerwise" not in str(refused.value).split("what would fit")[0]
+
+
+@pytest.mark.parametrize("optim", ["adamw_torch", "adamw_torch_fused"])
+def test_torch_adamw_without_the_trainer_table_is_the_trainer_s(optim):
+    """PyTorch's AdamW is built without importing `transformers.trainer` (it imports peft, bitsandbytes and torchao:
+    seconds of a cold plan); class and kwargs must be exactly what `Trainer.get_optimizer_cls_and_kwargs` gives."""
+    import tempfile
+
+    from transformers import Trainer, TrainingArguments
+
+    from hf_memfit.estimator.step import needs_trainer_table, trainer_optimizer_class
+
+    settings = TrainSettings(batch_size=1, seq_len=8, optim=optim)
+    assert not needs_trainer_table(settings)
+    with tempfile.TemporaryDirectory() as tmp:
+        expected = Trainer.get_optimizer_cls_and_kwargs(TrainingArguments(output_dir=tmp, optim=optim, report_to=[]))
+    assert trainer_optimizer_class(settings) == expected
+    assert needs_trainer_table(settings.replace(optim_args="foo=1")) and needs_trainer_table(
+        settings.replace(optim="adamw_bnb_8bit"))

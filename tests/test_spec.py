@@ -541,3 +541,14 @@ def test_only_a_learned_position_table_limits_the_sequence(tmp_path, monkeypatch
                                                     intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
                                                     head_dim=16, vocab_size=100, max_position_embeddings=64))
     assert not qwen.hand_written and not qwen.learned_positions
+
+
+def test_peft_default_targets_read_from_source_are_peft_s_own():
+    """Generic families take peft's default LoRA targets from the installed peft's source (a dict literal), not by
+    importing peft (3.4 s of a cold plan): the two must be the same mapping."""
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as imported
+
+    from hf_memfit.models.generic import _peft_lora_mapping_from_source
+
+    read = _peft_lora_mapping_from_source()
+    assert read is not None and read == dict(imported)

@@ -209,12 +209,13 @@ def _start(function, job) -> tuple[int, int] | None:
 
 def import_for_traces(model_type: str | None = None) -> None:
     """Import what an exact-mode trace imports on its way: torch with its fake tensors, transformers' modeling
-    and Trainer code (its optimizer table), the model family's module, and DeepSpeed's sequence-parallel
-    module (Ulysses, TiledMLP) where installed. Seconds of imports, done early only beside a child's work."""
+    code, the model family's module, and DeepSpeed's sequence-parallel module (Ulysses, TiledMLP) where
+    installed. Seconds of imports, done early only beside a child's work. (Not the Trainer's optimizer table:
+    a trace of PyTorch's AdamW does without it, `step.needs_trainer_table`.)"""
     import importlib
     import importlib.util
 
-    names = ["hf_memfit.estimator.trace", "transformers.modeling_utils", "transformers.trainer"]
+    names = ["hf_memfit.estimator.trace", "transformers.modeling_utils"]
     if model_type:
         from transformers.models.auto.configuration_auto import model_type_to_module_name
 

@@ -422,11 +422,13 @@ def calibrate_many(spec, many: list, shared: list | None = None) -> list[dict]:
 
 
 def _import_for_traces(many) -> None:
-    """Import here what every trace imports on its way (the Trainer's optimizer table, peft, bitsandbytes),
+    """Import here what the traces import on their way (the Trainer's optimizer table, peft, bitsandbytes),
     so that forked children start with it instead of each importing it again."""
     import importlib
 
-    wanted = ["transformers.trainer"]
+    from hf_memfit.estimator.step import needs_trainer_table
+
+    wanted = ["transformers.trainer"] if any(needs_trainer_table(s) for s in many) else []
     if any(s.uses_lora for s in many):
         wanted.append("peft")
     if any(s.load_in_kbit or s.optimizer.package == "bitsandbytes" for s in many):

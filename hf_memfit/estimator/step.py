@@ -296,12 +296,27 @@ def make_batch(settings: TrainSettings, config: dict, device: str = "cpu") -> di
     return batch
 
 
+# PyTorch's AdamW as the Trainer's table gives it (transformers 5.24 trainer_optimizer.py `_get_adamw_torch`:
+# TrainingArguments' lr, betas and eps, plus `fused=True` for adamw_torch_fused), without importing the table:
+# `transformers.trainer` imports peft, bitsandbytes and torchao on its way, 2-3 s of a cold plan whose optimizer
+# is neither. tests/test_optimizers.py holds these against `Trainer.get_optimizer_cls_and_kwargs`.
+TORCH_ADAMW_DEFAULTS = {"lr": 5e-05, "betas": (0.9, 0.999), "eps": 1e-08}
+TORCH_ADAMW = {"adamw_torch": {}, "adamw_torch_fused": {"fused": True}}
+
+
+def needs_trainer_table(settings: TrainSettings) -> bool:
+    """Whether the optimizer comes from the Trainer's table (`trainer_optimizer_class`) rather than the above."""
+    return settings.optim not in TORCH_ADAMW or bool(settings.optim_args)
+
+
 def trainer_optimizer_class(settings: TrainSettings, model=None):
     """The optimizer class and kwargs the HF Trainer builds for `settings.optim` (`Trainer.get_optimizer_cls_and_kwargs`).
 
     GaLore / APOLLO need the model: their kwargs then carry `params`, the Trainer's
     own groups (projected targets and the rest).
     """
+    if not needs_trainer_table(settings):
+        return torch.optim.AdamW, dict(TORCH_ADAMW_DEFAULTS, **TORCH_ADAMW[settings.optim])
     from transformers import Trainer, TrainingArguments
 
     targets = settings.optim_target_modules

@@ -329,7 +329,7 @@ def trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], *
         steps = 1 + len(shapes)
     warm_up = warm_up_settings(settings) if short_warm_up else settings
     cuda = settings.device == "cuda"
-    _import_untracked(config)
+    _import_untracked(config, settings)
     tracker = StorageTracker(round_to=CUDA_BLOCK_BYTES if cuda else 1)  # the caching allocator's blocks
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     patches = contextlib.ExitStack()
@@ -450,13 +450,15 @@ def trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], *
 WARM_UP_TOKENS = 128
 
 
-def _import_untracked(config: dict) -> None:
+def _import_untracked(config: dict, settings: TrainSettings) -> None:
     """Import what a step imports on its way before the tracker starts. Some modules make tensors when imported
     (bitsandbytes' 4-bit code tables, peft's LoHa default scale: 144 B, kept for the life of the process); made
     inside a trace, they would be counted as weights in the first trace of a process only."""
     import importlib
 
-    names = ["transformers.trainer"]  # the optimizer table; it imports peft, bitsandbytes and torchao
+    names = [name for name, wanted in (
+        ("transformers.trainer", training.needs_trainer_table(settings)),  # imports peft, bitsandbytes, torchao
+        ("peft", settings.uses_lora), ("bitsandbytes", settings.load_in_kbit)) if wanted]
     if config.get("model_type"):
         from transformers.models.auto.configuration_auto import model_type_to_module_name
 

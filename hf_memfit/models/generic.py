@@ -405,6 +405,10 @@ def task_facts(name: str, config: dict, facts: dict, task: str, num_labels: int)
 
 def _peft_targets(model_type: str) -> list[str] | None:
     """peft's own default LoRA target modules for the model type (None: peft has none and asks for them)."""
+    mapping = _peft_lora_mapping_from_source()
+    if mapping is not None:
+        targets = mapping.get(model_type)
+        return list(targets) if targets else None
     import logging
 
     previous = logging.root.manager.disable
@@ -417,6 +421,29 @@ def _peft_targets(model_type: str) -> list[str] | None:
         logging.disable(previous)
     targets = mapping.get(model_type)
     return list(targets) if targets else None
+
+
+def _peft_lora_mapping_from_source() -> dict | None:
+    """The installed peft's TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING, read from its source without
+    importing peft: `import peft` loads transformers' quantizers, bitsandbytes and torchao (3.4 s of a cold
+    plan for a dict literal). None where the source is not there or the mapping is not a literal any more,
+    and the caller imports peft instead."""
+    import ast
+    import importlib.util
+    import os
+
+    try:
+        spec = importlib.util.find_spec("peft")
+        path = os.path.join(spec.submodule_search_locations[0], "utils", "constants.py")
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "TRANSFORMERS_MODELS_TO_LORA_TARGET_"
+                                                    "MODULES_MAPPING" for t in node.targets):
+                return ast.literal_eval(node.value)
+    except (ImportError, AttributeError, TypeError, OSError, SyntaxError, ValueError):
+        return None
+    return None
 
 
 def moe_note(moe: dict, settings) -> str:
