@@ -197,3 +197,32 @@ def test_a_plan_makes_the_fits_it_needs_before_it_reads_them(tmp_path, monkeypat
     # the plan and its runners-up (other optimizers) fit uncheckpointed: slower checkpointed steps are not fitted
     assert not any(s.gradient_checkpointing for s in made)
     assert result.candidates_tried < result.candidates_searched
+
+
+def test_a_forked_trace_child_runs_parallel_ops_after_the_parent_did():
+    """GNU OpenMP is not fork-safe: a child forked after the parent ran a parallel region (a real matmul; in
+    hf-memfit, a VLM's image grid computed on real tensors during the first trace, which runs in the parent)
+    waited forever in its own first parallel op (`benchmarks/published_media.py` hung on Qwen2-VL). Run in a
+    subprocess with a time limit, so that a regression fails instead of hanging the suite."""
+    import subprocess
+    import sys
+
+    script = """
+import os, pickle, torch
+from hf_memfit.estimator import forked
+x = torch.randn(1500, 1500)
+(x @ x).sum()                                   # the parent's parallel region
+def work():
+    y = torch.randn(1500, 1500)
+    return float((y @ y).sum() * 0) + torch.arange(4_000_000).cumsum(0)[-1].item()
+read, pid = forked._start(work, ())
+data = b""
+while chunk := os.read(read, 1 << 16):
+    data += chunk
+os.waitpid(pid, 0)
+ok, value = pickle.loads(data)
+print(ok, value)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["True", str(float(sum(range(4_000_000))))], done.stdout

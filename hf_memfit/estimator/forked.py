@@ -194,6 +194,12 @@ def _start(function, job) -> tuple[int, int] | None:
     code = 1
     try:  # child: never returns into the parent's code
         os.close(read)
+        torch = sys.modules.get("torch")
+        if torch is not None:
+            # GNU OpenMP is not fork-safe: once the parent has run a parallel region (a real tensor op: a VLM's
+            # image grid, the first trace run here), the child's first parallel op waits forever for the
+            # parent's worker threads, which fork did not copy. One thread never enters a parallel region.
+            torch.set_num_threads(1)
         try:
             payload = pickle.dumps((True, function(*job)), protocol=pickle.HIGHEST_PROTOCOL)
         except BaseException:  # noqa: BLE001 - reported by running the job again in the parent
