@@ -462,8 +462,7 @@ def _import_untracked(config: dict, settings: TrainSettings) -> None:
     if config.get("model_type"):
         from transformers.models.auto.configuration_auto import model_type_to_module_name
 
-        module = model_type_to_module_name(config["model_type"])
-        names.append(f"transformers.models.{module}.modeling_{module}")
+        names.append("transformers.models.{0}.modeling_{0}".format(model_type_to_module_name(config["model_type"])))
     for name in names:
         try:
             importlib.import_module(name)
