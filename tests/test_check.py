@@ -236,3 +236,30 @@ def test_snapshot_peak_replays_the_history_to_the_allocator_peak():
     assert peak["before_recording_bytes"] == 0  # `early` was freed before the peak
     assert sum(group["bytes"] for group in peak["groups"]) + peak["other_bytes"] == peak["peak_live_bytes"]
     assert peak["groups"][0]["bytes"] >= 500 * 500 * 4
+
+
+def test_liger_on_a_gpu_needs_liger_itself(monkeypatch):
+    """On a GPU, `check --use-liger-kernel` runs Liger's own kernels (as the Trainer applies them), not hf-memfit's
+    emulation of its loss; without liger-kernel that is one line naming the install, before anything runs."""
+    import transformers.utils
+
+    from hf_memfit.cli.check import unrunnable
+    from hf_memfit.settings import TrainSettings
+
+    monkeypatch.setattr(transformers.utils, "is_liger_kernel_available", lambda: False)
+    problems = unrunnable(TrainSettings(batch_size=1, seq_len=64, precision="fp32", device="cuda",
+                                        use_liger_kernel=True))
+    assert len(problems) == 1 and "pip install liger-kernel" in problems[0], problems
+
+
+@pytest.mark.gpu
+def test_check_liger_on_cuda(tmp_path, capsys):
+    """Liger's real kernels (RMSNorm, SwiGLU, RoPE and the fused linear cross-entropy) against the estimate, which
+    models the fused loss: held to the attention test's 10% until a GPU session has measured it."""
+    pytest.importorskip("liger_kernel")
+    code, out, err = _run(capsys, _config(tmp_path, TINY_LLAMA), "--batch-size", "2", "--seq-len", "1024",
+                          "--precision", "bf16-mixed", "--use-liger-kernel", "--device", "cuda", "--json")
+    assert code == 0, err
+    row = json.loads(out)
+    for mode in ("exact", "fast"):
+        assert abs(row["error_percent"][mode]["peak_allocated"]) <= 10.0, (mode, row["error_percent"])

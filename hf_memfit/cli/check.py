@@ -172,6 +172,12 @@ def unrunnable(settings) -> list[str]:
                         "use `--precision fp16-mixed`")
     if settings.use_liger_kernel and settings.device == "cpu":
         problems.append("`--use-liger-kernel`: Liger's kernels are Triton, which needs a GPU; drop it on the CPU")
+    elif settings.use_liger_kernel:
+        from transformers.utils import is_liger_kernel_available
+
+        if not is_liger_kernel_available():  # the measured step runs Liger's own kernels, as the Trainer does
+            problems.append("`--use-liger-kernel`: the step runs Liger's own kernels and liger-kernel is not "
+                            "installed here: `pip install liger-kernel`, or drop the flag")
     return problems
 
 

@@ -173,7 +173,12 @@ def build_on_cuda(config: dict, settings: TrainSettings):
     # layer's device); everything else is built straight on the GPU.
     placement = contextlib.nullcontext() if settings.load_in_kbit else torch.device("cuda")
     with bitsandbytes_build(settings, torch.cuda.current_device()), placement:
-        model = training.build_model(config, settings)
+        # Liger's own Triton kernels, not the stand-in exact mode traces: applied below as the Trainer applies them
+        model = training.build_model(config, settings.replace(use_liger_kernel=False))
+    if settings.use_liger_kernel:
+        from transformers.integrations.liger import apply_liger_kernel  # Trainer.__init__ with use_liger_kernel
+
+        apply_liger_kernel(model, None)
     if not settings.load_in_kbit:
         # A parameter made by the legacy constructor ignores the device context (wav2vec2's `masked_spec_embed =
         # nn.Parameter(torch.Tensor(hidden_size))` stayed on the CPU, and SpecAugment's indexing failed); a
