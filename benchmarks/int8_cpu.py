@@ -6,7 +6,6 @@ Usage: PYTHONPATH=. python benchmarks/int8_cpu.py
 """
 
 import sys
-import tempfile
 
 import torch
 
@@ -15,26 +14,17 @@ from conftest import TINY_LLAMA  # noqa: E402
 
 from hf_memfit.estimator import step as training  # noqa: E402
 from hf_memfit.estimator.assemble import step_memory  # noqa: E402
-from hf_memfit.estimator.measure import allocator_peak, profiled_allocations  # noqa: E402
+from hf_memfit.estimator.measure import allocator_peak, bitsandbytes_build, profiled_allocations  # noqa: E402
 from hf_memfit.models.spec import ModelSpec  # noqa: E402
 from hf_memfit.settings import TrainSettings  # noqa: E402
 
 
-def real_int8_model(config: dict, settings: TrainSettings, tmp: str):
-    from peft import prepare_model_for_kbit_training
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM
-
-    fields = {k: v for k, v in config.items() if k != "model_type"}
-    LlamaForCausalLM(LlamaConfig(**fields)).save_pretrained(tmp)
-    model = AutoModelForCausalLM.from_pretrained(tmp, quantization_config=BitsAndBytesConfig(load_in_8bit=True),
-                                                 device_map="cpu", dtype=torch.bfloat16, attn_implementation="sdpa")
-    if settings.kbit_prepared:
-        prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-    if settings.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model = training._add_lora(model, settings)
-    model.train()  # from_pretrained returns eval mode; Linear8bitLt picks its matmul by `self.training`
-    return model
+def real_int8_model(config: dict, settings: TrainSettings):
+    """bitsandbytes' own Linear8bitLt layers, loaded as `from_pretrained` quantises a checkpoint (the path
+    `hf-memfit check --load-in-8bit` measures: estimator/measure.bitsandbytes_build), with peft's preparation,
+    checkpointing and the LoRA adapters added by `build_model`."""
+    with bitsandbytes_build(settings, "cpu"):
+        return training.build_model(config, settings)
 
 
 def resident_bytes(model) -> int:
@@ -57,22 +47,21 @@ def resident_bytes(model) -> int:
 
 def measure(config: dict, settings: TrainSettings) -> tuple[int, int, dict]:
     torch.manual_seed(0)
-    with tempfile.TemporaryDirectory() as tmp:
-        model = real_int8_model(config, settings, tmp)
-        resident = resident_bytes(model)
-        dtypes = {}
-        for name, p in model.named_parameters():
-            dtypes.setdefault(str(p.dtype), 0)
-            dtypes[str(p.dtype)] += p.numel()
-        with profiled_allocations() as prof:
-            optimizer = training.make_optimizer(model, settings)
-            for _ in range(2):
-                batch = training.make_batch(settings, config)
-                training.forward_backward(model, batch, settings, device_type="cpu")
-                del batch
-                training.optimizer_step(model, optimizer)
-            del optimizer
-        return resident + allocator_peak(prof), resident, dtypes
+    model = real_int8_model(config, settings)
+    resident = resident_bytes(model)
+    dtypes = {}
+    for name, p in model.named_parameters():
+        dtypes.setdefault(str(p.dtype), 0)
+        dtypes[str(p.dtype)] += p.numel()
+    with profiled_allocations() as prof:
+        optimizer = training.make_optimizer(model, settings)
+        for _ in range(2):
+            batch = training.make_batch(settings, config)
+            training.forward_backward(model, batch, settings, device_type="cpu")
+            del batch
+            training.optimizer_step(model, optimizer)
+        del optimizer
+    return resident + allocator_peak(prof), resident, dtypes
 
 
 def main():

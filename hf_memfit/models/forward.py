@@ -118,6 +118,7 @@ class ForwardTape:
         self.backward_extra: dict[int, int] = {}
         # an RMSNorm's output position -> its fp32 input, when the norm reads that input without a copy
         self.norm_inputs: dict[int, SymTensor] = {}
+        self.causal_mask_kept = False  # eager attention under checkpointing: the 4-D mask is on the tape
 
     # -- bookkeeping ---------------------------------------------------------
 
@@ -517,12 +518,12 @@ class ForwardTape:
         if mask is not None:  # T5's position bias
             scaled = self.new(rows * s, _promote(scaled.dtype, mask.dtype), True, inputs=(scaled, mask))
         if causal:  # the 4-D causal mask, in the hidden states' dtype
-            if ctx.checkpointing and mask is None and not self.__dict__.get("_eager_mask"):
+            if ctx.checkpointing and mask is None and not self.causal_mask_kept:
                 # masking_utils' one [b, 1, s, s] mask, which every checkpoint keeps as an input for its recompute:
                 # alive to the end of backward (without checkpointing it is gone before the head's peak)
                 scope, self.scope = self.scope, "emb"
                 self.save(self.new(b * (q.numel // (b * heads * head_dim)) * s, ctx.wdt, False))
-                self.scope, self.__dict__["_eager_mask"] = scope, True
+                self.scope, self.causal_mask_kept = scope, True
             scaled = self.new(rows * s, _promote(scaled.dtype, ctx.wdt), True, inputs=(scaled,))
         # softmax: llama/opt/neox/gemma ask for fp32 and cast back to q's dtype; gpt2/bert/t5
         # take CUDA autocast's fp32 softmax, then gpt2 casts to v's dtype.
