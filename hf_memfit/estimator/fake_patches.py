@@ -115,6 +115,19 @@ _CUDA_FP32_OPS = (
 
 
 @contextlib.contextmanager
+def _wrapped(owners, wrap):
+    """While open, each `owner.name` of `owners` is `wrap(original)`; the originals come back after."""
+    originals = [(owner, name, getattr(owner, name)) for owner, name in owners]
+    try:
+        for owner, name, original in originals:
+            setattr(owner, name, wrap(original))
+        yield
+    finally:
+        for owner, name, original in originals:
+            setattr(owner, name, original)
+
+
+@contextlib.contextmanager
 def cuda_autocast_policy():
     """While autocast is on, run CUDA autocast's fp32 ops in fp32 (CPU autocast leaves them in fp16/bf16).
 
@@ -141,14 +154,8 @@ def cuda_autocast_policy():
 
         return upcast
 
-    originals = [(owner, name, getattr(owner, name)) for owner, name in _CUDA_FP32_OPS]
-    try:
-        for owner, name, original in originals:
-            setattr(owner, name, fp32_when_autocast(original))
+    with _wrapped(_CUDA_FP32_OPS, fp32_when_autocast):
         yield
-    finally:
-        for owner, name, original in originals:
-            setattr(owner, name, original)
 
 
 @contextlib.contextmanager
@@ -162,19 +169,18 @@ def cuda_dropout():
     [4, 512, 768] activations, and wav2vec2's feed-forward dropouts were over-predicted by the CPU mask.
     `native_dropout` runs on fake CPU tensors as it does on a GPU, so the trace calls it.
     """
-    original = torch.nn.functional.dropout
 
-    @functools.wraps(original)
-    def dropout(input, p=0.5, training=True, inplace=False):
-        if training and 0 < p < 1 and not inplace and input.numel() > 0:
-            return torch.native_dropout(input, p, True)[0]
-        return original(input, p, training, inplace)
+    def fused(original):
+        @functools.wraps(original)
+        def dropout(input, p=0.5, training=True, inplace=False):
+            if training and 0 < p < 1 and not inplace and input.numel() > 0:
+                return torch.native_dropout(input, p, True)[0]
+            return original(input, p, training, inplace)
 
-    torch.nn.functional.dropout = dropout
-    try:
+        return dropout
+
+    with _wrapped(((torch.nn.functional, "dropout"),), fused):
         yield
-    finally:
-        torch.nn.functional.dropout = original
 
 
 class _CudaSoftmax(torch.autograd.Function):
@@ -218,15 +224,9 @@ def cuda_softmax_backward():
 
         return softmax
 
-    owners = ((torch.nn.functional, "softmax"), (torch, "softmax"), (torch.Tensor, "softmax"))
-    originals = [(owner, name, getattr(owner, name)) for owner, name in owners]
-    try:
-        for owner, name, original in originals:
-            setattr(owner, name, with_cuda_backward(original))
+    with _wrapped(((torch.nn.functional, "softmax"), (torch, "softmax"), (torch.Tensor, "softmax")),
+                  with_cuda_backward):
         yield
-    finally:
-        for owner, name, original in originals:
-            setattr(owner, name, original)
 
 
 @contextlib.contextmanager

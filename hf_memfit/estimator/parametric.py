@@ -426,14 +426,9 @@ def _import_for_traces(many) -> None:
     so that forked children start with it instead of each importing it again."""
     import importlib
 
-    from hf_memfit.estimator.step import needs_trainer_table
+    from hf_memfit.estimator.step import heavy_step_imports
 
-    wanted = ["transformers.trainer"] if any(needs_trainer_table(s) for s in many) else []
-    if any(s.uses_lora for s in many):
-        wanted.append("peft")
-    if any(s.load_in_kbit or s.optimizer.package == "bitsandbytes" for s in many):
-        wanted.append("bitsandbytes")
-    for name in wanted:
+    for name in dict.fromkeys(name for s in many for name in heavy_step_imports(s)):
         try:
             importlib.import_module(name)
         except ImportError:  # the trace that needs it reports it

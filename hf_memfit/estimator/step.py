@@ -309,6 +309,16 @@ def needs_trainer_table(settings: TrainSettings) -> bool:
     return settings.optim not in TORCH_ADAMW or bool(settings.optim_args)
 
 
+def heavy_step_imports(settings: TrainSettings) -> list[str]:
+    """The modules a step of `settings` imports on its way that cost seconds, or make tensors when imported
+    (bitsandbytes' 4-bit code tables, peft's LoHa default scale): imported ahead of a trace, outside its
+    tracker, and in a parent before it forks traces."""
+    return [name for name, wanted in (
+        ("transformers.trainer", needs_trainer_table(settings)),  # the optimizer table: peft, bitsandbytes, torchao
+        ("peft", settings.uses_lora),
+        ("bitsandbytes", settings.load_in_kbit or settings.optimizer.package == "bitsandbytes")) if wanted]
+
+
 def trainer_optimizer_class(settings: TrainSettings, model=None):
     """The optimizer class and kwargs the HF Trainer builds for `settings.optim` (`Trainer.get_optimizer_cls_and_kwargs`).
 

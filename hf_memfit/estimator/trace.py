@@ -456,9 +456,7 @@ def _import_untracked(config: dict, settings: TrainSettings) -> None:
     inside a trace, they would be counted as weights in the first trace of a process only."""
     import importlib
 
-    names = [name for name, wanted in (
-        ("transformers.trainer", training.needs_trainer_table(settings)),  # imports peft, bitsandbytes, torchao
-        ("peft", settings.uses_lora), ("bitsandbytes", settings.load_in_kbit)) if wanted]
+    names = training.heavy_step_imports(settings)
     if config.get("model_type"):
         from transformers.models.auto.configuration_auto import model_type_to_module_name
 

@@ -406,19 +406,17 @@ def task_facts(name: str, config: dict, facts: dict, task: str, num_labels: int)
 def _peft_targets(model_type: str) -> list[str] | None:
     """peft's own default LoRA target modules for the model type (None: peft has none and asks for them)."""
     mapping = _peft_lora_mapping_from_source()
-    if mapping is not None:
-        targets = mapping.get(model_type)
-        return list(targets) if targets else None
-    import logging
+    if mapping is None:
+        import logging
 
-    previous = logging.root.manager.disable
-    logging.disable(logging.WARNING)  # importing peft loads torchao and bitsandbytes, which log their optional kernels
-    try:
-        from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as mapping
-    except ImportError:
-        return None
-    finally:
-        logging.disable(previous)
+        previous = logging.root.manager.disable
+        logging.disable(logging.WARNING)  # importing peft loads torchao and bitsandbytes, which log their kernels
+        try:
+            from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as mapping
+        except ImportError:
+            return None
+        finally:
+            logging.disable(previous)
     targets = mapping.get(model_type)
     return list(targets) if targets else None
 
