@@ -180,6 +180,37 @@ def test_forked_traces_give_the_fit_of_one_process(tmp_path, monkeypatch):
     assert forked.run_jobs(divmod, [(7, 2), (9, 4), (1, 1)], workers=2) == [(3, 1), (2, 1), (1, 0)]
 
 
+def test_a_first_call_with_a_cpu_for_each_job_runs_them_side_by_side(monkeypatch):
+    """A process's first call runs its first job here (paying for first use once, for the children to inherit),
+    but where every other job has a CPU of its own they start beside it: a fit of two depths on two CPUs."""
+    import os
+
+    from hf_memfit.estimator import forked
+
+    monkeypatch.delenv("HF_MEMFIT_NO_FORK", raising=False)
+    monkeypatch.setattr(forked, "idle_cpus", lambda: 2.0)
+    order = []
+    real_start = forked._start
+    monkeypatch.setattr(forked, "_start", lambda f, job: order.append(("child", job)) or real_start(f, job))
+
+    def job(a, b):
+        if os.getpid() == parent:
+            order.append(("here", (a, b)))
+        return os.getpid() == parent, divmod(a, b)
+
+    parent = os.getpid()
+    where = []
+    for ran_here in (False, True):
+        monkeypatch.setattr(forked, "_ran_here", ran_here)
+        order.clear()
+        results = forked.run_jobs(job, [(7, 2), (9, 4)])
+        assert [r[1] for r in results] == [(3, 1), (2, 1)]
+        where.append(([r[0] for r in results], list(order)))
+    # first call: the second job's child starts before the first job runs here; later calls: both in children
+    assert where == [([True, False], [("child", (9, 4)), ("here", (7, 2))]),
+                     ([False, False], [("child", (7, 2)), ("child", (9, 4))])]
+
+
 def test_a_plan_makes_the_fits_it_needs_before_it_reads_them(tmp_path, monkeypatch):
     """The planner hands what it will estimate to `prepare` (fits made there, side by side), and estimates only
     what could change the plan (`planner/lazy_grid.py`): a roomy budget reads the fit of its fastest settings."""

@@ -50,24 +50,29 @@ def run_jobs(function, jobs: list, workers: int | None = None) -> list:
     """`[function(*job) for job in jobs]`, up to `workers` (default: the idle CPUs, and at least 2) at a
     time in forked children, where there is an idle CPU to run them; else one after another here."""
     global _ran_here
-    if idle_cpus() < 1:
-        workers = 1
+    slots = 1 if idle_cpus() < 1 else workers or max(2, int(idle_cpus()))
     # The first job runs here: a process's first trace also pays for what torch and transformers set up on
     # first use (about 1.5 s of CPU), which forked children then inherit instead of each paying it again.
     # Once a job has run here, every job of a later call can start in a child at once.
     first = 0 if _ran_here else 1
-    workers = min(workers or max(2, int(idle_cpus())), len(jobs) - first)
-    if workers < 2 or not hasattr(os, "fork") or os.environ.get("HF_MEMFIT_NO_FORK"):
+    if slots < 2 or len(jobs) < 2 or not hasattr(os, "fork") or os.environ.get("HF_MEMFIT_NO_FORK"):
         results = [function(*job) for job in jobs]
         _ran_here = _ran_here or bool(jobs)
         return results
     results = [None] * len(jobs)
-    if first:
+    beside = None
+    if first and len(jobs) <= slots:
+        # Every other job has a CPU of its own while the first runs here: start them at once, each paying its own
+        # first use, rather than leave those CPUs idle through the first job (a fit's two depths side by side).
+        def beside():
+            results[0] = function(*jobs[0])
+    elif first:
         results[0] = function(*jobs[0])
-        _ran_here = True
+    _ran_here = True
     gc.freeze()  # what this process holds now is left out of the children's collections (no copy-on-write churn)
     try:
-        _run_forked(function, jobs, workers, results, first=first)
+        _run_forked(function, jobs, min(slots - (beside is not None), len(jobs) - first), results, first=first,
+                    meanwhile=beside)
     finally:
         gc.unfreeze()
     return results

@@ -18,9 +18,11 @@ every choice. An explanation naming a slower candidate estimates it on demand (`
 Estimating costs nothing for families with formulas; for image, audio and VLM inputs and families without
 formulas each fast-mode fit is traced (seconds each), and a plan whose fastest settings fit needs only theirs.
 Until the plan and its runners-up are known, candidates are estimated strictly fastest first and fits are made
-when every faster candidate has been estimated: the next `AT_LEAST_GROUPS` in that order, and any other whose
-fastest setting ties theirs (a ZeRO layout's bf16 step on one GPU); after that, every fit left below the
-threshold side by side (`assemble.prepare`). Candidates are kept in grid order, as an exhaustive search lists
+when every faster candidate has been estimated. The first step makes as many as the idle CPUs trace in one round
+(`_first_groups`): a roomy budget needs only the fastest setting's fit. Once that leaves the plan unknown, more
+fits are likely needed, and each step makes the next `AT_LEAST_GROUPS` in that order, and any other whose fastest
+setting ties theirs (a ZeRO layout's bf16 step on one GPU). After that, every fit left below the threshold side by
+side (`assemble.prepare`). Candidates are kept in grid order, as an exhaustive search lists
 them, so ties break the same way. `tests/test_lazy_grid.py` checks that plans come out the same as an exhaustive
 search's.
 """
@@ -74,7 +76,7 @@ def search_grid(spec, grid: list, found: Candidates, *, gpu_info, uncertain) -> 
 
     compute = [step_seconds(spec, s, _NO_PARAMETERS, gpu_info) for s in grid]
     order = sorted(range(len(grid)), key=compute.__getitem__)
-    firsts = _next_groups(order, set(), group, compute)  # the least compute's fits: a roomy budget needs those
+    firsts = _next_groups(order, set(), group, compute, _first_groups(spec), ties=False)  # a roomy budget's fits
     prepare(spec, [grid[i] for i in firsts])
     made = {group(i) for i in firsts}  # the fit groups made
     seed = None
@@ -102,7 +104,7 @@ def search_grid(spec, grid: list, found: Candidates, *, gpu_info, uncertain) -> 
             if free:
                 todo = free[:max(1, len(results))]
             else:
-                new = {group(i) for i in _next_groups(todo, made, group, bounds)}
+                new = {group(i) for i in _next_groups(todo, made, group, bounds, AT_LEAST_GROUPS)}
                 todo = [i for i in todo if group(i) is None or group(i) in made or group(i) in new]
         made.update(group(i) for i in todo)
         estimate(todo)
@@ -111,8 +113,8 @@ def search_grid(spec, grid: list, found: Candidates, *, gpu_info, uncertain) -> 
     return _done(grid, results, found, estimated())
 
 
-def _next_groups(indices, made: set, group, times) -> list[int]:
-    """The first index (in `indices`' order) of each of the next `AT_LEAST_GROUPS` fit groups not in `made`, and
+def _next_groups(indices, made: set, group, times, count: int, ties: bool = True) -> list[int]:
+    """The first index (in `indices`' order) of each of the next `count` fit groups not in `made`, and with `ties`
     of each further new group whose first setting ties the first one's time (`times`): made side by side (a ZeRO
     layout on one GPU times as the plain one, but the trace of its bf16 step is another fit)."""
     firsts: dict = {}
@@ -120,16 +122,32 @@ def _next_groups(indices, made: set, group, times) -> list[int]:
         g = group(i)
         if g is None or g in made or g in firsts:
             continue
-        if len(firsts) >= AT_LEAST_GROUPS and not math.isclose(times[i], times[next(iter(firsts.values()))],
-                                                               rel_tol=1e-9):
+        if len(firsts) >= count and not (ties and math.isclose(times[i], times[next(iter(firsts.values()))],
+                                                                rel_tol=1e-9)):
             break
         firsts[g] = i
     return list(firsts.values())
 
 
-# Fits made per step at least (the next ones in order, while there are): each step waits for its slowest trace,
-# and a fit's 2-3 depth traces leave a CPU idle on two CPUs where two fits' traces keep both busy.
+# Fits made per step at least once the first step has left the plan unknown (the next ones in order, while there
+# are): each step waits for its slowest trace, and a fit's 2-3 depth traces leave a CPU idle on two CPUs where two
+# fits' traces keep both busy.
 AT_LEAST_GROUPS = 2
+
+
+def _first_groups(spec) -> int:
+    """How many fit groups the first step makes, before anything says that more than the fastest one is needed:
+    as many as the idle CPUs trace in one round (each fit traces its 2-3 reduced depths, `depths.depth_plan`), at
+    least one, and no ties.
+
+    A group made on speculation costs nothing where its traces run on CPUs that would otherwise be idle, and a
+    whole round where they would not: on two CPUs a cold Whisper-small plan made its ZeRO layout's bf16 fit
+    beside the mixed-precision one (the two time alike on one GPU) and never read it (14.6 s; 11.1 s without).
+    """
+    from hf_memfit.estimator.forked import idle_cpus
+    from hf_memfit.models.depths import depth_plan
+
+    return max(1, int(idle_cpus()) // len(depth_plan(spec).depth_sets))
 
 
 def _done(grid, results, found: Candidates, estimated: list[Candidate]) -> tuple[list[Candidate], int]:
