@@ -211,6 +211,29 @@ def test_a_first_call_with_a_cpu_for_each_job_runs_them_side_by_side(monkeypatch
                      ([False, False], [("child", (7, 2)), ("child", (9, 4))])]
 
 
+def test_idle_cpus_are_what_the_kernel_counts_idle_now_beside_this_process(monkeypatch):
+    """Idle CPUs come from a short sample of `/proc/stat`'s per-CPU idle ticks, less this process's own CPU (not
+    the load average, whose minute-long memory counts processes that just ended), read again only after a while."""
+    import os
+
+    from hf_memfit.estimator import forked
+
+    readings = iter([{0: (100, 1000), 1: (500, 1000)},   # CPU 0 busy, CPU 1 idle through the sample
+                     {0: (100, 1010), 1: (510, 1010)},
+                     {0: (200, 2000), 1: (600, 2000)},   # later: both idle
+                     {0: (210, 2010), 1: (610, 2010)}])
+    monkeypatch.setattr(forked, "_cpu_times", lambda: next(readings))
+    monkeypatch.setattr(forked.time, "sleep", lambda seconds: None)
+    monkeypatch.setattr(forked, "_idle_sample", None)
+    assert forked.idle_cpus() == 0.0 and forked.slots() == 1  # the other CPU is taken: nothing runs beside
+    assert forked.idle_cpus() == 0.0  # the same sample, not read again at once
+    monkeypatch.setattr(forked, "_idle_sample", (forked.time.monotonic() - 2 * forked.IDLE_SAMPLE_REUSE_S, 0.0))
+    assert forked.idle_cpus() == 1.0 and forked.slots() == 2
+    monkeypatch.undo()
+    times = forked._cpu_times()  # this machine's, for the CPUs this process may run on
+    assert set(times) == os.sched_getaffinity(0) and all(0 <= idle <= total for idle, total in times.values())
+
+
 def test_a_plan_makes_the_fits_it_needs_before_it_reads_them(tmp_path, monkeypatch):
     """The planner hands what it will estimate to `prepare` (fits made there, side by side), and estimates only
     what could change the plan (`planner/lazy_grid.py`): a roomy budget reads the fit of its fastest settings."""

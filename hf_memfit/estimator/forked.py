@@ -39,29 +39,83 @@ def cpus() -> int:
 
 
 def idle_cpus() -> float:
-    """CPUs that the last minute's load leaves free: where there are none, children would only take turns."""
+    """CPUs idle beside this process now, where there are none, children would only take turns.
+
+    Sampled from the kernel's per-CPU idle time over a tenth of a second (`/proc/stat`, the CPUs this process
+    may run on) while this process sleeps, less the one this process will use; read again at most every
+    `IDLE_SAMPLE_REUSE_S`. Not the load average: its minute-long memory still counts a process that finished
+    seconds ago (a plan run right after another saw a busy machine on an idle one and traced one fit at a time).
+    Where `/proc/stat` cannot be read (not Linux), the load average it is.
+    """
+    global _idle_sample
+    now = time.monotonic()
+    if _idle_sample is None or now - _idle_sample[0] > IDLE_SAMPLE_REUSE_S:
+        _idle_sample = (now, _sample_idle_cpus())
+    return _idle_sample[1]
+
+
+IDLE_SAMPLE_S = 0.1
+IDLE_SAMPLE_REUSE_S = 2.0
+_idle_sample: tuple[float, float] | None = None  # (when, idle CPUs beside this process)
+
+
+def _sample_idle_cpus() -> float:
     try:
-        return cpus() - os.getloadavg()[0]
-    except OSError:
+        before = _cpu_times()
+        time.sleep(IDLE_SAMPLE_S)
+        after = _cpu_times()
+    except (OSError, ValueError):
+        try:
+            return cpus() - os.getloadavg()[0]
+        except OSError:
+            return 0.0
+    idle = sum(after[c][0] - before[c][0] for c in after if c in before)
+    total = sum(after[c][1] - before[c][1] for c in after if c in before)
+    if total <= 0:
         return 0.0
+    return len(after) * idle / total - 1  # this process slept through the sample, and will run
+
+
+def _cpu_times() -> dict[int, tuple[int, int]]:
+    """Per CPU this process may run on: (idle + iowait ticks, all ticks) since boot, from `/proc/stat`."""
+    allowed = os.sched_getaffinity(0)
+    times = {}
+    with open("/proc/stat") as stat:
+        for line in stat:
+            name, *fields = line.split()
+            if not name.startswith("cpu") or name == "cpu":
+                continue
+            if int(name[3:]) in allowed:
+                ticks = [int(f) for f in fields[:8]]  # user nice system idle iowait irq softirq steal
+                times[int(name[3:])] = (ticks[3] + ticks[4], sum(ticks))
+    if not times:
+        raise ValueError("no CPU lines in /proc/stat")
+    return times
+
+
+def slots() -> int:
+    """How many jobs `run_jobs` runs at a time: the idle CPUs (this process waits while children run), at least
+    two, where one is idle beside this process; else one."""
+    idle = idle_cpus()
+    return 1 if idle < 1 else max(2, int(idle))
 
 
 def run_jobs(function, jobs: list, workers: int | None = None) -> list:
     """`[function(*job) for job in jobs]`, up to `workers` (default: the idle CPUs, and at least 2) at a
     time in forked children, where there is an idle CPU to run them; else one after another here."""
     global _ran_here
-    slots = 1 if idle_cpus() < 1 else workers or max(2, int(idle_cpus()))
+    at_once = (workers or slots()) if idle_cpus() >= 1 else 1
     # The first job runs here: a process's first trace also pays for what torch and transformers set up on
     # first use (about 1.5 s of CPU), which forked children then inherit instead of each paying it again.
     # Once a job has run here, every job of a later call can start in a child at once.
     first = 0 if _ran_here else 1
-    if slots < 2 or len(jobs) < 2 or not hasattr(os, "fork") or os.environ.get("HF_MEMFIT_NO_FORK"):
+    if at_once < 2 or len(jobs) < 2 or not hasattr(os, "fork") or os.environ.get("HF_MEMFIT_NO_FORK"):
         results = [function(*job) for job in jobs]
         _ran_here = _ran_here or bool(jobs)
         return results
     results = [None] * len(jobs)
     beside = None
-    if first and len(jobs) <= slots:
+    if first and len(jobs) <= at_once:
         # Every other job has a CPU of its own while the first runs here: start them at once, each paying its own
         # first use, rather than leave those CPUs idle through the first job (a fit's two depths side by side).
         def beside():
@@ -71,7 +125,7 @@ def run_jobs(function, jobs: list, workers: int | None = None) -> list:
     _ran_here = True
     gc.freeze()  # what this process holds now is left out of the children's collections (no copy-on-write churn)
     try:
-        _run_forked(function, jobs, min(slots - (beside is not None), len(jobs) - first), results, first=first,
+        _run_forked(function, jobs, min(at_once - (beside is not None), len(jobs) - first), results, first=first,
                     meanwhile=beside)
     finally:
         gc.unfreeze()

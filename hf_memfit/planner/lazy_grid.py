@@ -144,10 +144,10 @@ def _first_groups(spec) -> int:
     whole round where they would not: on two CPUs a cold Whisper-small plan made its ZeRO layout's bf16 fit
     beside the mixed-precision one (the two time alike on one GPU) and never read it (14.6 s; 11.1 s without).
     """
-    from hf_memfit.estimator.forked import idle_cpus
+    from hf_memfit.estimator.forked import slots
     from hf_memfit.models.depths import depth_plan
 
-    return max(1, int(idle_cpus()) // len(depth_plan(spec).depth_sets))
+    return max(1, slots() // len(depth_plan(spec).depth_sets))
 
 
 def _done(grid, results, found: Candidates, estimated: list[Candidate]) -> tuple[list[Candidate], int]:
