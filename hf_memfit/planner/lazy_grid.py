@@ -76,7 +76,8 @@ def search_grid(spec, grid: list, found: Candidates, *, gpu_info, uncertain) -> 
 
     compute = [step_seconds(spec, s, _NO_PARAMETERS, gpu_info) for s in grid]
     order = sorted(range(len(grid)), key=compute.__getitem__)
-    firsts = _next_groups(order, set(), group, compute, _first_groups(spec), ties=False)  # a roomy budget's fits
+    fitted = any(group(i) is not None for i in order)  # formulas need no fits (nor a look at the idle CPUs)
+    firsts = _next_groups(order, set(), group, compute, _first_groups(spec) if fitted else 0, ties=False)
     prepare(spec, [grid[i] for i in firsts])
     made = {group(i) for i in firsts}  # the fit groups made
     seed = None
