@@ -104,7 +104,9 @@ def run_jobs(function, jobs: list, workers: int | None = None) -> list:
     """`[function(*job) for job in jobs]`, up to `workers` (default: the idle CPUs, and at least 2) at a
     time in forked children, where there is an idle CPU to run them; else one after another here."""
     global _ran_here
-    at_once = (workers or slots()) if idle_cpus() >= 1 else 1
+    at_once = slots()  # 1 where no CPU is idle beside this process, whatever `workers` asks
+    if workers and at_once > 1:
+        at_once = workers
     # The first job runs here: a process's first trace also pays for what torch and transformers set up on
     # first use (about 1.5 s of CPU), which forked children then inherit instead of each paying it again.
     # Once a job has run here, every job of a later call can start in a child at once.

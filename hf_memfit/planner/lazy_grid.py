@@ -138,8 +138,8 @@ AT_LEAST_GROUPS = 2
 
 def _first_groups(spec) -> int:
     """How many fit groups the first step makes, before anything says that more than the fastest one is needed:
-    as many as the idle CPUs trace in one round (each fit traces its 2-3 reduced depths, `depths.depth_plan`), at
-    least one, and no ties.
+    as many as the idle CPUs trace in one round (`forked.slots`; each fit traces its 2-3 reduced depths,
+    `depths.depth_plan`), at least one, and no ties.
 
     A group made on speculation costs nothing where its traces run on CPUs that would otherwise be idle, and a
     whole round where they would not: on two CPUs a cold Whisper-small plan made its ZeRO layout's bf16 fit
