@@ -55,6 +55,30 @@ def test_idefics3_reads_its_pixels_and_matches_the_measured_step():
     assert exact.peak_allocated_bytes == pytest.approx(measure_cpu_peak(spec.config, exact.settings), rel=0.01)
 
 
+def test_a_vlm_fit_moves_the_optimizer_by_formula_over_the_parameters_it_steps(tmp_path, monkeypatch):
+    """LLaVA reads the second-to-last CLIP layer, so the last one gets no gradient and AdamW makes no state for it.
+    The fit's optimizer formula counts only the parameters a backward reached: it then matches the trace, and one
+    fit serves the low-bit optimizers (before, each was traced again: 12 of a cold LLaVA-1.5 plan's 17 fits)."""
+    from hf_memfit.estimator import batch_fit
+    from hf_memfit.estimator.assemble import fit_group
+
+    monkeypatch.setenv("HF_MEMFIT_CACHE", str(tmp_path))
+    spec = ModelSpec.from_config("tiny-llava", AutoConfig.for_model(**LLAVA).to_dict())
+    settings = TrainSettings(batch_size=2, seq_len=32, task="image-text-to-text", device="cuda", gpu="A100",
+                             precision="bf16-mixed", optim="adamw_torch")
+    estimate_settings(spec, settings)
+    group = fit_group(spec, settings.replace(mode="fast"))  # "batch:" + the fit's cache key
+    assert batch_fit._read(group.removeprefix("batch:"))["optimizer_formula_exact"]
+    calls = []
+    original = batch_fit.calibrate_many
+    monkeypatch.setattr(batch_fit, "calibrate_many", lambda *a, **k: calls.append(a) or original(*a, **k))
+    for optim in ("adamw_bnb_8bit", "adamw_torch_4bit"):
+        fast = estimate_settings(spec, settings.replace(batch_size=3, optim=optim))
+        exact = estimate_settings(spec, settings.replace(batch_size=3, optim=optim, mode="exact"))
+        assert fast.peak_allocated_bytes == pytest.approx(exact.peak_allocated_bytes, rel=0.01), optim
+    assert not calls
+
+
 def test_real_metadata_mode_keeps_floats_fake_and_integers_real():
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 

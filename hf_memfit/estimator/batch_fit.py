@@ -24,7 +24,7 @@ from hf_memfit.estimator.breakdown import CATEGORIES, StepMemory
 from hf_memfit.estimator.parametric import (_FACTS, _LAYOUT_FIELDS, _OPTIMIZER_FIELDS, _extrapolate,
                                             _move_optimizer, _optimizer_formula_exact, _optimizer_of, _swappable)
 
-BATCH_FIT_VERSION = 2
+BATCH_FIT_VERSION = 3
 CACHE_KIND = "batch-fit"
 #: (batch, seq placeholder, micro-batches): the line's two points, the later micro-batch, the check.
 POINTS = ((1, 0, 1), (2, 0, 1), (2, 0, 2), (3, 0, 2))

@@ -74,7 +74,7 @@ from hf_memfit.estimator.parametric_fit import (
 from hf_memfit.models.generic import moe_note
 
 #: Bumped whenever what a cached fit means changes (part of the cache key, beside generic.CACHE_VERSION).
-PARAMETRIC_VERSION = 3
+PARAMETRIC_VERSION = 4
 CACHE_KIND = "parametric"
 
 #: The shortest sequence the fit is traced at, for models with room for it. Long enough that per-token

@@ -319,6 +319,25 @@ def heavy_step_imports(settings: TrainSettings) -> list[str]:
         ("bitsandbytes", settings.load_in_kbit or settings.optimizer.package == "bitsandbytes")) if wanted]
 
 
+def import_step_modules(config: dict, settings: TrainSettings) -> None:
+    """Import what a step imports on its way (`heavy_step_imports` and the model family's module) before a trace's
+    tracker starts. Some modules make tensors when imported (bitsandbytes' 4-bit code tables, peft's LoHa default
+    scale: 144 B, kept for the life of the process); made inside a trace, they would be counted as weights in the
+    first trace of a process only."""
+    import importlib
+
+    names = heavy_step_imports(settings)
+    if config.get("model_type"):
+        from transformers.models.auto.configuration_auto import model_type_to_module_name
+
+        names.append("transformers.models.{0}.modeling_{0}".format(model_type_to_module_name(config["model_type"])))
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except ImportError:  # the step that needs it reports it
+            pass
+
+
 def trainer_optimizer_class(settings: TrainSettings, model=None):
     """The optimizer class and kwargs the HF Trainer builds for `settings.optim` (`Trainer.get_optimizer_cls_and_kwargs`).
 

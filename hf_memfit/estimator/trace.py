@@ -329,7 +329,7 @@ def trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], *
         steps = 1 + len(shapes)
     warm_up = warm_up_settings(settings) if short_warm_up else settings
     cuda = settings.device == "cuda"
-    _import_untracked(config, settings)
+    training.import_step_modules(config, settings)  # outside the tracker: see there
     tracker = StorageTracker(round_to=CUDA_BLOCK_BYTES if cuda else 1)  # the caching allocator's blocks
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     patches = contextlib.ExitStack()
@@ -374,6 +374,7 @@ def trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], *
         stash = getattr(model, "memfit_host_stash", None) or getattr(getattr(model, "base_model", None),
                                                                      "memfit_host_stash", None)
         host_peaks = []  # the pinned host memory each step held at most (offloaded activations)
+        got_gradient: set = set()  # ids of the parameters a backward gave a gradient (the optimizer steps only those)
         for step_index in range(steps):
             position["step"] = step_index
             if stash is not None:
@@ -397,6 +398,7 @@ def trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], *
                 del batch
                 for p in model.parameters():
                     tracker.mark(p.grad, "gradients")
+                    got_gradient.add(id(p) if p.grad is not None else None)
             tracker.phase = "optimizer"
             tracker.set_region(f"{step_tag()}|opt")
             tracker.markers.append((tracker.clock, f"step {step_index + 1} optimizer"))
@@ -429,8 +431,14 @@ def trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], *
             result.host_peaks = host_peaks
             decay = {id(p) for p in training.param_groups(model)[0]["params"]}
             embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+            # The tensors the optimizer holds states for: those a backward gave a gradient. A trainable parameter
+            # the step never reads has none, and AdamW (torch, bitsandbytes, torchao) makes no state for it:
+            # LLaVA's last CLIP layer (its features are the second-to-last layer's). A layerwise optimizer takes
+            # each gradient inside the backward, so there it is every trainable parameter.
+            stepped = [p for p in params if p.requires_grad
+                       and (settings.optimizer.layerwise or id(p) in got_gradient)]
             result.trainable_tensors = [(tuple(p.shape), p.element_size(), id(p) in decay, id(p) in embeddings)
-                                        for p in params if p.requires_grad]
+                                        for p in stepped]
         del model, optimizer
     if shapes:
         result.region_peaks = {r: live for r, (live, _) in tracker.region_peaks.items() if not r.startswith("0.")}
@@ -448,24 +456,6 @@ def trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], *
 # 100 shards in every layer, forward and again in backward) is not run once more for nothing. Checked
 # byte-identical on 55 configurations (benchmarks/trace_identity.py, docs/benchmarks.md section 17).
 WARM_UP_TOKENS = 128
-
-
-def _import_untracked(config: dict, settings: TrainSettings) -> None:
-    """Import what a step imports on its way before the tracker starts. Some modules make tensors when imported
-    (bitsandbytes' 4-bit code tables, peft's LoHa default scale: 144 B, kept for the life of the process); made
-    inside a trace, they would be counted as weights in the first trace of a process only."""
-    import importlib
-
-    names = training.heavy_step_imports(settings)
-    if config.get("model_type"):
-        from transformers.models.auto.configuration_auto import model_type_to_module_name
-
-        names.append("transformers.models.{0}.modeling_{0}".format(model_type_to_module_name(config["model_type"])))
-    for name in names:
-        try:
-            importlib.import_module(name)
-        except ImportError:  # the step that needs it reports it
-            pass
 
 
 def warm_up_settings(settings: TrainSettings) -> TrainSettings:
