@@ -191,3 +191,22 @@ def test_cuda_fp16_eager_checkpointing_recomputes_under_cuda_autocast(tiny_specs
                                  gradient_checkpointing=checkpointing, mode=mode)
         peaks[mode] = estimate_settings(spec, settings).peak_allocated_bytes
     assert abs(peaks["exact"] - peaks["fast"]) / peaks["fast"] < 0.02, peaks
+
+
+def test_a_lora_trace_shows_no_library_deprecation_warnings():
+    """peft reads transformers' deprecated `is_gradient_checkpointing` when it wraps a model: inside hf-memfit's own
+    trace that is noise in a plan's output (the user's own code still gets its warnings outside the trace)."""
+    import warnings
+
+    from conftest import TINY_LLAMA
+
+    from hf_memfit.models.spec import ModelSpec
+
+    import peft  # noqa: F401 - its import-time warnings are not the trace's
+
+    spec = ModelSpec.from_config("llama", TINY_LLAMA)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", FutureWarning)  # what Python shows a user by default, every time
+        exact_candidates(spec, TrainSettings(batch_size=1, seq_len=32, lora_r=4, device="cpu").validate(spec))
+        warnings.warn("the user's own", FutureWarning)
+    assert [str(w.message) for w in caught if issubclass(w.category, FutureWarning)] == ["the user's own"]

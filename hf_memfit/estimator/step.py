@@ -80,14 +80,21 @@ def build_model(config: dict, settings: TrainSettings):
 def quiet_transformers():
     """transformers' warnings off while hf-memfit builds and runs its own model, and back on after.
 
-    Not for the whole process: a trainer plans inside the user's run, whose logging is theirs.
+    Not for the whole process: a trainer plans inside the user's run, whose logging is theirs. Deprecation
+    warnings too: libraries call transformers' deprecated names on our model (peft reads
+    `is_gradient_checkpointing` when it wraps one), which a plan's output should not show.
     """
+    import warnings
+
     import transformers
 
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()
     try:
-        yield
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            warnings.simplefilter("ignore", DeprecationWarning)
+            yield
     finally:
         transformers.logging.set_verbosity(verbosity)
 
