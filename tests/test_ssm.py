@@ -109,6 +109,29 @@ def test_fast_mode_follows_the_kernel_path():
         assert abs(fast - exact) / exact < 0.01, (seq, fast, exact)
 
 
+def test_fits_are_traced_at_whole_chunks_of_the_scan(tmp_path, monkeypatch):
+    """A scan's chunk states (ceil(s / chunk) of them) are a polynomial in s only at multiples of the chunk: a
+    kernel-path fit of Mamba-1 traces multiples of selective_scan's 2048, Mamba-2 of its `chunk_size`, and Mamba-1's
+    torch fallback (token by token, no chunks) the usual multiples of 128. Fast mode then agrees with exact mode
+    on and between the chunk boundaries."""
+    from hf_memfit.estimator import parametric
+
+    monkeypatch.setenv("HF_MEMFIT_CACHE", str(tmp_path))
+    mamba, mamba2 = _spec("mamba", TINY_MAMBA), _spec("mamba2", dict(TINY_MAMBA2, chunk_size=384))
+
+    def lengths(spec, **settings):
+        return {p[1] for p in parametric._points(spec, TrainSettings(seq_len=4096, **settings).validate(spec))}
+
+    assert all(n % 2048 == 0 for n in lengths(mamba, device="cuda")) and len(lengths(mamba, device="cuda")) == 4
+    assert not all(n % 2048 == 0 for n in lengths(mamba, device="cpu"))
+    assert all(n % 384 == 0 for n in lengths(mamba2, device="cuda")) and len(lengths(mamba2, device="cuda")) == 4
+    for seq in (4096, 3000):
+        settings = dict(batch_size=3, seq_len=seq, device="cuda", precision="bf16-mixed")
+        exact = estimate_settings(mamba, TrainSettings(mode="exact", **settings)).peak_allocated_bytes
+        fast = estimate_settings(mamba, TrainSettings(mode="fast", **settings)).peak_allocated_bytes
+        assert abs(fast - exact) / exact < 0.01, (seq, fast, exact)
+
+
 @pytest.mark.parametrize("name,config", [("mamba", TINY_MAMBA), ("mamba2", TINY_MAMBA2),
                                          ("jamba", dict(TINY_JAMBA, num_hidden_layers=4))])
 def test_the_torch_fallback_matches_the_cpu_allocator(name, config):

@@ -17,6 +17,8 @@ an `A_log` parameter and a `conv1d`; a 2-D `A_log` [d_inner, d_state] is Mamba-1
 
 from __future__ import annotations
 
+import math
+
 SSM_KERNELS = ("cuda", "torch")
 
 
@@ -113,6 +115,31 @@ def kernel_problems(layouts: list[dict], settings, spec) -> list[str]:
                 problems.append(f"`--ssm-kernels cuda`: mamba-ssm's gated RMSNorm takes groups of up to 64 KiB, "
                                 f"and {name}'s is {group} x {itemsize} B: use `--ssm-kernels torch`")
     return list(dict.fromkeys(problems))
+
+
+# mamba-ssm csrc/selective_scan/selective_scan.cpp: the forward keeps x = zeros({batch, dim, n_chunks, dstate * 2})
+# with n_chunks = ceil(seqlen / 2048) (`estimator/ssm_kernels.py` allocates the same).
+SELECTIVE_SCAN_CHUNK = 2048
+
+
+def sequence_chunk(layouts: list[dict], settings) -> int:
+    """The length a step's state-space working set comes in whole chunks of (ceil(s / chunk) of them; 1: none).
+
+    Mamba-2's chunked scan (SSD) tiles the sequence by the mixer's `chunk_size` on both paths (the kernels'
+    nchunks = ceil(s / chunk); transformers' torch fallback pads the sequence to a multiple of it); Mamba-1's
+    selective scan keeps its chunk states on the kernel path only (the torch fallback steps token by token).
+    A step is a polynomial in the length only at multiples of the chunk: fits are traced there (`parametric`).
+    """
+    chunk = 1
+    for layout in layouts:
+        if layout["scan"] == "ssd" and layout["chunk_size"]:
+            size = layout["chunk_size"]
+        elif layout["scan"] == "selective_scan" and settings.ssm_path == "cuda":
+            size = SELECTIVE_SCAN_CHUNK
+        else:
+            continue
+        chunk = chunk * size // math.gcd(chunk, size)
+    return chunk
 
 
 def path_note(layouts: list[dict], settings) -> str | None:
