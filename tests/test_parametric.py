@@ -229,6 +229,10 @@ def test_idle_cpus_are_what_the_kernel_counts_idle_now_beside_this_process(monke
     assert forked.idle_cpus() == 0.0  # the same sample, not read again at once
     monkeypatch.setattr(forked, "_idle_sample", (forked.time.monotonic() - 2 * forked.IDLE_SAMPLE_REUSE_S, 0.0))
     assert forked.idle_cpus() == 1.0 and forked.slots() == 2
+    # one tick of something else on an idle machine (9 of 10 idle on CPU 0) is still a whole CPU beside this one
+    readings = iter([{0: (300, 3000), 1: (700, 3000)}, {0: (309, 3010), 1: (710, 3010)}])
+    monkeypatch.setattr(forked, "_idle_sample", None)
+    assert forked.idle_cpus() == 1.0 and forked.slots() == 2
     monkeypatch.undo()
     times = forked._cpu_times()  # this machine's, for the CPUs this process may run on
     assert set(times) == os.sched_getaffinity(0) and all(0 <= idle <= total for idle, total in times.values())

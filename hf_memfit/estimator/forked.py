@@ -18,6 +18,7 @@ children (exact mode's two depth traces, which share no first-use cost worth wai
 from __future__ import annotations
 
 import gc
+import math
 import os
 import pickle
 import select
@@ -73,7 +74,11 @@ def _sample_idle_cpus() -> float:
     total = sum(after[c][1] - before[c][1] for c in after if c in before)
     if total <= 0:
         return 0.0
-    return len(after) * idle / total - 1  # this process slept through the sample, and will run
+    # To the nearest whole CPU: the kernel counts in ticks (1/100 s), about ten per CPU in a sample, and one tick
+    # of anything (a kernel thread, the sample's own reads) read an idle 2-CPU machine as 0.9 idle CPUs beside
+    # this process, so one cold plan in 40 traced its fits one at a time (Qwen2.5-VL-7B's last step: 8 traces
+    # in a row). Less this process, which slept through the sample and will run.
+    return float(math.floor(len(after) * idle / total - 1 + 0.5))
 
 
 def _cpu_times() -> dict[int, tuple[int, int]]:
