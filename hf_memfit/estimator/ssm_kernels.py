@@ -26,6 +26,8 @@ import sys
 
 import torch
 
+from hf_memfit.models.ssm import SELECTIVE_SCAN_CHUNK
+
 
 def _empty(shape, dtype, like: torch.Tensor) -> torch.Tensor:
     return torch.empty(tuple(int(s) for s in shape), dtype=dtype, device=like.device)
@@ -49,7 +51,7 @@ def _contiguous_last(t: torch.Tensor) -> torch.Tensor:
 
 def _scan_states(b: int, d: int, length: int, d_state: int, like) -> torch.Tensor:
     # selective_scan.cpp: x = zeros({batch, dim, n_chunks, dstate * 2}, weight_type) with n_chunks = ceil(L / 2048)
-    return _empty((b, d, math.ceil(length / 2048), 2 * d_state), torch.float32, like)
+    return _empty((b, d, math.ceil(length / SELECTIVE_SCAN_CHUNK), 2 * d_state), torch.float32, like)
 
 
 class SelectiveScanMemory(torch.autograd.Function):

@@ -398,7 +398,8 @@ def trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], *
                 del batch
                 for p in model.parameters():
                     tracker.mark(p.grad, "gradients")
-                    got_gradient.add(id(p) if p.grad is not None else None)
+                    if p.grad is not None:
+                        got_gradient.add(id(p))
             tracker.phase = "optimizer"
             tracker.set_region(f"{step_tag()}|opt")
             tracker.markers.append((tracker.clock, f"step {step_index + 1} optimizer"))

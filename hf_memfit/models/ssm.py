@@ -118,7 +118,7 @@ def kernel_problems(layouts: list[dict], settings, spec) -> list[str]:
 
 
 # mamba-ssm csrc/selective_scan/selective_scan.cpp: the forward keeps x = zeros({batch, dim, n_chunks, dstate * 2})
-# with n_chunks = ceil(seqlen / 2048) (`estimator/ssm_kernels.py` allocates the same).
+# with n_chunks = ceil(seqlen / 2048) (`estimator/ssm_kernels.py` allocates it).
 SELECTIVE_SCAN_CHUNK = 2048
 
 
@@ -138,7 +138,7 @@ def sequence_chunk(layouts: list[dict], settings) -> int:
             size = SELECTIVE_SCAN_CHUNK
         else:
             continue
-        chunk = chunk * size // math.gcd(chunk, size)
+        chunk = math.lcm(chunk, size)
     return chunk
 
 
