@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+import lazy_grid  # noqa: E402 - the cold run it times its rows with
 
 ROWS = {
     "dinov2-large": ["facebook/dinov2-large", "--gpu", "a100", "--global-batch-size", "32"],
@@ -42,24 +41,17 @@ RESULTS = Path(__file__).parent / "results" / "cold_catalogue.json"
 
 
 def run(args: list[str]) -> dict:
-    cache = tempfile.mkdtemp(prefix="memfit_cold_bench_")
+    """One cold plan as shipped (`lazy_grid.run`, which gives it an empty cache of its own)."""
     load = os.getloadavg()[0]
-    started = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "hf_memfit.cli", "plan", *args, "--json"], capture_output=True,
-                          text=True, env={**os.environ, "HF_MEMFIT_CACHE": cache})
-    wall = time.perf_counter() - started
-    shutil.rmtree(cache, ignore_errors=True)
-    lines = done.stderr.splitlines()
-    row = {"command": "hf-memfit plan " + " ".join(args), "wall_s": round(wall, 1), "rc": done.returncode,
-           "traces": sum("tracing" in line for line in lines),
-           "exact_confirmations": sum("confirming in exact mode" in line for line in lines),
-           "load_before": round(load, 2)}
-    if done.returncode == 0:
-        answer = json.loads(done.stdout[done.stdout.index("{"):])
-        row["plan"] = {k: answer["plan"].get(k) for k in ("per_device_train_batch_size", "gradient_accumulation_steps",
-                                                          "gradient_checkpointing", "optim", "zero_stage")}
+    done = lazy_grid.run(args, lazy=True)
+    row = {"command": "hf-memfit plan " + " ".join(args), "load_before": round(load, 2),
+           **{k: done[k] for k in ("wall_s", "rc", "traces", "exact_confirmations")}}
+    if done["rc"] == 0:
+        row["plan"] = {k: done["answer"]["plan"].get(k) for k in ("per_device_train_batch_size",
+                                                                   "gradient_accumulation_steps",
+                                                                   "gradient_checkpointing", "optim", "zero_stage")}
     else:
-        row["error"] = lines[-1:] if lines else []
+        row["error"] = done["answer"]["error"]
     return row
 
 

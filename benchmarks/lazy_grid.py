@@ -53,11 +53,14 @@ def run(args: list[str], lazy: bool) -> dict:
                           env={**os.environ, "HF_MEMFIT_CACHE": cache})
     wall = time.perf_counter() - started
     shutil.rmtree(cache, ignore_errors=True)
-    traces = sum("tracing" in line for line in done.stderr.splitlines())
-    # The notes name the cache folder, which differs between the two runs.
-    answer = (json.loads(done.stdout.replace(cache, "$HF_MEMFIT_CACHE")) if done.returncode == 0 else
-              {"error": done.stderr.strip().splitlines()[-1:]})
-    return {"wall_s": round(wall, 1), "traces": traces, "rc": done.returncode, "answer": answer}
+    lines = done.stderr.splitlines()
+    # The notes name the cache folder, which differs between the two runs. Libraries may print to stdout when
+    # imported (torchao's kernel loader): the JSON object starts at the first "{".
+    answer = (json.loads(done.stdout[done.stdout.index("{"):].replace(cache, "$HF_MEMFIT_CACHE"))
+              if done.returncode == 0 else {"error": done.stderr.strip().splitlines()[-1:]})
+    return {"wall_s": round(wall, 1), "traces": sum("tracing" in line for line in lines),
+            "exact_confirmations": sum("confirming in exact mode" in line for line in lines),
+            "rc": done.returncode, "answer": answer}
 
 
 def main(names: list[str]) -> int:

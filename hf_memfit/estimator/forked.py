@@ -76,8 +76,8 @@ def _sample_idle_cpus() -> float:
         return 0.0
     # To the nearest whole CPU: the kernel counts in ticks (1/100 s), about ten per CPU in a sample, and one tick
     # of anything (a kernel thread, the sample's own reads) read an idle 2-CPU machine as 0.9 idle CPUs beside
-    # this process, so one cold plan in 40 traced its fits one at a time (Qwen2.5-VL-7B's last step: 8 traces
-    # in a row). Less this process, which slept through the sample and will run.
+    # this process (1 sample in 40 on an idle machine here), and that step's fits were traced one at a time
+    # (Qwen2.5-VL-7B's last step: 8 traces in a row). Less this process, which slept through the sample and will run.
     return float(math.floor(len(after) * idle / total - 1 + 0.5))
 
 
