@@ -65,7 +65,9 @@ from hf_memfit.cache import cache_dir, config_key, read_cache, write_cache
 from hf_memfit.estimator.breakdown import CATEGORIES, StepMemory
 from hf_memfit.estimator.parametric_fit import (
     TERMS,
+    TERMS_IN_SEQ,
     _as_maxima,
+    _batch_regimes_differ,
     _check,
     _fit_depth,
     _point_series,
@@ -76,7 +78,7 @@ from hf_memfit.estimator.parametric_fit import (
 from hf_memfit.models.generic import moe_note
 
 #: Bumped whenever what a cached fit means changes (part of the cache key, beside generic.CACHE_VERSION).
-PARAMETRIC_VERSION = 4
+PARAMETRIC_VERSION = 5
 CACHE_KIND = "parametric"
 
 #: The shortest sequence the fit is traced at, for models with room for it. Long enough that per-token
@@ -111,9 +113,15 @@ def _swappable(settings) -> bool:
     return not settings.optimizer.low_rank
 
 
-def _points(spec, settings) -> tuple[tuple[int, int, int], ...]:
+def _points(spec, settings, batches: str = "") -> tuple[tuple[int, int, int], ...]:
     """The (batch, seq, micro-batches) points: three lengths at batch 1, the shortest and the longest at
     batch 2 (which determine the b*s and b*s^2 terms), then a check point beyond both batches.
+
+    `batches` fits one batch regime alone, for a step whose ops differ between batch 1 and larger batches
+    (`parametric_fit._batch_regimes_differ`: Jamba's mixer projects a transposed activation, and `F.linear`'s
+    reshape of it is a view at batch 1 and a copy from batch 2 on, as on a GPU): "1" is three lengths and
+    a check at batch 1 (a polynomial in s: `TERMS_IN_SEQ`), "2+" the same points as a whole fit at twice the
+    batches (2 and 4, the check at 8).
 
     The lengths stay within `max_position_embeddings` (learned positions index a table) and on the
     side of the sliding window the asked length is on: below it transformers skips the sliding mask,
@@ -141,8 +149,11 @@ def _points(spec, settings) -> tuple[tuple[int, int, int], ...]:
     middle = _round((shortest + longest) // 2) or (shortest + longest) // 2
     check = _round((middle + longest) // 2) or (middle + longest) // 2
     micro = 1 if settings.optimizer.layerwise else 2  # layerwise optimizers step inside backward: no accumulation
-    return ((1, shortest, 1), (1, middle, 1), (1, longest, 1), (2, shortest, 1), (2, longest, micro),
-            (4, check, micro))
+    if batches == "1":
+        return (1, shortest, 1), (1, middle, 1), (1, longest, micro), (1, check, micro)
+    b = 2 if batches == "2+" else 1
+    return ((b, shortest, 1), (b, middle, 1), (b, longest, 1), (2 * b, shortest, 1), (2 * b, longest, micro),
+            (4 * b, check, micro))
 
 
 _STEP = 128  # every traced length is a multiple of it (see BASE_SEQ)
@@ -253,6 +264,8 @@ def parametric_step_memory(spec, settings) -> StepMemory:
         fit = calibrate_many(spec, [settings], [shared])[0]
         paid = time.perf_counter() - started
         write_cache(CACHE_KIND, key, fit)
+    by_regime = "batch_1" in fit
+    fit = _for_batch(fit, settings)
     if fit["check_miss"] > CHECK_TOLERANCE:
         return _traced_instead(spec, settings, fit)
     step = evaluate(fit, settings)
@@ -268,6 +281,8 @@ def parametric_step_memory(spec, settings) -> StepMemory:
     text = (f"fast mode for model type `{spec.model_type}` ({why}): parametric fit from "
             f"{fit['traces']} traces (depth {fit['depths']}), each stepped at batch x seq {points} (the last "
             "checks the fit)")
+    if by_regime:
+        text += "; batch 1 and larger batches are fitted apart (the step runs other ops at batch 1)"
     if paid is not None:
         text += f"; this first call paid {paid:.1f} s for it, cached in {cache_dir() / CACHE_KIND}"
     else:
@@ -344,6 +359,7 @@ def _optimizer_of(settings) -> list:
 
 def evaluate(fit: dict, settings) -> StepMemory:
     """The fitted candidates at the settings' micro-batch and sequence length, with their optimizer."""
+    fit = _for_batch(fit, settings)
     b, s = settings.batch_size, settings.seq_len
     accumulating = settings.gradient_accumulation_steps > 1
     candidates = {}
@@ -411,25 +427,52 @@ def calibrate_many(spec, many: list, shared: list | None = None) -> list[dict]:
 
     A mixed-precision calibration traces its check point at the other 16-bit autocast dtype: when the
     fit predicts that too, it serves both (`precisions`); when it misses, the calibration is made again
-    with the check at its own precision, and serves only that one.
+    with the check at its own precision, and serves only that one. A fit that misses its check where the
+    step's ops differ between batch 1 and larger batches (`parametric_fit._batch_regimes_differ`: most
+    steps differ in a region or two and still fit) is made again as two fits, one per batch regime
+    (`_points`), before that; the fit of batches of 2 or more holds the batch-1 one (`batch_1`). Each round
+    traces every calibration still to be made side by side.
     """
     from hf_memfit.estimator.forked import run_jobs
 
-    plans = [_calibration_plan(spec, s, sibling) for s, sibling in zip(many, shared or [True] * len(many))]
-    jobs = [(spec, plan["traced"], depths, plan["shapes"]) for plan in plans for depths in plan["depth_sets"]]
     _import_for_traces(many)
-    summaries = run_jobs(_trace_summary, jobs)
-    fits, at = [], 0
-    for settings, plan in zip(many, plans):
-        count = len(plan["depth_sets"])
-        fit = _fit(settings, plan, summaries[at:at + count])
-        at += count
-        if plan["sibling"] and fit["check_miss"] > CHECK_TOLERANCE:  # the sibling differs, or the fit misses
-            plan = _calibration_plan(spec, settings, sibling=False)
-            fit = _fit(settings, plan, run_jobs(_trace_summary, [(spec, plan["traced"], d, plan["shapes"])
-                                                                  for d in plan["depth_sets"]]))
-        fits.append(fit)
+    # Per settings: (whether its check point is at the sibling precision, whether it is fitted by batch regime)
+    how = [(sibling, False) for sibling in (shared or [True] * len(many))]
+    fits: list = [None] * len(many)
+    pending = list(range(len(many)))
+    while pending:
+        plans = {i: [_calibration_plan(spec, many[i], how[i][0], batches)
+                     for batches in (("1", "2+") if how[i][1] else ("",))] for i in pending}
+        jobs = [(spec, plan["traced"], depths, plan["shapes"])
+                for i in pending for plan in plans[i] for depths in plan["depth_sets"]]
+        summaries = iter(run_jobs(_trace_summary, jobs))
+        again = []
+        for i in pending:
+            parts = [_fit(many[i], plan, [next(summaries) for _ in plan["depth_sets"]]) for plan in plans[i]]
+            fits[i] = parts[0] if len(parts) == 1 else _by_batch_regime(*parts)
+            sibling, by_regime = how[i]
+            if max(p["check_miss"] for p in parts) <= CHECK_TOLERANCE:
+                continue
+            if not by_regime and fits[i]["batch_regimes_differ"]:  # most steps differ a little, and still fit
+                how[i] = (sibling, True)
+                again.append(i)
+            elif sibling:  # the sibling differs, or the fit misses
+                how[i] = (False, by_regime)
+                again.append(i)
+        pending = again
     return fits
+
+
+def _by_batch_regime(single: dict, several: dict) -> dict:
+    """One fit of two batch regimes: the fit of batches of 2 or more, holding the batch-1 fit (`_for_batch`)."""
+    fit = dict(several, batch_1=single)
+    fit["optimizer_formula_exact"] = single["optimizer_formula_exact"] and several["optimizer_formula_exact"]
+    return fit
+
+
+def _for_batch(fit: dict, settings) -> dict:
+    """The fit of the settings' batch regime: the batch-1 fit a fit by regime holds, or the fit itself."""
+    return fit["batch_1"] if settings.batch_size == 1 and "batch_1" in fit else fit
 
 
 def _import_for_traces(many) -> None:
@@ -446,11 +489,11 @@ def _import_for_traces(many) -> None:
             pass
 
 
-def _calibration_plan(spec, settings, sibling: bool = True) -> dict:
+def _calibration_plan(spec, settings, sibling: bool = True, batches: str = "") -> dict:
     """The points, the traced settings, the depths and the extrapolation steps of one calibration."""
     from hf_memfit.models.depths import depth_plan
 
-    points = _points(spec, settings)
+    points = _points(spec, settings, batches)
     other = _sibling(settings) if sibling else None
     shapes = tuple(p + ((other,) if other and i == len(points) - 1 else ()) for i, p in enumerate(points))
     traced = settings.replace(mode="exact", batch_size=points[0][0], seq_len=points[0][1],
@@ -458,7 +501,7 @@ def _calibration_plan(spec, settings, sibling: bool = True) -> dict:
     plan = depth_plan(spec)
     depth_sets, steps = plan.depth_sets, plan.steps
     return {"points": points, "shapes": shapes, "traced": traced, "depth_sets": depth_sets, "steps": steps,
-            "sibling": other}
+            "sibling": other, "batches": batches, "terms": TERMS_IN_SEQ if batches == "1" else None}
 
 
 def _trace_summary(spec, traced, depths, shapes) -> dict:
@@ -479,21 +522,22 @@ def _fit(settings, plan: dict, summaries: list[dict]) -> dict:
     """The calibration from its traced depths' summaries."""
     import numpy as np
 
-    points, steps, depth_sets = plan["points"], plan["steps"], plan["depth_sets"]
-    n = len(TERMS)
+    points, steps, depth_sets, terms = plan["points"], plan["steps"], plan["depth_sets"], plan["terms"]
+    n = len(terms or TERMS)
     series = [t["series"] for t in summaries]  # [depth][point] -> class -> (clocks, categories)
-    fitted = [_fit_depth(d, points) for d in series]  # [depth] -> class -> (terms, clocks, categories)
+    fitted = [_fit_depth(d, points, terms) for d in series]  # [depth] -> class -> (TERMS, clocks, categories)
     candidates = {}
     for region in set.intersection(*(set(f) for f in fitted)):
         shapes_seen = {f[region].shape for f in fitted}
         per_depth = [f[region] for f in fitted] if len(shapes_seen) == 1 else \
-            [_as_maxima(f[region], points) for f in fitted]  # clocks not aligned across depths
+            [_as_maxima(f[region], points, terms) for f in fitted]  # clocks not aligned across depths
         real_depth = per_depth[0] + sum(step * (grown - per_depth[0]) for step, grown in zip(steps, per_depth[1:]))
         candidates[region] = _prune(real_depth)
     check_miss, check_region = _check(series, fitted, points)
     host = None
     if any(any(t["host_peaks"]) for t in summaries):  # offloaded activations: fitted as the region bytes are
-        host_coefficients = [_solve_all(points, np.array(t["host_peaks"][1:n + 1], dtype=float)) for t in summaries]
+        host_coefficients = [_solve_all(points, np.array(t["host_peaks"][1:n + 1], dtype=float), terms)
+                             for t in summaries]
         host = [float(c) for c in _extrapolate(host_coefficients, steps)]
     facts = {k: int(round(_extrapolate([t["facts"][k] for t in summaries], steps))) for k in _FACTS}
     facts["largest_param_numel"] = summaries[0]["facts"]["largest_param_numel"]
@@ -513,6 +557,7 @@ def _fit(settings, plan: dict, summaries: list[dict]) -> dict:
         "tensors": tensors,
         "check_miss": check_miss,
         "check_region": check_region,
+        "batch_regimes_differ": bool(plan["batches"]) or _batch_regimes_differ(series, points),
     }
 
 

@@ -12,6 +12,9 @@ from hf_memfit.estimator.breakdown import CATEGORIES
 
 #: The terms of the fit, as (batch power, seq power): 1, s, s^2, b*s, b*s^2.
 TERMS = ((0, 0), (0, 1), (0, 2), (1, 1), (1, 2))
+#: The terms a fit at one micro-batch size can tell apart (a batch-1 regime: `parametric._points`). Its
+#: coefficients are stored as TERMS' with the batch terms zero, so everything downstream reads one shape.
+TERMS_IN_SEQ = ((0, 0), (0, 1), (0, 2))
 
 
 def _term(b: int, s: int, term: tuple[int, int]) -> float:
@@ -22,24 +25,30 @@ def _value(coefficients: list[float], b: int, s: int) -> int:
     return max(0, int(round(sum(c * _term(b, s, t) for c, t in zip(coefficients, TERMS)))))
 
 
-def _matrix(points):
+def _matrix(points, terms=None):
     import numpy as np
 
-    return np.array([[_term(b, s, t) for t in TERMS] for b, s, *_ in points])
+    terms = terms or TERMS  # read when called: a test fits fewer terms
+
+    return np.array([[_term(b, s, t) for t in terms] for b, s, *_ in points])
 
 
-def _solve_all(points, values):
-    """Coefficients of TERMS through the points for every column of `values` (points x ...) at once."""
+def _solve_all(points, values, terms=None):
+    """Coefficients of TERMS through the points for every column of `values` (points x ...) at once, solved
+    for `terms` (the first len(terms) points determine them) and zero for the rest of TERMS."""
     import numpy as np
 
-    n = len(TERMS)
-    matrix = _matrix(points[:n])
+    terms = terms or TERMS
+    n = len(terms)
+    matrix = _matrix(points[:n], terms)
     scale = np.abs(matrix).max(axis=0)  # s^2 is ~1e7 at the points: scale the columns before solving
     solved = np.linalg.solve(matrix / scale, values.reshape(n, -1)) / scale[:, None]
-    return solved.reshape((n,) + values.shape[1:])
+    out = np.zeros((len(TERMS),) + solved.shape[1:])
+    out[[TERMS.index(t) for t in terms]] = solved
+    return out.reshape((len(TERMS),) + values.shape[1:])
 
 
-def _fit_depth(point_series: list[dict], points) -> dict:
+def _fit_depth(point_series: list[dict], points, terms=None) -> dict:
     """Coefficients (terms x clocks x categories) per region class at one traced depth.
 
     The same step runs the same ops at every shape, so the k-th clock of a region is the same moment
@@ -53,45 +62,100 @@ def _fit_depth(point_series: list[dict], points) -> dict:
     """
     import numpy as np
 
-    n = len(TERMS)
+    terms = terms or TERMS
+    n = len(terms)
     fit_points = point_series[:n]
     out = {}
     for region in set.intersection(*(set(p) for p in fit_points)):
         if len({p[region].shape for p in fit_points}) == 1:
-            out[region] = _solve_all(points, np.stack([p[region] for p in fit_points]))
+            out[region] = _solve_all(points, np.stack([p[region] for p in fit_points]), terms)
         else:
-            out[region] = _fit_depth_maxima(point_series, points, region)
+            out[region] = _fit_depth_maxima(point_series, points, region, terms)
     at = fit_points[n - 1]
     b, s = points[n - 1][:2]
     row = np.array([_term(b, s, t) for t in TERMS])
     for region in at:
         first = "1.0|" + region[4:]
         if region.startswith("1.1|") and first in out:
-            predicted = np.einsum("t,tlk->lk", row, out[first])
-            seen = at[region][at[region].sum(axis=1).argmax()]
-            shifted = out[first].copy()
-            shifted[0] += seen - predicted[predicted.sum(axis=1).argmax()]
+            aligned = first in at and len(at[first]) == out[first].shape[1]  # not fitted by its maxima
+            same = _matching_clocks(at[region], at[first]) if aligned else None
+            if same is None:  # nothing to match it to: the first one's line, shifted by the maxima's difference
+                predicted = np.einsum("t,tlk->lk", row, out[first])
+                seen = at[region][at[region].sum(axis=1).argmax()]
+                shifted = out[first].copy()
+                shifted[0] += seen - predicted[predicted.sum(axis=1).argmax()]
+            else:  # clock by clock: the first micro-batch's matching clock, plus what is live beside it now
+                shifted = out[first][:, same].copy()
+                shifted[0] += at[region] - np.einsum("t,tlk->lk", row, shifted)
             out[region] = shifted
     return out
 
 
-def _fit_depth_maxima(point_series: list[dict], points, region: str):
+def _matching_clocks(later, first) -> list[int] | None:
+    """For each clock of a later micro-batch's region, the clock of the first micro-batch's that is the same
+    moment of the step, both read at one shape: a later micro-batch runs the same ops with the gradients
+    already live, plus a few of its own (accumulating a gradient into the one that is there). The ops are
+    matched by what each does to the live bytes (the change from one clock to the next, category by
+    category); a clock of its own reads as the last matched one before it. None when the region's entries
+    differ in nothing but a constant and yet no op matches."""
+    import difflib
+
+    def changes(values):
+        return [tuple(row) for row in (values[1:] - values[:-1]).astype(int).tolist()]
+
+    ops_later, ops_first = changes(later), changes(first)
+    matcher = difflib.SequenceMatcher(None, ops_later, ops_first, autojunk=False)
+    same, at = [0] * len(later), 0  # clock 0 is the region's entry
+    blocks = {}
+    for block in matcher.get_matching_blocks():
+        for k in range(block.size):
+            blocks[block.a + k] = block.b + k
+    if not blocks and len(ops_later):
+        return None
+    for clock in range(1, len(later)):
+        if clock - 1 in blocks:
+            at = blocks[clock - 1] + 1
+        same[clock] = at
+    return same
+
+
+def _fit_depth_maxima(point_series: list[dict], points, region: str, terms=None):
     """A region fitted by its maximum at each point (one clock): for clocks that do not line up."""
     import numpy as np
 
-    n = len(TERMS)
+    terms = terms or TERMS
+    n = len(terms)
     maxima = np.stack([p[region][p[region].sum(axis=1).argmax()] for p in point_series[:n]])[:, None, :]
-    return _solve_all(points, maxima)
+    return _solve_all(points, maxima, terms)
 
 
-def _as_maxima(coefficients, points):
+def _as_maxima(coefficients, points, terms=None):
     """A clock-by-clock fit refitted by its maximum at each fit point (one clock): for depths whose clocks differ."""
     import numpy as np
 
-    n = len(TERMS)
+    terms = terms or TERMS
+    n = len(terms)
     at = np.einsum("pt,tlk->plk", _matrix(points[:n]), coefficients)
     maxima = np.stack([at[p][at[p].sum(axis=1).argmax()] for p in range(n)])[:, None, :]
-    return _solve_all(points, maxima)
+    return _solve_all(points, maxima, terms)
+
+
+def _batch_regimes_differ(series, points) -> bool:
+    """Whether some region's clocks line up among the fit points at batch 1 and among those at batch 2 or
+    more, but not between the two: the step runs other ops at batch 1 (a reshape that is a view there and a
+    copy from batch 2 on: `parametric._points`), so the two are different polynomials."""
+    n = len(TERMS)
+    single = [i for i, p in enumerate(points[:n]) if p[0] == 1]
+    many = [i for i, p in enumerate(points[:n]) if p[0] > 1]
+    if not single or not many:
+        return False
+    for classes in series:
+        for region in set.intersection(*(set(classes[i]) for i in range(n))):
+            shapes_single = {classes[i][region].shape for i in single}
+            shapes_many = {classes[i][region].shape for i in many}
+            if len(shapes_single) == 1 and len(shapes_many) == 1 and shapes_single != shapes_many:
+                return True
+    return False
 
 
 #: Where the fitted clocks are compared to keep only those that can be a region's maximum: micro-batches
