@@ -287,3 +287,17 @@ print(ok, value)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["True", str(float(sum(range(4_000_000))))], done.stdout
+
+
+def test_a_later_micro_batch_is_matched_to_the_first_one_op_by_op():
+    """A later micro-batch runs the first one's ops plus its own (accumulating a gradient into the one that is
+    live): each of its clocks is matched to the first one's same moment, and its own ops to the one before."""
+    import numpy as np
+
+    def live(changes):  # clocks of one category from the region's entry and each op's change in live bytes
+        return np.cumsum([[100]] + [[c] for c in changes], axis=0).astype(float)
+
+    first = live([+8, +4, -4, +16, -8])
+    later = live([+8, +4, +2, -2, -4, +16, -8])  # a temporary of its own after the second op
+    assert parametric_fit._matching_clocks(later, first) == [0, 1, 2, 2, 2, 3, 4, 5]
+    assert parametric_fit._matching_clocks(live([+1, +3]), live([+5])) is None

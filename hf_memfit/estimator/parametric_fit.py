@@ -29,7 +29,6 @@ def _matrix(points, terms=None):
     import numpy as np
 
     terms = terms or TERMS  # read when called: a test fits fewer terms
-
     return np.array([[_term(b, s, t) for t in terms] for b, s, *_ in points])
 
 
@@ -96,8 +95,7 @@ def _matching_clocks(later, first) -> list[int] | None:
     moment of the step, both read at one shape: a later micro-batch runs the same ops with the gradients
     already live, plus a few of its own (accumulating a gradient into the one that is there). The ops are
     matched by what each does to the live bytes (the change from one clock to the next, category by
-    category); a clock of its own reads as the last matched one before it. None when the region's entries
-    differ in nothing but a constant and yet no op matches."""
+    category); a clock of its own reads as the last matched one before it. None when no op matches."""
     import difflib
 
     def changes(values):
@@ -105,13 +103,13 @@ def _matching_clocks(later, first) -> list[int] | None:
 
     ops_later, ops_first = changes(later), changes(first)
     matcher = difflib.SequenceMatcher(None, ops_later, ops_first, autojunk=False)
-    same, at = [0] * len(later), 0  # clock 0 is the region's entry
     blocks = {}
     for block in matcher.get_matching_blocks():
         for k in range(block.size):
             blocks[block.a + k] = block.b + k
     if not blocks and len(ops_later):
         return None
+    same, at = [0] * len(later), 0  # clock 0 is the region's entry
     for clock in range(1, len(later)):
         if clock - 1 in blocks:
             at = blocks[clock - 1] + 1
