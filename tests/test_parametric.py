@@ -87,8 +87,8 @@ def test_a_fit_that_misses_its_check_point_says_so(tmp_path, monkeypatch):
 
     monkeypatch.setattr(parametric_fit, "TERMS", ((0, 0), (0, 1), (1, 1)))
     monkeypatch.setattr(parametric, "_batch_regimes_differ", lambda series, points: False)  # one regime: no s^2 terms
-    monkeypatch.setattr(parametric, "_points", lambda spec, settings, batches="": ((1, 128, 1), (2, 128, 1), (1, 256, 2),
-                                                                         (4, 384, 2)))
+    monkeypatch.setattr(parametric, "_points",
+                        lambda spec, settings, batches="": ((1, 128, 1), (2, 128, 1), (1, 256, 2), (4, 384, 2)))
     linear = parametric.calibrate(spec, settings)
     assert linear["check_miss"] > parametric.CHECK_TOLERANCE
     assert any(f"missed the trace by {100 * linear['check_miss']:.1f}%" in n

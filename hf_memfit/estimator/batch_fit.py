@@ -202,7 +202,7 @@ def _fit_lines(points: list[dict]) -> dict:
         if a.shape != c.shape:
             a, c = _top(a)[None], _top(c)[None]
         out[region] = np.stack([2 * a - c, c - a])
-    for region, values in later.items():  # a later micro-batch: the first one's line plus a constant
+    for region, values in later.items():  # a later micro-batch: the first one's line plus what is live beside it
         first = "1.0|" + region[4:]
         if region.startswith("1.1|") and first in out:
             line = out[first]
