@@ -23,7 +23,7 @@ from hf_memfit.cache import cache_dir, config_key, read_cache, write_cache
 from hf_memfit.estimator.breakdown import CATEGORIES, StepMemory
 from hf_memfit.estimator.parametric import (_FACTS, _LAYOUT_FIELDS, _OPTIMIZER_FIELDS, _extrapolate,
                                             _move_optimizer, _optimizer_formula_exact, _optimizer_of, _swappable)
-from hf_memfit.estimator.parametric_fit import _matching_clocks
+from hf_memfit.estimator.parametric_fit import later_micro_batch
 
 BATCH_FIT_VERSION = 4
 CACHE_KIND = "batch-fit"
@@ -205,16 +205,7 @@ def _fit_lines(points: list[dict]) -> dict:
     for region, values in later.items():  # a later micro-batch: the first one's line plus what is live beside it
         first = "1.0|" + region[4:]
         if region.startswith("1.1|") and first in out:
-            line = out[first]
-            aligned = first in later and len(later[first]) == line.shape[1]  # not fitted by its maxima
-            same = _matching_clocks(values, later[first]) if aligned else None
-            if same is None:  # the first one's line, shifted by the maxima's difference
-                shifted = line.copy()
-                shifted[0] = shifted[0] + (_top(values) - _top(line[0] + 2 * line[1]))
-            else:  # clock by clock, as parametric_fit matches a later micro-batch's clocks
-                shifted = line[:, same].copy()
-                shifted[0] = shifted[0] + (values - (shifted[0] + 2 * shifted[1]))
-            out[region] = shifted
+            out[region] = later_micro_batch(out[first], values, later.get(first), lambda line: line[0] + 2 * line[1])
     return out
 
 

@@ -76,18 +76,27 @@ def _fit_depth(point_series: list[dict], points, terms=None) -> dict:
     for region in at:
         first = "1.0|" + region[4:]
         if region.startswith("1.1|") and first in out:
-            aligned = first in at and len(at[first]) == out[first].shape[1]  # not fitted by its maxima
-            same = _matching_clocks(at[region], at[first]) if aligned else None
-            if same is None:  # nothing to match it to: the first one's line, shifted by the maxima's difference
-                predicted = np.einsum("t,tlk->lk", row, out[first])
-                seen = at[region][at[region].sum(axis=1).argmax()]
-                shifted = out[first].copy()
-                shifted[0] += seen - predicted[predicted.sum(axis=1).argmax()]
-            else:  # clock by clock: the first micro-batch's matching clock, plus what is live beside it now
-                shifted = out[first][:, same].copy()
-                shifted[0] += at[region] - np.einsum("t,tlk->lk", row, shifted)
-            out[region] = shifted
+            out[region] = later_micro_batch(out[first], at[region], at.get(first),
+                                            lambda coefficients: np.einsum("t,tlk->lk", row, coefficients))
     return out
+
+
+def later_micro_batch(first, seen, seen_first, at):
+    """A later micro-batch's region as coefficients: the first micro-batch's (`first`: terms x clocks x categories,
+    the constant term first), clock by clock, plus what is live beside each clock at the traced shape where both
+    ran (`seen`, and the first one's clocks there, `seen_first`); `at(coefficients)` evaluates them at that shape.
+    Where the clocks cannot be matched (the first region fitted by its maxima, or no op in common), the first
+    one's clocks shifted by the difference of the maxima."""
+    aligned = seen_first is not None and len(seen_first) == first.shape[1]  # not fitted by its maxima
+    same = _matching_clocks(seen, seen_first) if aligned else None
+    if same is None:
+        predicted = at(first)
+        shifted = first.copy()
+        shifted[0] += seen[seen.sum(axis=1).argmax()] - predicted[predicted.sum(axis=1).argmax()]
+    else:
+        shifted = first[:, same].copy()
+        shifted[0] += seen - at(shifted)
+    return shifted
 
 
 def _matching_clocks(later, first) -> list[int] | None:
