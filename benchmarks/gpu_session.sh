@@ -9,6 +9,8 @@
 #   6. `rows`: the `check --json` rows of benchmarks/data/gpu_rows.txt, LANES processes at a time (the open rows of
 #      section 19 with the allocator's snapshot, dropout models, LLM.int8(), expandable segments, vision / audio /
 #      Whisper), into rows.json, the snapshots gzipped beside it.
+#   7. `drift`: benchmarks/gpu_shape_drift.py over the runs of $DRIFT (max_memory_reserved over a run of varying
+#      shapes against a step at the largest), into drift.json.
 # Each step has its own time limit and writes its results under $OUT as it goes, so a slow step costs only itself.
 # The device tool brings back at most 8 files. Building the 8B model from random weights took 276 s of one H200
 # session (where, not profiled: writing and loading the checkpoint took 9 s of it): give step 2 a call of its own
@@ -22,6 +24,7 @@ PARTS=" ${PARTS:-tests sweep attn grid} "
 LANES=${LANES:-3}
 DEVICE=${DEVICE:-cuda}  # cpu: try the steps here (rows with a snapshot are refused there)
 ROWS=${ROWS:-benchmarks/data/gpu_rows.txt}
+DRIFT=${DRIFT:-benchmarks/data/gpu_drift.txt}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export HF_MEMFIT_CACHE=${HF_MEMFIT_CACHE:-$(mktemp -d)}
@@ -72,6 +75,8 @@ timeout 330 "$PY" benchmarks/gpu_qlora_sweep.py measure --seq "$SEQS" --json "$O
 fi
 
 "$PY" -c "import json, sys; sys.path.insert(0, 'tests'); from conftest import TINY_LLAMA; json.dump(TINY_LLAMA, open('/tmp/tiny_llama.json', 'w'))"
+# Qwen2-VL-7B is not in the catalogue: its published config, as benchmarks/published_media.py holds it
+"$PY" -c "import json, sys; sys.path.insert(0, 'benchmarks'); from published_media import INLINE_CONFIGS; json.dump(INLINE_CONFIGS['Qwen/Qwen2-VL-7B-Instruct'], open('/tmp/qwen2vl_7b.json', 'w'))"
 
 if part attn; then
 echo "== 3. attention kernels: the suite's tiny Llama at 4K and 16K tokens" | tee -a "$OUT/session.log"
@@ -106,6 +111,7 @@ echo "== rows: $ROWS, $LANES at a time" | tee -a "$OUT/session.log"
 mkdir -p "$OUT/rows"
 grep -v '^#' "$ROWS" | grep . | while read -r name args; do
     args=${args//TINY_LLAMA//tmp/tiny_llama.json}
+    args=${args//QWEN2VL_7B//tmp/qwen2vl_7b.json}
     args=${args//@SNAP/--memory-snapshot $OUT/$name.pickle}
     echo "timeout 200 $PY -m hf_memfit.cli check $args --device $DEVICE --json > $OUT/rows/$name.json 2> $OUT/rows/$name.err"
 done > /tmp/gpu_rows.cmds
@@ -131,5 +137,16 @@ MERGE
 rm -rf "$OUT/rows"
 gzip -f "$OUT"/*.pickle 2>/dev/null
 ls -la "$OUT" | tee -a "$OUT/session.log"
+fi
+if part drift; then
+echo "== drift: $DRIFT, one at a time" | tee -a "$OUT/session.log"
+mkdir -p "$OUT/drift"
+grep -v '^#' "$DRIFT" | grep . | while read -r name args; do
+    args=${args//QWEN2VL_7B//tmp/qwen2vl_7b.json}
+    timeout 300 "$PY" benchmarks/gpu_shape_drift.py $args --out "$OUT/drift/$name.json" 2>&1 \
+        | grep -v "Warning\|warn(" | tail -4 | tee -a "$OUT/session.log"
+done
+"$PY" -c "import glob, json, os; json.dump({os.path.basename(p)[:-5]: json.load(open(p)) for p in sorted(glob.glob('$OUT/drift/*.json'))}, open('$OUT/drift.json', 'w'))"
+rm -rf "$OUT/drift"
 fi
 echo "== done" | tee -a "$OUT/session.log"
