@@ -139,13 +139,14 @@ gzip -f "$OUT"/*.pickle 2>/dev/null
 ls -la "$OUT" | tee -a "$OUT/session.log"
 fi
 if part drift; then
-echo "== drift: $DRIFT, one at a time" | tee -a "$OUT/session.log"
+echo "== drift: $DRIFT, $LANES at a time" | tee -a "$OUT/session.log"
 mkdir -p "$OUT/drift"
 grep -v '^#' "$DRIFT" | grep . | while read -r name args; do
     args=${args//QWEN2VL_7B//tmp/qwen2vl_7b.json}
-    timeout 300 "$PY" benchmarks/gpu_shape_drift.py $args --out "$OUT/drift/$name.json" 2>&1 \
-        | grep -v "Warning\|warn(" | tail -4 | tee -a "$OUT/session.log"
-done
+    echo "timeout 300 $PY benchmarks/gpu_shape_drift.py $args --out $OUT/drift/$name.json > $OUT/drift/$name.log 2>&1"
+done > /tmp/gpu_drift.cmds
+xargs -P "$LANES" -d '\n' -I{} bash -c '{}; echo "drift done (rc=$?): {}" | cut -c1-160' < /tmp/gpu_drift.cmds 2>&1 | tee -a "$OUT/session.log"
+grep -h -v "Warning\|warn(\|torchao\|_pytree" "$OUT"/drift/*.log | tail -40 | tee -a "$OUT/session.log"
 "$PY" -c "import glob, json, os; json.dump({os.path.basename(p)[:-5]: json.load(open(p)) for p in sorted(glob.glob('$OUT/drift/*.json'))}, open('$OUT/drift.json', 'w'))"
 rm -rf "$OUT/drift"
 fi

@@ -44,7 +44,11 @@ def parse(argv=None) -> argparse.Namespace:
                         help="VLMs: LO:HI:STEP, square image sides drawn (the largest is --image-size)")
     parser.add_argument("--micro-batches", type=int, default=64)
     parser.add_argument("--fixed-steps", type=int, default=2)
-    parser.add_argument("--phase", choices=("both", "fixed", "varying"), default="both", help=argparse.SUPPRESS)
+    parser.add_argument("--cap-bytes", type=int, default=None,
+                        help="varying run only (--phase varying): cap what the allocator may reserve "
+                             "(torch.cuda.set_per_process_memory_fraction), as a card of that size would; past it "
+                             "the allocator frees its cached blocks and retries before it raises an OOM")
+    parser.add_argument("--phase", choices=("both", "fixed", "varying"), default="both")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", dest="json_out", required=True, help="the JSON file to write")
     return parser.parse_args(argv)
@@ -79,6 +83,8 @@ def run_phase(args) -> dict:
         torch.cuda.memory._set_allocator_settings(
             f"expandable_segments:{'True' if settings.expandable_segments else 'False'}")
         cublas_workspace_probe(settings)
+        if args.cap_bytes:
+            torch.cuda.set_per_process_memory_fraction(args.cap_bytes / torch.cuda.get_device_properties(0).total_memory)
         torch.cuda.reset_peak_memory_stats()
         model, optimizer = build_on_cuda(spec.config, settings)
     else:
@@ -91,16 +97,21 @@ def run_phase(args) -> dict:
         gas = min(gas, 2)  # check's steps: at most two micro-batches each
     else:
         plan = shapes(args)
-    trace, started = [], time.perf_counter()
+    trace, started, oom = [], time.perf_counter(), None
     for index, (seq_len, side) in enumerate(plan):
         shaped = settings.replace(seq_len=seq_len, image_size=side) if side else settings.replace(seq_len=seq_len)
         batch = training.make_batch(shaped, spec.config, device=device)
         tokens = int(batch["input_ids"].shape[-1]) if "input_ids" in batch else None
-        training.forward_backward(model, batch, shaped, device_type=device)
-        del batch
         stepped = (index + 1) % gas == 0
-        if stepped:
-            training.optimizer_step(model, optimizer, cuda_semantics=cuda)
+        try:
+            training.forward_backward(model, batch, shaped, device_type=device)
+            del batch
+            if stepped:
+                training.optimizer_step(model, optimizer, cuda_semantics=cuda)
+        except torch.OutOfMemoryError as error:  # under --cap-bytes: where the run would have stopped
+            oom = {"micro_batch": index, "seq_len": seq_len, "image_size": side, "error": str(error)[:400]}
+            print(f"  {args.phase}: OOM at micro-batch {index + 1} ({seq_len} tokens)", file=sys.stderr, flush=True)
+            break
         if cuda:
             torch.cuda.synchronize()
         trace.append({"seq_len": seq_len, "image_size": side, "row_tokens": tokens, "optimizer_step": stepped,
@@ -110,7 +121,8 @@ def run_phase(args) -> dict:
             print(f"  {args.phase}: {index + 1}/{len(plan)} micro-batches, max reserved "
                   f"{trace[-1]['max_reserved'] / 2**30:.2f} GiB", file=sys.stderr, flush=True)
     stats = torch.cuda.memory_stats() if cuda else {}
-    return {"phase": args.phase, "settings": settings.to_dict(), "seconds": round(time.perf_counter() - started, 1),
+    return {"phase": args.phase, "cap_bytes": args.cap_bytes, "oom": oom, "settings": settings.to_dict(),
+            "seconds": round(time.perf_counter() - started, 1), "num_ooms": stats.get("num_ooms", 0),
             "max_allocated": read("max_memory_allocated"), "max_reserved": read("max_memory_reserved"),
             "num_alloc_retries": stats.get("num_alloc_retries", 0), "segments": stats.get("segment.all.peak", 0),
             "trace": trace}
