@@ -83,6 +83,11 @@ def row_spec(row: dict):
     if row["model"].endswith("w2v_nolayerdrop.json"):  # wav2vec2-base-960h without LayerDrop (the fifth call)
         config = dict(resolve_model("facebook/wav2vec2-base-960h").config, layerdrop=0.0)
         return ModelSpec.from_config("wav2vec2-base-960h (no LayerDrop)", config)
+    if row["model"].endswith("qwen2vl_7b.json"):  # Qwen2-VL-7B-Instruct's published config (published_media.py)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from published_media import INLINE_CONFIGS
+
+        return ModelSpec.from_config("Qwen/Qwen2-VL-7B-Instruct", dict(INLINE_CONFIGS["Qwen/Qwen2-VL-7B-Instruct"]))
     return resolve_model(row["model"])
 
 

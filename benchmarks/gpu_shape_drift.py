@@ -15,10 +15,14 @@ maximum against the largest shape's own:
    running `max_memory_allocated`, `max_memory_reserved` and `memory_reserved`. The largest shape is drawn with
    the others, and the run is forced to meet it once, so the two maxima are of the same shapes.
 
-The flags are `hf-memfit check`'s (the model, precision, LoRA, checkpointing ...), plus those above:
+The flags are `hf-memfit check`'s (the model, precision, LoRA, checkpointing ...), plus those above.
+`--phase varying --cap-bytes N` runs the varying run alone on "a card of N bytes": past N the allocator frees its
+cached blocks and retries, and raises an OOM only when that is not enough. `report` tables the JSON files
+(`gpu_session.sh`'s part `drift` merges one call's runs into one).
 
     python benchmarks/gpu_shape_drift.py Qwen/Qwen2.5-0.5B --batch-size 4 --seq-len 1024 --min-seq-len 128 \
         --precision bf16-mixed --gradient-accumulation-steps 4 --micro-batches 64 --out drift.json
+    python benchmarks/gpu_shape_drift.py report benchmarks/results/gpu_h200_2/drift*.json
 """
 
 from __future__ import annotations
@@ -128,14 +132,44 @@ def run_phase(args) -> dict:
             "trace": trace}
 
 
+def report(paths: list[str]) -> list[str]:
+    """Markdown tables of merged drift files: the uncapped runs (fixed vs varying), then the capped ones."""
+    GiB = 2**30
+    runs = {}
+    for path in paths:
+        with open(path) as f:
+            runs.update(json.load(f))
+    lines = ["| run | fixed: allocated / reserved | varying: allocated / reserved | reserved, varying / fixed |",
+             "|---|---:|---:|---:|"]
+    for name, run in runs.items():
+        if "summary" in run:
+            fixed, varying = run["fixed"], run["varying"]
+            lines.append(f"| {name} | {fixed['max_allocated'] / GiB:.2f} / {fixed['max_reserved'] / GiB:.2f} GiB | "
+                         f"{varying['max_allocated'] / GiB:.2f} / {varying['max_reserved'] / GiB:.2f} GiB | "
+                         f"{varying['max_reserved'] / fixed['max_reserved']:.2f}x |")
+    lines += ["", "| run | cap | micro-batches run | max reserved | allocator retries | OOM |", "|---|---:|---:|---:|---:|---|"]
+    for name, run in runs.items():
+        if "summary" not in run:
+            cap = f"{run['cap_bytes'] / GiB:.2f} GiB" if run.get("cap_bytes") else "none"
+            oom = run.get("oom")
+            where = (f"at micro-batch {oom['micro_batch'] + 1} ({oom['seq_len']} tokens"
+                     f"{', image ' + str(oom['image_size']) + ' px' if oom.get('image_size') else ''})") if oom else "no"
+            lines.append(f"| {name} | {cap} | {len(run['trace'])} | {run['max_reserved'] / GiB:.2f} GiB | "
+                         f"{run['num_alloc_retries']} | {where} |")
+    return lines
+
+
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["report"]:
+        print("\n".join(report(argv[1:])))
+        return 0
     args = parse(argv)
     if args.phase != "both":
         result = run_phase(args)
         with open(args.json_out, "w") as f:
             json.dump(result, f)
         return 0
-    argv = list(sys.argv[1:] if argv is None else argv)
     results = {}
     for phase in ("fixed", "varying"):  # each in a fresh process: a fresh allocator, as a fresh run has
         out = f"{args.json_out}.{phase}"

@@ -65,6 +65,13 @@ class MemoryEstimate:
             "notes": list(self.notes),
         }
 
+# What a run's logs show beside this step's peak (docs/benchmarks.md section 19, the third GPU session): on an H200,
+# 64 micro-batches of varying lengths reserved 1.12-2.24x what one step at the largest shape did, with the same
+# allocated peak; capped at that step's reserved memory, the same runs fit in two of three.
+RUN_OF_SHAPES_NOTE = ("peak reserved is one step at this shape; a run whose batches vary in shape (dynamic padding, "
+                      "image sizes) reserves more on a card with room (1.1-2.2x measured), cached blocks the allocator "
+                      "frees before it raises an OOM; expandable segments keep it down (`--expandable-segments`)")
+
 
 def estimate(model: str | ModelSpec, **settings) -> MemoryEstimate:
     """Predict the peak memory of one training step.
@@ -250,6 +257,8 @@ def assemble(spec: ModelSpec, settings: TrainSettings, step: StepMemory) -> Memo
         notes.append(f"CUDA overhead: cuBLAS workspaces {workspace / 2**20:.0f} MiB, allocator slack "
                      f"{slack / 2**20:.0f} MiB{' (expandable_segments)' if settings.expandable_segments else ''}, "
                      f"CUDA context {context / 2**20:.0f} MiB")
+        if not settings.expandable_segments:
+            notes.append(RUN_OF_SHAPES_NOTE)
     return MemoryEstimate(
         model=spec.name,
         settings=settings,
