@@ -70,6 +70,21 @@ def test_fp16_on_gpus_without_bf16():
     assert any("no bf16" in r for r in result.plan.reasons)
 
 
+def test_lora_keeps_the_frozen_base_in_bf16_where_the_gpu_has_bf16():
+    # An fp32 copy of a frozen base only doubles the weights: LoRA plans load it in bf16 (transformers 5's
+    # default for a bf16 checkpoint), and the adapters train in fp32. A 16 GiB card then holds a 7B LoRA step.
+    lora = plan("mistralai/Mistral-7B-v0.1", gpu="a100-40gb", gpu_memory="16GiB", seq_len=512, global_batch_size=8,
+                lora_r=16, allow_offload="none")
+    assert lora.plan.settings.precision == "bf16" and lora.plan.torch_dtype == "bfloat16"
+    assert any("bf16 base weights under LoRA" in r for r in lora.plan.reasons)
+    assert lora.estimate.breakdown["weights"] < 15 * GiB  # 7.2B parameters in bf16, not fp32's 27 GiB
+    # No bf16 on the card, a 4-bit base, or a full fine-tune: the precision is chosen as before.
+    assert plan("gpt2", gpu="t4", seq_len=128, global_batch_size=8, lora_r=8).plan.settings.precision == "fp16-mixed"
+    qlora = plan("gpt2", gpu="a100-40gb", seq_len=128, global_batch_size=8, lora_r=8, load_in_4bit=True)
+    assert qlora.plan.settings.precision == "bf16-mixed"
+    assert plan("gpt2", gpu="a100-40gb", seq_len=128, global_batch_size=8).plan.settings.precision == "bf16-mixed"
+
+
 def test_llama_8b_qlora_on_24_gib():
     result = plan("meta-llama/Llama-3.1-8B", gpu_memory="24GiB", seq_len=2048, global_batch_size=32,
                   load_in_4bit=True, lora_r=16)

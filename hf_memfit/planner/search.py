@@ -167,7 +167,7 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
     if isinstance(lora_target_modules, str):
         lora_target_modules = tuple(t for t in lora_target_modules.split(",") if t)
     if precision is None:
-        precision, precision_reason = _precision(gpu_info, device, load_in_4bit or load_in_8bit)
+        precision, precision_reason = _precision(gpu_info, device, lora=bool(lora_r) and not (load_in_4bit or load_in_8bit))
     else:
         precision_reason = f"precision {precision}: as the model was loaded"
     if attn_implementation is None:
@@ -346,9 +346,22 @@ def _budget(gpu_memory, gpu_info) -> int:
     return gpu_info.memory_bytes
 
 
-def _precision(gpu_info, device: str, load_in_4bit: bool) -> tuple[str, str]:
+# LoRA freezes the base, so the base needs no fp32 copy: stored in bf16 it computes as it would under bf16
+# autocast, and the adapters still train in fp32 (peft's `autocast_adapter_dtype`). It is how LoRA is run
+# (transformers 5's `from_pretrained` loads the checkpoint's dtype, bf16 for current models, by default; the
+# recipes load it so: integrations/recipe.py), and an fp32 base doubles the weights for nothing.
+LORA_BF16_BASE_REASON = ("bf16 base weights under LoRA: the frozen base needs no fp32 copy, and the adapters train "
+                         "in fp32 (peft's default); load the model with `dtype=torch.bfloat16` (transformers 5's "
+                         "default `dtype=\"auto\"` does for a bf16 checkpoint)")
+
+
+def _precision(gpu_info, device: str, *, lora: bool = False) -> tuple[str, str]:
+    """The precision a plan trains in when the caller did not fix it, and its one-line reason."""
     if device == "cpu":
         return "fp32", "fp32: planning for the CPU, where mixed precision is rarely faster"
+    if lora and (gpu_info is None or gpu_info.supports_bf16):
+        assumed = " (assuming an Ampere-or-newer GPU: pass `--gpu NAME` to be specific)" if gpu_info is None else ""
+        return "bf16", LORA_BF16_BASE_REASON + assumed
     if gpu_info is None:
         return "bf16-mixed", "bf16 mixed precision: assuming an Ampere-or-newer GPU (pass `--gpu NAME` to be specific)"
     if gpu_info.supports_bf16:

@@ -117,7 +117,7 @@ def format_plan(result) -> str:
         ("gradient_accumulation_steps", str(p.gradient_accumulation_steps)),
         ("GPUs", f"{p.num_gpus} x {p.num_nodes} node(s)"),
         ("gradient_checkpointing", str(p.gradient_checkpointing)),
-        ("precision", _precision_text(s.precision)),
+        ("precision", _precision_text(s.precision, lora=s.uses_lora and not s.load_in_kbit)),
         ("optim", p.optim + (f" ({p.optim_args})" if p.optim_args else "") if s.offload_optimizer == "none"
          else f"{OFFLOADED_OPTIMIZER} on the host (DeepSpeed's optimizer section)"),
         ("attn_implementation", p.attn_implementation),
@@ -155,7 +155,9 @@ def format_plan(result) -> str:
     return "\n".join(lines)
 
 
-def _precision_text(precision: str) -> str:
+def _precision_text(precision: str, lora: bool = False) -> str:
+    if lora and precision in ("bf16", "fp16"):  # a frozen base: the adapters are fp32 (peft's default)
+        return f"{precision} base weights, fp32 LoRA adapters"
     return {"bf16-mixed": "bf16 mixed", "fp16-mixed": "fp16 mixed", "bf16": "bf16 weights (no fp32 master)",
             "fp16": "fp16 weights (no fp32 master)"}.get(precision, precision)
 
