@@ -30,10 +30,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import subprocess
 import sys
-import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -58,78 +56,44 @@ def parse(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def shapes(args) -> list[tuple[int, int | None]]:
-    """(text tokens, image side) per micro-batch: drawn with the seed, the largest placed at a drawn position."""
-    rng = random.Random(args.seed)
-    sides = [None]
-    if args.image_sizes:
-        lo, hi, step = (int(x) for x in args.image_sizes.split(":"))
-        sides = list(range(lo, hi + 1, step))
-    drawn = [(rng.randint(args.min_seq_len, args.seq_len), rng.choice(sides)) for _ in range(args.micro_batches)]
-    drawn[rng.randrange(len(drawn))] = (args.seq_len, args.image_size)
-    return drawn
-
-
 def run_phase(args) -> dict:
     import torch
 
     from hf_memfit.cli.arguments import settings_from_args
-    from hf_memfit.estimator import step as training
-    from hf_memfit.estimator.measure_device import build_on_cuda, cublas_workspace_probe
+    from hf_memfit.estimator.measure_device import measure_varying, varying_shapes
     from hf_memfit.models.spec import resolve_model
 
     spec = resolve_model(args.model)
     cuda = torch.cuda.is_available()  # without one, the loop runs on the CPU and reads no allocator (a smoke test)
-    args.device = device = "cuda" if cuda else "cpu"
+    args.device = "cuda" if cuda else "cpu"
     settings = settings_from_args(args).validate(spec)
     torch.manual_seed(args.seed)
     if cuda:
         torch.cuda.memory._set_allocator_settings(
             f"expandable_segments:{'True' if settings.expandable_segments else 'False'}")
-        cublas_workspace_probe(settings)
         if args.cap_bytes:
             torch.cuda.set_per_process_memory_fraction(args.cap_bytes / torch.cuda.get_device_properties(0).total_memory)
-        torch.cuda.reset_peak_memory_stats()
-        model, optimizer = build_on_cuda(spec.config, settings)
+    if args.phase == "fixed":  # check's steps: at most two micro-batches each, at the largest shape
+        settings = settings.replace(gradient_accumulation_steps=min(settings.gradient_accumulation_steps, 2))
+        shapes = [(settings.seq_len, settings.image_size)] * (args.fixed_steps * settings.gradient_accumulation_steps)
     else:
-        model = training.build_model(spec.config, settings)
-        optimizer = training.make_optimizer(model, settings)
-    read = (lambda name: getattr(torch.cuda, name)()) if cuda else (lambda name: 0)
-    gas = settings.gradient_accumulation_steps
-    if args.phase == "fixed":
-        plan = [(args.seq_len, args.image_size)] * (args.fixed_steps * min(gas, 2))
-        gas = min(gas, 2)  # check's steps: at most two micro-batches each
-    else:
-        plan = shapes(args)
-    trace, started, oom = [], time.perf_counter(), None
-    for index, (seq_len, side) in enumerate(plan):
-        shaped = settings.replace(seq_len=seq_len, image_size=side) if side else settings.replace(seq_len=seq_len)
-        batch = training.make_batch(shaped, spec.config, device=device)
-        tokens = int(batch["input_ids"].shape[-1]) if "input_ids" in batch else None
-        stepped = (index + 1) % gas == 0
-        try:
-            training.forward_backward(model, batch, shaped, device_type=device)
-            del batch
-            if stepped:
-                training.optimizer_step(model, optimizer, cuda_semantics=cuda)
-        except torch.OutOfMemoryError as error:  # under --cap-bytes: where the run would have stopped
-            oom = {"micro_batch": index, "seq_len": seq_len, "image_size": side, "error": str(error)[:400]}
-            print(f"  {args.phase}: OOM at micro-batch {index + 1} ({seq_len} tokens)", file=sys.stderr, flush=True)
-            break
-        if cuda:
-            torch.cuda.synchronize()
-        trace.append({"seq_len": seq_len, "image_size": side, "row_tokens": tokens, "optimizer_step": stepped,
-                      "max_allocated": read("max_memory_allocated"), "max_reserved": read("max_memory_reserved"),
-                      "reserved": read("memory_reserved")})
-        if index % 16 == 15:
-            print(f"  {args.phase}: {index + 1}/{len(plan)} micro-batches, max reserved "
-                  f"{trace[-1]['max_reserved'] / 2**30:.2f} GiB", file=sys.stderr, flush=True)
-    stats = torch.cuda.memory_stats() if cuda else {}
-    return {"phase": args.phase, "cap_bytes": args.cap_bytes, "oom": oom, "settings": settings.to_dict(),
-            "seconds": round(time.perf_counter() - started, 1), "num_ooms": stats.get("num_ooms", 0),
-            "max_allocated": read("max_memory_allocated"), "max_reserved": read("max_memory_reserved"),
-            "num_alloc_retries": stats.get("num_alloc_retries", 0), "segments": stats.get("segment.all.peak", 0),
-            "trace": trace}
+        sides = ()
+        if args.image_sizes:
+            lo, hi, step = (int(x) for x in args.image_sizes.split(":"))
+            sides = tuple(range(lo, hi + 1, step))
+        shapes = varying_shapes(settings, min_seq_len=args.min_seq_len, micro_batches=args.micro_batches,
+                                seed=args.seed, image_sizes=sides)
+
+    def progress(done, total, last):
+        if done % 16 == 0:
+            print(f"  {args.phase}: {done}/{total} micro-batches, max reserved {last['max_reserved'] / 2**30:.2f} GiB",
+                  file=sys.stderr, flush=True)
+
+    result = measure_varying(spec.config, settings, shapes, progress=progress)
+    if result["oom"]:
+        print(f"  {args.phase}: OOM at micro-batch {result['oom']['micro_batch'] + 1} "
+              f"({result['oom']['seq_len']} tokens)", file=sys.stderr, flush=True)
+    return {"phase": args.phase, "cap_bytes": args.cap_bytes, "settings": settings.to_dict(), **result}
 
 
 def report(paths: list[str]) -> list[str]:

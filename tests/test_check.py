@@ -132,6 +132,50 @@ def test_cuda_without_a_gpu_is_refused(tmp_path, capsys):
     assert code == 2 and err.count("\n") == 1 and "--device cpu" in err
 
 
+def test_varying_lengths_need_a_gpu_and_a_shortest_length_in_range(tmp_path, capsys):
+    model = _config(tmp_path, TINY_LLAMA)
+    code, _, err = _run(capsys, model, "--batch-size", "1", "--seq-len", "64", "--device", "cpu",
+                        "--vary-seq-len", "16")
+    assert code == 2 and err.count("\n") == 1 and "caching allocator" in err and "on a GPU" in err
+    code, _, err = _run(capsys, model, "--batch-size", "1", "--seq-len", "64", "--device", "cpu",
+                        "--vary-seq-len", "65", "--micro-batches", "0")
+    assert code == 2 and err.count("\n") == 1 and "from 1 to `--seq-len` (64)" in err and "--micro-batches" in err
+
+
+def test_a_run_of_varying_lengths_meets_the_largest_and_steps_with_accumulation():
+    # The loop `check --vary-seq-len` and benchmarks/gpu_shape_drift.py run (here on the CPU, which reads no
+    # allocator): every drawn length in range, the settings' own length among them, a step every 3 micro-batches.
+    from hf_memfit.estimator.measure_device import measure_varying, varying_shapes
+    from hf_memfit.models.spec import ModelSpec
+    from hf_memfit.settings import TrainSettings
+
+    spec = ModelSpec.from_config("tiny-llama", TINY_LLAMA)
+    settings = TrainSettings(batch_size=2, seq_len=48, gradient_accumulation_steps=3, device="cpu").validate(spec)
+    shapes = varying_shapes(settings, min_seq_len=8, micro_batches=7, seed=3)
+    assert len(shapes) == 7 and (48, None) in shapes and all(8 <= length <= 48 for length, _ in shapes)
+    assert len({length for length, _ in shapes}) > 2 and shapes == varying_shapes(settings, min_seq_len=8,
+                                                                                  micro_batches=7, seed=3)
+    result = measure_varying(spec.config, settings, shapes)
+    assert result["run"] == 7 and result["oom"] is None
+    assert [t["optimizer_step"] for t in result["trace"]] == [False, False, True, False, False, True, False]
+    assert [t["seq_len"] for t in result["trace"]] == [length for length, _ in shapes]
+
+
+@pytest.mark.gpu
+def test_check_a_run_of_varying_lengths_on_cuda(tmp_path, capsys):
+    model = _config(tmp_path, TINY_LLAMA)
+    code, out, err = _run(capsys, model, "--batch-size", "2", "--seq-len", "256", "--precision", "bf16-mixed",
+                          "--device", "cuda", "--mode", "fast", "--vary-seq-len", "32", "--micro-batches", "24",
+                          "--json")
+    assert code == 0, err
+    row = json.loads(out)
+    varying = row["varying"]
+    assert varying["run"] == 24 and varying["oom"] is None
+    # the run meets the fixed step's shape, so it allocates at least about what that step did
+    assert varying["max_allocated"] >= 0.95 * row["measured"]["peak_allocated_bytes"]
+    assert varying["max_reserved"] >= varying["max_allocated"]
+
+
 @pytest.mark.gpu
 def test_check_on_cuda(tmp_path, capsys):
     """The CUDA path, and each CUDA-side constant family of the estimate against what the run measured.

@@ -62,6 +62,14 @@ def add_check_parser(sub) -> None:
                         help="CUDA, one row: also write the caching allocator's history of the run to FILE (a "
                              "pickle that pytorch.org/memory_viz draws: every block alive at the peak, with the "
                              "Python stack that allocated it)")
+    parser.add_argument("--vary-seq-len", type=int, metavar="MIN",
+                        help="CUDA: after the steps at --seq-len, train --micro-batches more whose lengths are drawn "
+                             "from MIN to --seq-len, as dynamic padding makes them, and report the run's "
+                             "max_memory_allocated / max_memory_reserved and whether this card ran out (a run of "
+                             "varying shapes reserves more than one step: docs/benchmarks.md section 19)")
+    parser.add_argument("--micro-batches", type=int, default=64,
+                        help="with --vary-seq-len: how many micro-batches (default 64; one optimizer step every "
+                             "--gradient-accumulation-steps)")
     parser.set_defaults(func=cmd_check)
 
 
@@ -82,6 +90,8 @@ def cmd_check(args: argparse.Namespace) -> int:
         if args.grid:
             raise MemFitError("`--memory-snapshot` records one run: drop `--grid`, or check that row alone")
         check_writable(args.memory_snapshot, "--memory-snapshot")
+    if args.vary_seq_len is not None:
+        check_all(_varying_problems(args, device))
     args.device, args.gpu = device, _local_gpu_name(args.gpu) if device == "cuda" else args.gpu
     spec = resolve_model(args.model)
     base = settings_from_args(args).validate(spec)
@@ -89,6 +99,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     if not args.grid:
         row = check_row(spec, base, steps=args.steps, terms=args.terms, exact=args.mode == "exact",
                         memory_snapshot=args.memory_snapshot)
+        if args.vary_seq_len is not None:
+            row["varying"] = varying_row(spec, base, min_seq_len=args.vary_seq_len, micro_batches=args.micro_batches)
         emit(json.dumps({"model": spec.name, "machine": machine, **row}, indent=2) if args.json
               else format_row(spec.name, row, machine))
         return 0
@@ -110,6 +122,36 @@ def cmd_check(args: argparse.Namespace) -> int:
     emit(json.dumps(document, indent=2) if args.json else format_grid(spec.name, document))
     print(f"hf-memfit: wrote {args.out}", file=sys.stderr)
     return 0
+
+
+def _varying_problems(args: argparse.Namespace, device: str) -> list[str]:
+    problems = []
+    if device != "cuda":
+        problems.append("`--vary-seq-len` measures the CUDA caching allocator over a run of varying lengths, and this "
+                        "check runs on the CPU, which has none: drop it, or check on a GPU")
+    if args.grid:
+        problems.append("`--vary-seq-len` follows one row: drop `--grid`, or check that row alone")
+    if args.seq_len is None or not 1 <= args.vary_seq_len <= args.seq_len:
+        problems.append(f"`--vary-seq-len {args.vary_seq_len}` is the shortest length drawn: give one from 1 to "
+                        f"`--seq-len` ({args.seq_len})")
+    if args.micro_batches < 1:
+        problems.append(f"`--micro-batches` must be at least 1, got {args.micro_batches}")
+    return problems
+
+
+def varying_row(spec, settings, *, min_seq_len: int, micro_batches: int) -> dict:
+    """`micro_batches` of lengths from `min_seq_len` to the settings' on this GPU, beside the fixed-shape row."""
+    from hf_memfit.estimator.measure_device import measure_varying, varying_shapes
+
+    shapes = varying_shapes(settings, min_seq_len=min_seq_len, micro_batches=micro_batches)
+
+    def progress(done, total, last):
+        if done % 16 == 0 or done == total:
+            print(f"hf-memfit: varying lengths: {done}/{total} micro-batches, max reserved "
+                  f"{format_bytes(last['max_reserved'])}", file=sys.stderr, flush=True)
+
+    result = measure_varying(spec.config, settings.replace(mode="exact"), shapes, progress=progress)
+    return {"min_seq_len": min_seq_len, **result}
 
 
 def _write_json(document: dict, path: str) -> None:
@@ -414,6 +456,18 @@ def format_row(name: str, row: dict, machine: dict) -> str:
                       "line that allocated it"]
         lines += [f"  {_size(group['bytes']):>12}  {group['blocks']:>5} block(s)  {group['site']}"
                   for group in peak["groups"][:12]]
+    if row.get("varying"):
+        v = row["varying"]
+        lines += ["", f"A run of {v['micro_batches']} micro-batches of {v['min_seq_len']}-{row['settings']['seq_len']} "
+                      f"tokens (--vary-seq-len), as dynamic padding makes them"]
+        lines.append(f"  max allocated {_size(v['max_allocated']):>12}   (the fixed step: {_size(m['peak_allocated_bytes'])})")
+        lines.append(f"  max reserved  {_size(v['max_reserved']):>12}   (the fixed step: {_size(m['peak_reserved_bytes'])}; "
+                     "cache the allocator frees and retries with before an OOM)")
+        if v["oom"]:
+            lines.append(f"  ran out of memory at micro-batch {v['oom']['micro_batch'] + 1} ({v['oom']['seq_len']} "
+                         f"tokens) after {v['num_alloc_retries']} retries: this card does not hold the run")
+        else:
+            lines.append(f"  no OOM on this card ({v['num_alloc_retries']} allocator retries)")
     lines += [f"note: {note}" for note in m["notes"]]
     return "\n".join(lines)
 

@@ -197,6 +197,73 @@ def train_on_cuda(model, optimizer, config: dict, settings: TrainSettings, steps
         training.optimizer_step(model, optimizer, cuda_semantics=True)
 
 
+def varying_shapes(settings: TrainSettings, *, min_seq_len: int, micro_batches: int, seed: int = 0,
+                   image_sizes: tuple[int, ...] = ()) -> list[tuple[int, int | None]]:
+    """(text tokens, image side) per micro-batch of a run with dynamic padding: lengths uniform in
+    [`min_seq_len`, the settings' length] (image sides uniform over `image_sizes`), drawn with `seed`; the largest
+    shape, the settings' own, is placed at a drawn position so the run meets the step the estimate is for."""
+    import random
+
+    rng = random.Random(seed)
+    sides = list(image_sizes) or [settings.image_size]
+    drawn = [(rng.randint(min_seq_len, settings.seq_len), rng.choice(sides)) for _ in range(micro_batches)]
+    drawn[rng.randrange(len(drawn))] = (settings.seq_len, settings.image_size)
+    return drawn
+
+
+def measure_varying(config: dict, settings: TrainSettings, shapes: list[tuple[int, int | None]],
+                    *, progress=None) -> dict:
+    """A run of micro-batches of the given shapes, an optimizer step every `gradient_accumulation_steps`, as a
+    training run with dynamic padding makes them: on CUDA, the running `max_memory_allocated` /
+    `max_memory_reserved` after each micro-batch, and where the run ran out of memory if it did.
+
+    `check` measures one shape, the largest, which is what the estimate is for. Over many shapes the caching
+    allocator keeps the segments each shape made, so a card with room reserves more than one step did (docs/
+    benchmarks.md section 19: 1.12-2.24x), cache it frees and retries with before it raises an OOM
+    (`num_alloc_retries`). On the CPU the run goes through the same steps and reads no allocator (zeros)."""
+    cuda = settings.device == "cuda"
+    if cuda:
+        gc.collect()
+        torch.cuda.empty_cache()  # a fresh allocator, as a fresh run has: nothing cached by an earlier row
+        cublas_workspace_probe(settings)
+        torch.cuda.reset_peak_memory_stats()
+        model, optimizer = build_on_cuda(config, settings)
+    else:
+        model = training.build_model(config, settings)
+        optimizer = training.make_optimizer(model, settings)
+    read = (lambda name: int(getattr(torch.cuda, name)())) if cuda else (lambda name: 0)
+    device = "cuda" if cuda else "cpu"
+    trace, oom, started = [], None, time.perf_counter()
+    for index, (seq_len, side) in enumerate(shapes):
+        shaped = settings.replace(seq_len=seq_len, image_size=side)
+        stepped = (index + 1) % settings.gradient_accumulation_steps == 0
+        try:
+            batch = training.make_batch(shaped, config, device=device)
+            training.forward_backward(model, batch, shaped, device_type=device)
+            del batch
+            if stepped:
+                training.optimizer_step(model, optimizer, cuda_semantics=cuda)
+        except torch.OutOfMemoryError as error:  # where this card would have stopped the run
+            oom = {"micro_batch": index, "seq_len": seq_len, "image_size": side,
+                   "error": str(error).splitlines()[0][:300]}
+            break
+        if cuda:
+            torch.cuda.synchronize()
+        trace.append({"seq_len": seq_len, "image_size": side, "optimizer_step": stepped,
+                      "max_allocated": read("max_memory_allocated"), "max_reserved": read("max_memory_reserved"),
+                      "reserved": read("memory_reserved")})
+        if progress is not None:
+            progress(index + 1, len(shapes), trace[-1])
+    stats = torch.cuda.memory_stats() if cuda else {}
+    result = {"micro_batches": len(shapes), "run": len(trace), "oom": oom,
+              "seconds": round(time.perf_counter() - started, 1),
+              "max_allocated": read("max_memory_allocated"), "max_reserved": read("max_memory_reserved"),
+              "num_alloc_retries": int(stats.get("num_alloc_retries", 0)), "num_ooms": int(stats.get("num_ooms", 0)),
+              "trace": trace}
+    del model, optimizer
+    return result
+
+
 def cublas_workspace_probe(settings: TrainSettings) -> int:
     """The allocator bytes cuBLAS keeps after a matmul forward (main thread) and backward (autograd's thread).
 
