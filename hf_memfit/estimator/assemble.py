@@ -65,6 +65,7 @@ class MemoryEstimate:
             "notes": list(self.notes),
         }
 
+
 # What a run's logs show beside this step's peak (docs/benchmarks.md section 19, the third GPU session): on an H200,
 # 64 micro-batches of varying lengths reserved 1.12-2.24x what one step at the largest shape did, with the same
 # allocated peak; capped at that step's reserved memory, the same runs fit in two of three.
