@@ -332,7 +332,8 @@ def expandable_segments_reason(est: MemoryEstimate) -> str:
         return ""
     return (f"allocator: {format_bytes(slack)} of the peak is the caching allocator's predicted fragmentation; "
             f"set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to cut it to about "
-            f"{format_bytes(EXPANDABLE_SEGMENTS_SLACK_BYTES)} (`--expandable-segments` plans with it)")
+            f"{format_bytes(EXPANDABLE_SEGMENTS_SLACK_BYTES)} (`--expandable-segments` plans with it), and to keep "
+            "batches of varying length from growing what the run reserves")
 
 
 def optimizer_reason(s: TrainSettings, candidates: Candidates, keep_optimizer: bool) -> str:
