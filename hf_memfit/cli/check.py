@@ -29,6 +29,9 @@ TERMS = ("weights", "gradients", "optimizer", "activations", "temporary", "overh
 # peft imported (~1 GiB resident on the machine behind docs/benchmarks.md) and the profiler's event records.
 # A run predicted to need more than what is available less this is refused before it starts.
 RUN_RESERVE_BYTES = 1 * GiB
+# `--vary-seq-len`'s run when `--micro-batches` is not given: enough draws that the longest batches meet shorter
+# ones in every order (the H200 runs of docs/benchmarks.md section 19 reached their reserved maxima by the 48th).
+VARYING_MICRO_BATCHES = 64
 # The prediction itself may be off (docs/benchmarks.md: fast mode up to ~4% on a CPU row, more on a GPU where
 # the allocator's slack is modelled); 25% more than predicted must still fit.
 PREDICTION_MARGIN = 1.25
@@ -67,7 +70,7 @@ def add_check_parser(sub) -> None:
                              "from MIN to --seq-len, as dynamic padding makes them, and report the run's "
                              "max_memory_allocated / max_memory_reserved and whether this card ran out (a run of "
                              "varying shapes reserves more than one step: docs/benchmarks.md section 19)")
-    parser.add_argument("--micro-batches", type=int, default=64,
+    parser.add_argument("--micro-batches", type=int, default=None,
                         help="with --vary-seq-len: how many micro-batches (default 64; one optimizer step every "
                              "--gradient-accumulation-steps)")
     parser.set_defaults(func=cmd_check)
@@ -92,6 +95,9 @@ def cmd_check(args: argparse.Namespace) -> int:
         check_writable(args.memory_snapshot, "--memory-snapshot")
     if args.vary_seq_len is not None:
         check_all(_varying_problems(args, device))
+    elif args.micro_batches is not None:
+        raise MemFitError("`--micro-batches` sets the length of a `--vary-seq-len` run: add `--vary-seq-len MIN`, "
+                          "or drop it")
     args.device, args.gpu = device, _local_gpu_name(args.gpu) if device == "cuda" else args.gpu
     spec = resolve_model(args.model)
     base = settings_from_args(args).validate(spec)
@@ -134,7 +140,9 @@ def _varying_problems(args: argparse.Namespace, device: str) -> list[str]:
     if args.seq_len is None or not 1 <= args.vary_seq_len <= args.seq_len:
         problems.append(f"`--vary-seq-len {args.vary_seq_len}` is the shortest length drawn: give one from 1 to "
                         f"`--seq-len` ({args.seq_len})")
-    if args.micro_batches < 1:
+    if args.micro_batches is None:
+        args.micro_batches = VARYING_MICRO_BATCHES
+    elif args.micro_batches < 1:
         problems.append(f"`--micro-batches` must be at least 1, got {args.micro_batches}")
     return problems
 
