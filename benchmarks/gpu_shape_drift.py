@@ -68,11 +68,8 @@ def run_phase(args) -> dict:
     args.device = "cuda" if cuda else "cpu"
     settings = settings_from_args(args).validate(spec)
     torch.manual_seed(args.seed)
-    if cuda:
-        torch.cuda.memory._set_allocator_settings(
-            f"expandable_segments:{'True' if settings.expandable_segments else 'False'}")
-        if args.cap_bytes:
-            torch.cuda.set_per_process_memory_fraction(args.cap_bytes / torch.cuda.get_device_properties(0).total_memory)
+    if cuda and args.cap_bytes:
+        torch.cuda.set_per_process_memory_fraction(args.cap_bytes / torch.cuda.get_device_properties(0).total_memory)
     if args.phase == "fixed":  # check's steps: at most two micro-batches each, at the largest shape
         settings = settings.replace(gradient_accumulation_steps=min(settings.gradient_accumulation_steps, 2))
         shapes = [(settings.seq_len, settings.image_size)] * (args.fixed_steps * settings.gradient_accumulation_steps)

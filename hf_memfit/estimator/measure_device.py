@@ -223,6 +223,8 @@ def measure_varying(config: dict, settings: TrainSettings, shapes: list[tuple[in
     (`num_alloc_retries`). On the CPU the run goes through the same steps and reads no allocator (zeros)."""
     cuda = settings.device == "cuda"
     if cuda:
+        torch.cuda.memory._set_allocator_settings(  # the allocator the settings predict, as `_measure_cuda` sets it
+            f"expandable_segments:{'True' if settings.expandable_segments else 'False'}")
         gc.collect()
         torch.cuda.empty_cache()  # a fresh allocator, as a fresh run has: nothing cached by an earlier row
         cublas_workspace_probe(settings)
