@@ -60,7 +60,8 @@ def run_phase(args) -> dict:
     import torch
 
     from hf_memfit.cli.arguments import settings_from_args
-    from hf_memfit.estimator.measure_device import measure_varying, varying_shapes
+    from hf_memfit.estimator.measure_device import measure_varying
+    from hf_memfit.estimator.run_of_shapes import varying_shapes
     from hf_memfit.models.spec import resolve_model
 
     spec = resolve_model(args.model)

@@ -15,6 +15,7 @@ import sys
 
 from hf_memfit.cli.output import emit
 from hf_memfit.errors import MemFitError, check_all
+from hf_memfit.estimator.run_of_shapes import DEFAULT_MICRO_BATCHES
 from hf_memfit.units import GiB, format_bytes
 
 CHECK_EPILOG = """examples:
@@ -29,9 +30,6 @@ TERMS = ("weights", "gradients", "optimizer", "activations", "temporary", "overh
 # peft imported (~1 GiB resident on the machine behind docs/benchmarks.md) and the profiler's event records.
 # A run predicted to need more than what is available less this is refused before it starts.
 RUN_RESERVE_BYTES = 1 * GiB
-# `--vary-seq-len`'s run when `--micro-batches` is not given: enough draws that the longest batches meet shorter
-# ones in every order (the H200 runs of docs/benchmarks.md section 19 reached their reserved maxima by the 48th).
-VARYING_MICRO_BATCHES = 64
 # The prediction itself may be off (docs/benchmarks.md: fast mode up to ~4% on a CPU row, more on a GPU where
 # the allocator's slack is modelled); 25% more than predicted must still fit.
 PREDICTION_MARGIN = 1.25
@@ -141,7 +139,7 @@ def _varying_problems(args: argparse.Namespace, device: str) -> list[str]:
         problems.append(f"`--vary-seq-len {args.vary_seq_len}` is the shortest length drawn: give one from 1 to "
                         f"`--seq-len` ({args.seq_len})")
     if args.micro_batches is None:
-        args.micro_batches = VARYING_MICRO_BATCHES
+        args.micro_batches = DEFAULT_MICRO_BATCHES
     elif args.micro_batches < 1:
         problems.append(f"`--micro-batches` must be at least 1, got {args.micro_batches}")
     return problems
@@ -149,7 +147,8 @@ def _varying_problems(args: argparse.Namespace, device: str) -> list[str]:
 
 def varying_row(spec, settings, *, min_seq_len: int, micro_batches: int) -> dict:
     """`micro_batches` of lengths from `min_seq_len` to the settings' on this GPU, beside the fixed-shape row."""
-    from hf_memfit.estimator.measure_device import measure_varying, varying_shapes
+    from hf_memfit.estimator.measure_device import measure_varying
+    from hf_memfit.estimator.run_of_shapes import run_of_shapes, run_problems, varying_shapes
 
     shapes = varying_shapes(settings, min_seq_len=min_seq_len, micro_batches=micro_batches)
 
@@ -159,7 +158,15 @@ def varying_row(spec, settings, *, min_seq_len: int, micro_batches: int) -> dict
                   f"{format_bytes(last['max_reserved'])}", file=sys.stderr, flush=True)
 
     result = measure_varying(spec.config, settings.replace(mode="exact"), shapes, progress=progress)
-    return {"min_seq_len": min_seq_len, **result}
+    row = {"min_seq_len": min_seq_len, **result}
+    if not run_problems(settings, min_seq_len=min_seq_len, micro_batches=micro_batches):
+        # The same shapes replayed through the simulated allocator (`estimate --vary-seq-len`), to check it here.
+        predicted = run_of_shapes(spec, settings.replace(mode="exact"), min_seq_len=min_seq_len,
+                                  micro_batches=micro_batches)
+        row["predicted"] = {key: value for key, value in predicted.to_dict().items() if key != "shapes"}
+        row["error_percent"] = {key: _err(row["predicted"][f"peak_{key}_bytes"], result[f"max_{key}"])
+                                for key in ("allocated", "reserved")}
+    return row
 
 
 def _write_json(document: dict, path: str) -> None:
@@ -471,6 +478,11 @@ def format_row(name: str, row: dict, machine: dict) -> str:
         lines.append(f"  max allocated {_size(v['max_allocated']):>12}   (the fixed step: {_size(m['peak_allocated_bytes'])})")
         lines.append(f"  max reserved  {_size(v['max_reserved']):>12}   (the fixed step: {_size(m['peak_reserved_bytes'])}; "
                      "cache the allocator frees and retries with before an OOM)")
+        if v.get("predicted"):
+            p, e = v["predicted"], v["error_percent"]
+            lines.append(f"  predicted (estimate --vary-seq-len): allocated {_size(p['peak_allocated_bytes'])} "
+                         f"({_pct(e['allocated'])}), reserved {_size(p['peak_reserved_bytes'])} ({_pct(e['reserved'])}), "
+                         f"smallest card's allocator {_size(p['needed_bytes'])}")
         if v["oom"]:
             lines.append(f"  ran out of memory at micro-batch {v['oom']['micro_batch'] + 1} ({v['oom']['seq_len']} "
                          f"tokens) after {v['num_alloc_retries']} retries: this card does not hold the run")

@@ -35,9 +35,50 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         from hf_memfit.hardware import find_gpu
 
         args.gpu = find_gpu(args.gpu).name
-    est = estimate_settings(spec, settings_from_args(args))
-    emit(json.dumps(est.to_dict(), indent=2) if args.json else format_estimate(est))
+    settings = settings_from_args(args)
+    run_shape = _run_of_shapes_arguments(args, settings.validate(spec))  # refused before the step is estimated
+    est = estimate_settings(spec, settings)
+    run = None
+    if run_shape is not None:
+        from hf_memfit.estimator.run_of_shapes import run_of_shapes
+
+        run = run_of_shapes(spec, est.settings, **run_shape,
+                            outside_allocator_bytes=est.device_total_bytes - est.peak_reserved_bytes)
+    if args.json:
+        emit(json.dumps({**est.to_dict(), **({"run_of_shapes": run.to_dict()} if run else {})}, indent=2))
+    else:
+        from hf_memfit.report.text import format_run_of_shapes
+
+        emit(format_estimate(est) + (("\n\n" + format_run_of_shapes(run, est)) if run else ""))
     return 0
+
+
+def _run_of_shapes_arguments(args: argparse.Namespace, settings) -> dict | None:
+    """`run_of_shapes`'s keyword arguments from `--vary-seq-len`, `--vary-image-size` and `--micro-batches`
+    (None without `--vary-seq-len`); every problem with them is refused at once, in one line each."""
+    from hf_memfit.errors import check_all
+    from hf_memfit.estimator.run_of_shapes import DEFAULT_MICRO_BATCHES, run_problems
+
+    if args.vary_seq_len is None:
+        given = [flag for flag, value in (("--micro-batches", args.micro_batches),
+                                          ("--vary-image-size", args.vary_image_size)) if value is not None]
+        if given:
+            raise MemFitError(f"`{given[0]}` shapes a `--vary-seq-len` run: add `--vary-seq-len MIN`, or drop it")
+        return None
+    micro_batches = DEFAULT_MICRO_BATCHES if args.micro_batches is None else args.micro_batches
+    problems = run_problems(settings, min_seq_len=args.vary_seq_len, micro_batches=micro_batches)
+    image_sizes = ()
+    if args.vary_image_size is not None:
+        if settings.task != "image-text-to-text" or not settings.image_size:
+            problems.append("`--vary-image-size` draws a VLM's image sides: it needs `--task image-text-to-text` "
+                            "and `--image-size`, the largest side")
+        elif not 1 <= args.vary_image_size <= settings.image_size:
+            problems.append(f"`--vary-image-size {args.vary_image_size}` is the smallest side drawn: give one from 1 "
+                            f"to `--image-size` ({settings.image_size})")
+        else:
+            image_sizes = tuple(range(args.vary_image_size, settings.image_size + 1))
+    check_all(problems)
+    return {"min_seq_len": args.vary_seq_len, "micro_batches": micro_batches, "image_sizes": image_sizes}
 
 
 _PLAN_EPILOG = """examples:
@@ -315,6 +356,17 @@ def build_parser() -> argparse.ArgumentParser:
     est = sub.add_parser("estimate", help="peak memory of one training step", epilog=_ESTIMATE_EPILOG,
                          formatter_class=argparse.RawDescriptionHelpFormatter)
     add_step_arguments(est)
+    est.add_argument("--vary-seq-len", type=int, metavar="MIN",
+                     help="CUDA: also simulate a run of --micro-batches micro-batches whose lengths are drawn from MIN "
+                          "to --seq-len, as dynamic padding makes them: the caching allocator's reserved peak over "
+                          "the run, which grows past one step's, and the smallest card the whole run fits on (traces "
+                          "the run at full depth: a minute for a 0.5B model, longer for larger ones)")
+    est.add_argument("--vary-image-size", type=int, metavar="MIN",
+                     help="with --vary-seq-len and --task image-text-to-text: also draw each micro-batch's square "
+                          "image side from MIN to --image-size")
+    est.add_argument("--micro-batches", type=int, default=None,
+                     help="with --vary-seq-len: how many micro-batches the run has (default 64; an optimizer step "
+                          "every --gradient-accumulation-steps)")
     est.set_defaults(func=cmd_estimate)
     pln = sub.add_parser("plan", help="the fastest configuration that fits a memory budget", epilog=_PLAN_EPILOG,
                          formatter_class=argparse.RawDescriptionHelpFormatter)

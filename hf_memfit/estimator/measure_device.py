@@ -197,20 +197,6 @@ def train_on_cuda(model, optimizer, config: dict, settings: TrainSettings, steps
         training.optimizer_step(model, optimizer, cuda_semantics=True)
 
 
-def varying_shapes(settings: TrainSettings, *, min_seq_len: int, micro_batches: int, seed: int = 0,
-                   image_sizes: tuple[int, ...] = ()) -> list[tuple[int, int | None]]:
-    """(text tokens, image side) per micro-batch of a run with dynamic padding: lengths uniform in
-    [`min_seq_len`, the settings' length] (image sides uniform over `image_sizes`), drawn with `seed`; the largest
-    shape, the settings' own, is placed at a drawn position so the run meets the step the estimate is for."""
-    import random
-
-    rng = random.Random(seed)
-    sides = list(image_sizes) or [settings.image_size]
-    drawn = [(rng.randint(min_seq_len, settings.seq_len), rng.choice(sides)) for _ in range(micro_batches)]
-    drawn[rng.randrange(len(drawn))] = (settings.seq_len, settings.image_size)
-    return drawn
-
-
 def measure_varying(config: dict, settings: TrainSettings, shapes: list[tuple[int, int | None]],
                     *, progress=None) -> dict:
     """A run of micro-batches of the given shapes, an optimizer step every `gradient_accumulation_steps`, as a

@@ -380,14 +380,17 @@ def trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], *
             if stash is not None:
                 stash.peak = stash.live
             if step_index == 0:
-                shaped, micros = warm_up, (1 if short_warm_up else micro_batches)
+                micro_settings = (warm_up,) * (1 if short_warm_up else micro_batches)
+            elif shapes and isinstance(shapes[step_index - 1][0], TrainSettings):  # a step of these micro-batches
+                micro_settings = shapes[step_index - 1]
+                progress.info("tracing optimizer step %d of %d", step_index, len(shapes))
             elif shapes:
                 batch_size, seq_len, micros, *precision = shapes[step_index - 1]
-                shaped = settings.replace(batch_size=batch_size, seq_len=seq_len,
-                                          precision=(precision or [None])[0] or settings.precision)
+                micro_settings = (settings.replace(batch_size=batch_size, seq_len=seq_len,
+                                                   precision=(precision or [None])[0] or settings.precision),) * micros
             else:
-                shaped, micros = settings, micro_batches
-            for micro in range(micros):
+                micro_settings = (settings,) * micro_batches
+            for micro, shaped in enumerate(micro_settings):
                 position["micro"] = micro
                 tracker.phase = "inputs"
                 tracker.set_region(f"{step_tag()}|fwd|pre")

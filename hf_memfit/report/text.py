@@ -94,6 +94,27 @@ def format_estimate(est) -> str:
     return "\n".join(lines)
 
 
+def format_run_of_shapes(run, est) -> str:
+    """`estimate --vary-seq-len`'s lines: the simulated caching allocator over a run of varying shapes."""
+    lengths = sorted({length for length, _ in run.shapes})
+    sides = sorted({side for _, side in run.shapes if side})
+    drawn = f"{lengths[0]}-{lengths[-1]} tokens" + (f", images {sides[0]}-{sides[-1]} px" if len(sides) > 1 else "")
+    outside = run.device_total_bytes - run.peak_reserved_bytes
+    rows = [("peak allocated", format_bytes(run.peak_allocated_bytes), "torch.cuda.max_memory_allocated over the run"),
+            ("peak reserved", format_bytes(run.peak_reserved_bytes),
+             "torch.cuda.max_memory_reserved over the run, on a card with room"),
+            ("device total", format_bytes(run.device_total_bytes), "what nvidia-smi shows late in the run")]
+    if run.needed_bytes is not None:
+        rows.append(("smallest card", format_bytes(run.needed_bytes + outside),
+                     "the least device memory on which the whole run completes"))
+    return "\n".join([f"over a run of {run.micro_batches} micro-batches of {drawn} (--vary-seq-len), traced at full "
+                      f"depth and replayed through the caching allocator's rules ({run.seconds:.0f} s):",
+                      _table(rows),
+                      f"  note: one step at the largest shape reserves {format_bytes(run.step_reserved_bytes)} in the "
+                      "same replay; over a run the allocator keeps the segments each shape made, and on a smaller "
+                      "card it frees them and retries before it raises an OOM"])
+
+
 def _searched_text(result) -> str:
     searched, estimated = result.candidates_searched, result.candidates_tried
     if searched <= estimated:

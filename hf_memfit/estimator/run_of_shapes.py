@@ -1,0 +1,184 @@
+"""A run of varying shapes on the CUDA caching allocator: what `max_memory_reserved` climbs to over many
+micro-batches, and the smallest card the whole run fits on.
+
+An estimate is one step at one shape, the largest a run meets. A real run meets many: dynamic padding makes every
+batch its own length, and a VLM's images their own token counts. The caching allocator keeps the segments each
+shape made, and a block one shape freed may be too small, or split, for the next, so a card with room reserves
+more over a run than one step did (docs/benchmarks.md section 19: 1.12-2.24x on an H200, the allocated peak
+unchanged). That is the `memory(GiB)` ms-swift logs and what `nvidia-smi` shows mid-run.
+
+No formula follows that growth: it comes in jumps when a new size meets a split cache (the H200's Qwen2.5-0.5B
+runs climbed 7 GiB at a time). So this traces the run itself, micro-batch by micro-batch, at the model's full
+depth on fake CUDA tensors (exact mode's tracer, one build, the lengths drawn as `check --vary-seq-len` draws
+them), and replays its allocations and frees through `CachingAllocatorSimulator`, the allocator's rules in
+Python. The same replay with a capacity answers the question that decides a run: on a card of N bytes the
+allocator frees its cache and retries before it raises an OOM, so the smallest N on which the whole run
+completes (`needed_bytes`) is what a budget must hold, and it lies between the run's allocated peak and its
+reserved peak on a roomy card.
+
+What it does not cover, refused by `run_problems`: ZeRO and FSDP (their shards and buckets are laid out by
+formula, not traced), sequence and context parallelism, 4- and 8-bit base weights (packed by formula after the
+trace), and expandable segments (the simulator follows the default allocator; with expandable segments a run
+reserves what its step does, one partly used page per pool: `cuda_overhead.EXPANDABLE_SEGMENTS_SLACK_BYTES`).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import asdict, dataclass, field
+
+from hf_memfit.estimator.cuda_overhead import CachingAllocatorSimulator, SimulatedOutOfMemoryError
+from hf_memfit.settings import TrainSettings
+
+# A run's micro-batches when none are given: enough draws that the longest batches meet shorter ones in every
+# order (the H200 runs of docs/benchmarks.md section 19 reached their reserved maxima by the 48th).
+DEFAULT_MICRO_BATCHES = 64
+# `needed_bytes` is found by bisection over replays of the run; it stops when the interval is this narrow.
+NEEDED_PRECISION_BYTES = 32 * 2**20
+
+
+def varying_shapes(settings: TrainSettings, *, min_seq_len: int, micro_batches: int, seed: int = 0,
+                   image_sizes: tuple[int, ...] = ()) -> list[tuple[int, int | None]]:
+    """(text tokens, image side) per micro-batch of a run with dynamic padding: lengths uniform in
+    [`min_seq_len`, the settings' length] (image sides uniform over `image_sizes`), drawn with `seed`; the largest
+    shape, the settings' own, is placed at a drawn position so the run meets the step the estimate is for.
+    `check --vary-seq-len` measures the run these shapes make, and `run_of_shapes` predicts it."""
+    rng = random.Random(seed)
+    sides = list(image_sizes) or [settings.image_size]
+    drawn = [(rng.randint(min_seq_len, settings.seq_len), rng.choice(sides)) for _ in range(micro_batches)]
+    drawn[rng.randrange(len(drawn))] = (settings.seq_len, settings.image_size)
+    return drawn
+
+
+def run_problems(settings: TrainSettings, *, min_seq_len: int, micro_batches: int, flag: str = "--vary-seq-len"
+                 ) -> list[str]:
+    """Why a run of varying shapes cannot be simulated for these settings, one line each (empty: it can)."""
+    problems = []
+    if settings.device != "cuda":
+        problems.append(f"`{flag}` simulates the CUDA caching allocator over a run of varying lengths, and the CPU "
+                        "has none (its peak is the step's): drop it, or give `--device cuda`")
+    if not 1 <= min_seq_len <= settings.seq_len:
+        problems.append(f"`{flag} {min_seq_len}` is the shortest length drawn: give one from 1 to `--seq-len` "
+                        f"({settings.seq_len})")
+    if micro_batches < 1:
+        problems.append(f"`--micro-batches` must be at least 1, got {micro_batches}")
+    unsupported = [(settings.zero_stage, "ZeRO (`--zero-stage`)"), (settings.fsdp is not None, "FSDP"),
+                   (settings.sp_size * settings.cp_size > 1, "sequence or context parallelism"),
+                   (settings.load_in_kbit, "4- or 8-bit base weights"),
+                   (settings.expandable_segments, "expandable segments, under which a run reserves what its step "
+                                                  "does (one page per pool)")]
+    for unsupported_here, what in unsupported:
+        if unsupported_here:
+            problems.append(f"`{flag}` replays a traced run through the default caching allocator on one process, "
+                            f"and these settings use {what}: drop one of the two")
+    return problems
+
+
+@dataclass
+class RunOfShapes:
+    """The caching allocator over a run of `micro_batches` micro-batches of the drawn `shapes`, on one GPU.
+
+    Byte figures are the allocator's (`torch.cuda.max_memory_allocated` / `max_memory_reserved` terms, cuBLAS
+    workspaces included); add the CUDA context for nvidia-smi's figure (`device_total_bytes`).
+    """
+
+    min_seq_len: int
+    micro_batches: int
+    shapes: list[tuple[int, int | None]]
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int  # on a card with room: what the run's logs show
+    step_reserved_bytes: int  # the same replay of steps at the largest shape alone
+    needed_bytes: int | None  # the smallest allocator capacity the whole run completes on (None: not searched)
+    device_total_bytes: int  # peak_reserved_bytes + what the estimate puts outside the allocator (context ...)
+    reserved_after: list[int] = field(default_factory=list)  # the running max reserved after each micro-batch
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def replay(events, capacity: int | None = None, *, workspace_bytes: int = 0,
+           boundaries: tuple[int, ...] = ()) -> tuple[CachingAllocatorSimulator | None, list[int]]:
+    """Replay a tracker's (+index | -index, bytes) events; the simulator (None if it ran out of `capacity`) and
+    the running peak reserved at each event count in `boundaries`. `workspace_bytes` (cuBLAS's, which it takes
+    from the caching allocator at the first matmul) is allocated first."""
+    sim = CachingAllocatorSimulator(capacity=capacity)
+    at, running = sorted(boundaries), []
+    try:
+        if workspace_bytes:
+            sim.malloc("cublas-workspaces", workspace_bytes)
+        for number, (index, nbytes) in enumerate(events):
+            while at and at[0] == number:
+                running.append(sim.peak_reserved_bytes)
+                at.pop(0)
+            if index > 0:
+                sim.malloc(index, nbytes)
+            else:
+                sim.free(-index)
+    except SimulatedOutOfMemoryError:
+        return None, running
+    running += [sim.peak_reserved_bytes] * len(at)
+    return sim, running
+
+
+def needed_capacity(events, *, low: int, high: int, workspace_bytes: int = 0,
+                    precision: int = NEEDED_PRECISION_BYTES) -> int:
+    """The smallest capacity (to `precision`) on which the whole event sequence replays without an OOM: the
+    allocator frees its cached segments and retries before it raises one, as torch does. `high` must run."""
+    while high - low > precision:
+        middle = (low + high) // 2
+        if replay(events, middle, workspace_bytes=workspace_bytes)[0] is None:
+            low = middle
+        else:
+            high = middle
+    return high
+
+
+def run_of_shapes(spec, settings: TrainSettings, *, min_seq_len: int, micro_batches: int = DEFAULT_MICRO_BATCHES,
+                  seed: int = 0, image_sizes: tuple[int, ...] = (), needed: bool = True,
+                  outside_allocator_bytes: int = 0) -> RunOfShapes:
+    """Trace a run of varying shapes at full depth and replay it through the caching allocator (see the module).
+
+    One optimizer step every `gradient_accumulation_steps` micro-batches, as the Trainer steps. The traced run
+    opens with the tracer's short warm-up micro-batch and optimizer step, which a real run's first batches
+    stand in for. `outside_allocator_bytes` (the CUDA context, NCCL buffers: the estimate's device total less
+    its reserved) is added to the reserved peak for `device_total_bytes`.
+    """
+    from hf_memfit.errors import check_all
+    from hf_memfit.estimator.cuda_overhead import cublas_workspace_bytes
+    from hf_memfit.estimator.trace import progress, trace_step
+    from hf_memfit.hardware import find_gpu
+    from hf_memfit.models.depths import config_with_depths, real_depths
+
+    settings = settings.validate(spec)
+    check_all(run_problems(settings, min_seq_len=min_seq_len, micro_batches=micro_batches))
+    started = time.perf_counter()
+    shapes = varying_shapes(settings, min_seq_len=min_seq_len, micro_batches=micro_batches, seed=seed,
+                            image_sizes=image_sizes)
+    accumulation = settings.gradient_accumulation_steps
+    steps = tuple(tuple(settings.replace(seq_len=length, image_size=side) for length, side in shapes[i:i + accumulation])
+                  for i in range(0, len(shapes), accumulation))
+    depths = real_depths(spec)
+    config = config_with_depths(spec, depths)
+    progress.info("run of %d micro-batches (%d-%d tokens): tracing %s at full depth", micro_batches, min_seq_len,
+                  settings.seq_len, spec.name)
+    tracker = trace_step(config, settings, depths, shapes=steps).tracker
+    workspace = cublas_workspace_bytes(find_gpu(settings.gpu) if settings.gpu else None)
+    # A micro-batch starts at its forward marker; event n happened at clock n + 1 (`StorageTracker.track`).
+    starts = [clock for clock, label in tracker.markers if " forward" in label][1:]  # [0] is the warm-up's
+    ends = tuple(starts[1:]) + (len(tracker.events),)
+    progress.info("replaying %d allocator events", len(tracker.events))
+    sim, reserved_after = replay(tracker.events, workspace_bytes=workspace, boundaries=ends)
+    largest = trace_step(config, settings, depths, shapes=((settings,) * accumulation,) * 2).tracker
+    step_sim, _ = replay(largest.events, workspace_bytes=workspace)
+    need = None
+    if needed:
+        progress.info("finding the smallest card the run fits on")
+        need = needed_capacity(tracker.events, low=sim.peak_allocated_bytes, high=sim.peak_reserved_bytes,
+                               workspace_bytes=workspace)
+    return RunOfShapes(min_seq_len=min_seq_len, micro_batches=micro_batches, shapes=shapes,
+                       peak_allocated_bytes=sim.peak_allocated_bytes, peak_reserved_bytes=sim.peak_reserved_bytes,
+                       step_reserved_bytes=step_sim.peak_reserved_bytes, needed_bytes=need,
+                       device_total_bytes=sim.peak_reserved_bytes + outside_allocator_bytes,
+                       reserved_after=reserved_after, seconds=round(time.perf_counter() - started, 1))
