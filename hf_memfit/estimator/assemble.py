@@ -71,7 +71,8 @@ class MemoryEstimate:
 # allocated peak; capped at that step's reserved memory, the same runs fit in two of three.
 RUN_OF_SHAPES_NOTE = ("peak reserved is one step at this shape; a run whose batches vary in shape (dynamic padding, "
                       "image sizes) reserves more on a card with room (1.1-2.2x measured), cached blocks the allocator "
-                      "frees before it raises an OOM; expandable segments keep it down (`--expandable-segments`)")
+                      "frees before it raises an OOM: `--vary-seq-len MIN` simulates such a run, and expandable "
+                      "segments keep it down (`--expandable-segments`)")
 
 
 def estimate(model: str | ModelSpec, **settings) -> MemoryEstimate:

@@ -135,47 +135,64 @@ def needed_capacity(events, *, low: int, high: int, workspace_bytes: int = 0,
     return high
 
 
+def trace_run(spec, settings: TrainSettings, shapes: list[tuple[int, int | None]]) -> tuple[list, tuple[int, ...]]:
+    """The allocator events of a run of micro-batches of these (tokens, image side) shapes, traced at full depth on
+    fake CUDA tensors with an optimizer step every `gradient_accumulation_steps`, and the event count at the end
+    of each micro-batch. The run is traced as given, from the model's build on, with no warm-up step: a warm-up
+    at another shape would leave the allocator another cache (a VLM's at the full image size reserved the run's
+    final figure before its first micro-batch, and hid the growth the H200 measured)."""
+    from hf_memfit.estimator.trace import trace_step
+    from hf_memfit.models.depths import config_with_depths, real_depths
+
+    accumulation = settings.gradient_accumulation_steps
+    steps = tuple(tuple(settings.replace(seq_len=length, image_size=side) for length, side in shapes[i:i + accumulation])
+                  for i in range(0, len(shapes), accumulation))
+    depths = real_depths(spec)
+    tracker = trace_step(config_with_depths(spec, depths), settings, depths, shapes=steps).tracker
+    # A micro-batch starts at its forward marker; event n happened at clock n + 1 (`StorageTracker.track`).
+    starts = [clock for clock, label in tracker.markers if " forward" in label]
+    return tracker.events, tuple(starts[1:]) + (len(tracker.events),)
+
+
+def workspace_bytes(settings: TrainSettings) -> int:
+    """cuBLAS's workspaces, which it takes from the caching allocator (the estimate counts them as allocated)."""
+    from hf_memfit.estimator.cuda_overhead import cublas_workspace_bytes
+    from hf_memfit.hardware import find_gpu
+
+    return cublas_workspace_bytes(find_gpu(settings.gpu) if settings.gpu else None)
+
+
 def run_of_shapes(spec, settings: TrainSettings, *, min_seq_len: int, micro_batches: int = DEFAULT_MICRO_BATCHES,
                   seed: int = 0, image_sizes: tuple[int, ...] = (), needed: bool = True,
                   outside_allocator_bytes: int = 0) -> RunOfShapes:
     """Trace a run of varying shapes at full depth and replay it through the caching allocator (see the module).
 
-    One optimizer step every `gradient_accumulation_steps` micro-batches, as the Trainer steps. The traced run
-    opens with the tracer's short warm-up micro-batch and optimizer step, which a real run's first batches
-    stand in for. `outside_allocator_bytes` (the CUDA context, NCCL buffers: the estimate's device total less
-    its reserved) is added to the reserved peak for `device_total_bytes`.
+    The shapes are `varying_shapes`' (as `check --vary-seq-len` draws them). `outside_allocator_bytes` (the CUDA
+    context, NCCL buffers: the estimate's device total less its reserved) is added to the reserved peak for
+    `device_total_bytes`.
     """
     from hf_memfit.errors import check_all
-    from hf_memfit.estimator.cuda_overhead import cublas_workspace_bytes
-    from hf_memfit.estimator.trace import progress, trace_step
-    from hf_memfit.hardware import find_gpu
-    from hf_memfit.models.depths import config_with_depths, real_depths
+    from hf_memfit.estimator.trace import progress
 
     settings = settings.validate(spec)
     check_all(run_problems(settings, min_seq_len=min_seq_len, micro_batches=micro_batches))
     started = time.perf_counter()
     shapes = varying_shapes(settings, min_seq_len=min_seq_len, micro_batches=micro_batches, seed=seed,
                             image_sizes=image_sizes)
-    accumulation = settings.gradient_accumulation_steps
-    steps = tuple(tuple(settings.replace(seq_len=length, image_size=side) for length, side in shapes[i:i + accumulation])
-                  for i in range(0, len(shapes), accumulation))
-    depths = real_depths(spec)
-    config = config_with_depths(spec, depths)
     progress.info("run of %d micro-batches (%d-%d tokens): tracing %s at full depth", micro_batches, min_seq_len,
                   settings.seq_len, spec.name)
-    tracker = trace_step(config, settings, depths, shapes=steps).tracker
-    workspace = cublas_workspace_bytes(find_gpu(settings.gpu) if settings.gpu else None)
-    # A micro-batch starts at its forward marker; event n happened at clock n + 1 (`StorageTracker.track`).
-    starts = [clock for clock, label in tracker.markers if " forward" in label][1:]  # [0] is the warm-up's
-    ends = tuple(starts[1:]) + (len(tracker.events),)
-    progress.info("replaying %d allocator events", len(tracker.events))
-    sim, reserved_after = replay(tracker.events, workspace_bytes=workspace, boundaries=ends)
-    largest = trace_step(config, settings, depths, shapes=((settings,) * accumulation,) * 2).tracker
-    step_sim, _ = replay(largest.events, workspace_bytes=workspace)
+    events, ends = trace_run(spec, settings, shapes)
+    workspace = workspace_bytes(settings)
+    progress.info("replaying %d allocator events", len(events))
+    sim, reserved_after = replay(events, workspace_bytes=workspace, boundaries=ends)
+    # Two steps at the largest shape, as the estimate traces them: micro-batches past the second repeat it.
+    fixed = settings.replace(gradient_accumulation_steps=min(settings.gradient_accumulation_steps, 2))
+    largest, _ = trace_run(spec, fixed, [(settings.seq_len, settings.image_size)] * (2 * fixed.gradient_accumulation_steps))
+    step_sim, _ = replay(largest, workspace_bytes=workspace)
     need = None
     if needed:
         progress.info("finding the smallest card the run fits on")
-        need = needed_capacity(tracker.events, low=sim.peak_allocated_bytes, high=sim.peak_reserved_bytes,
+        need = needed_capacity(events, low=sim.peak_allocated_bytes, high=sim.peak_reserved_bytes,
                                workspace_bytes=workspace)
     return RunOfShapes(min_seq_len=min_seq_len, micro_batches=micro_batches, shapes=shapes,
                        peak_allocated_bytes=sim.peak_allocated_bytes, peak_reserved_bytes=sim.peak_reserved_bytes,

@@ -323,10 +323,12 @@ def trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], *
     of the same autocast build, for that step): after the warm-up, one steady-state step
     per shape on the same built model, so one build serves every point. Region peaks (with their clocks in
     `tracker.region_peaks`) are then kept for every step but the warm-up, and no
-    breakdowns are computed here (the caller sweeps the events once for all of them).
+    breakdowns are computed here (the caller sweeps the events once for all of them). Or `shapes` is a run:
+    per optimizer step a tuple of its micro-batches' settings, traced as given, with no warm-up before it.
     """
+    run_as_given = bool(shapes) and isinstance(shapes[0][0], TrainSettings)
     if shapes:
-        steps = 1 + len(shapes)
+        steps = (0 if run_as_given else 1) + len(shapes)
     warm_up = warm_up_settings(settings) if short_warm_up else settings
     cuda = settings.device == "cuda"
     training.import_step_modules(config, settings)  # outside the tracker: see there
@@ -379,11 +381,11 @@ def trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], *
             position["step"] = step_index
             if stash is not None:
                 stash.peak = stash.live
-            if step_index == 0:
+            if run_as_given:  # a run's steps of these micro-batches, its first the warm-up (`run_of_shapes.py`)
+                micro_settings = shapes[step_index]
+                progress.info("tracing optimizer step %d of %d", step_index + 1, len(shapes))
+            elif step_index == 0:
                 micro_settings = (warm_up,) * (1 if short_warm_up else micro_batches)
-            elif shapes and isinstance(shapes[step_index - 1][0], TrainSettings):  # a step of these micro-batches
-                micro_settings = shapes[step_index - 1]
-                progress.info("tracing optimizer step %d of %d", step_index, len(shapes))
             elif shapes:
                 batch_size, seq_len, micros, *precision = shapes[step_index - 1]
                 micro_settings = (settings.replace(batch_size=batch_size, seq_len=seq_len,

@@ -1,0 +1,174 @@
+"""`estimate --vary-seq-len` against the H200's runs of varying shapes (docs/benchmarks.md section 21).
+
+Section 19's GPU session trained runs of 64-96 micro-batches of drawn lengths (and, for Qwen2-VL, image sides)
+and recorded, after each micro-batch, `max_memory_allocated` and `max_memory_reserved`; some runs were capped
+at a card's size (`set_per_process_memory_fraction`), where the allocator frees its cache and retries before it
+raises an OOM. This replays each run's own shapes, read from its record, through hf-memfit's run simulation
+(`hf_memfit/estimator/run_of_shapes.py`: the run traced at full depth on fake CUDA tensors, its allocations
+replayed through `CachingAllocatorSimulator`) and compares:
+
+- uncapped runs: the predicted allocated and reserved peaks over the run against the measured ones;
+- capped runs: whether the simulator runs out at the same cap, and at which micro-batch, and the smallest
+  capacity on which the run completes (`needed`) against the cap.
+
+Runs with the same settings and shapes (a run and its capped repeats) are traced once. Nothing here was fitted:
+the simulator follows CUDACachingAllocator.cpp's rules, the tracer is exact mode's.
+
+    python benchmarks/run_of_shapes.py --json benchmarks/results/run_of_shapes.json        # ~20 min here
+    python benchmarks/run_of_shapes.py --only qwen05 --json /tmp/r.json                    # the 0.5B rows
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import time
+import warnings
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+warnings.filterwarnings("ignore")
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+GiB = 2**30
+RESULTS = os.path.join(HERE, "results", "gpu_h200_2")
+DATA = [os.path.join(HERE, "data", f) for f in ("gpu_drift.txt", "gpu_drift_2.txt", "gpu_drift_3.txt")]
+
+
+def models_by_run() -> dict[str, str]:
+    """Run name -> the model its line in the session's data files names."""
+    names = {}
+    for path in DATA:
+        for line in open(path):
+            if line.strip() and not line.startswith("#"):
+                run, model = line.split()[:2]
+                names[run] = model
+    return names
+
+
+def measured_runs() -> dict[str, dict]:
+    """Every varying run the session recorded, uncapped and capped, by name."""
+    runs = {}
+    for name, record in json.load(open(os.path.join(RESULTS, "drift.json"))).items():
+        runs[name] = record["varying"]
+    for file in ("drift_capped.json", "drift_plans.json"):
+        runs.update(json.load(open(os.path.join(RESULTS, file))))
+    return runs
+
+
+def spec_for(model: str):
+    from hf_memfit.models.spec import ModelSpec, resolve_model
+
+    if model == "QWEN2VL_7B":  # gpu_session.sh writes this inline config to /tmp/qwen2vl_7b.json on the GPU machine
+        from published_media import INLINE_CONFIGS
+
+        return ModelSpec.from_config("Qwen/Qwen2-VL-7B-Instruct",
+                                     copy.deepcopy(INLINE_CONFIGS["Qwen/Qwen2-VL-7B-Instruct"]))
+    return resolve_model(model)
+
+
+def settings_of(record: dict):
+    from hf_memfit.settings import TrainSettings
+
+    fields = {k: tuple(v) if isinstance(v, list) else v for k, v in record["settings"].items()}
+    return TrainSettings(**fields).replace(mode="exact")
+
+
+def shapes_of(record: dict) -> list[tuple[int, int | None]]:
+    """The shapes the run met, the one it ran out at included."""
+    shapes = [(t["seq_len"], t["image_size"]) for t in record["trace"]]
+    if record.get("oom"):
+        shapes.append((record["oom"]["seq_len"], record["oom"]["image_size"]))
+    return shapes
+
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--only", help="runs whose name contains this")
+    args = parser.parse_args(argv)
+    from hf_memfit.estimator.run_of_shapes import needed_capacity, replay, trace_run, workspace_bytes
+
+    models, runs = models_by_run(), measured_runs()
+    groups: dict[str, list[str]] = {}  # one trace per (model, settings less the cap, shapes)
+    for name, record in runs.items():
+        if args.only and args.only not in name:
+            continue
+        settings = settings_of(record)
+        if settings.expandable_segments:
+            continue  # the simulator follows the default allocator (run_of_shapes.run_problems)
+        key = json.dumps([models[name], settings.to_dict()], sort_keys=True, default=str)
+        groups.setdefault(key, []).append(name)
+    rows = []
+    for names in groups.values():
+        longest = max(names, key=lambda n: len(shapes_of(runs[n])))
+        record, model = runs[longest], models[longest]
+        spec, settings, shapes = spec_for(model), settings_of(record), shapes_of(record)
+        started = time.perf_counter()
+        events, ends = trace_run(spec, settings, shapes)
+        traced = time.perf_counter() - started
+        workspace = workspace_bytes(settings)
+        sim, running = replay(events, workspace_bytes=workspace, boundaries=ends)
+        need = needed_capacity(events, low=sim.peak_allocated_bytes, high=sim.peak_reserved_bytes,
+                               workspace_bytes=workspace, precision=16 * 2**20)
+        print(f"{model} ({', '.join(names)}): traced {len(shapes)} micro-batches in {traced:.0f} s; "
+              f"allocated {sim.peak_allocated_bytes / GiB:.2f} GiB, reserved {sim.peak_reserved_bytes / GiB:.2f} GiB, "
+              f"needed {need / GiB:.2f} GiB", flush=True)
+        for name in names:
+            measured = runs[name]
+            row = {"run": name, "model": model, "micro_batches": len(shapes_of(measured)),
+                   "cap_bytes": measured.get("cap_bytes"), "measured_max_allocated": measured["max_allocated"],
+                   "measured_max_reserved": measured["max_reserved"],
+                   "measured_oom_micro_batch": measured["oom"]["micro_batch"] if measured.get("oom") else None,
+                   "measured_reserved_after": [t["max_reserved"] for t in measured["trace"]],
+                   "predicted_max_allocated": sim.peak_allocated_bytes,
+                   "predicted_max_reserved": sim.peak_reserved_bytes, "predicted_needed": need,
+                   "predicted_reserved_after": running, "trace_seconds": round(traced, 1)}
+            if measured.get("cap_bytes"):
+                capped, capped_running = replay(events, measured["cap_bytes"], workspace_bytes=workspace,
+                                                boundaries=ends)
+                row["predicted_oom_micro_batch"] = None if capped is not None else len(capped_running)
+                row["predicted_capped_max_reserved"] = capped.peak_reserved_bytes if capped else None
+            else:
+                row["allocated_error_pct"] = 100 * (sim.peak_allocated_bytes / measured["max_allocated"] - 1)
+                row["reserved_error_pct"] = 100 * (sim.peak_reserved_bytes / measured["max_reserved"] - 1)
+            rows.append(row)
+    print("\n| run | cap | measured: allocated / reserved (OOM) | predicted: allocated / reserved (OOM) | "
+          "predicted smallest capacity | reserved error |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for r in rows:
+        cap = f"{r['cap_bytes'] / GiB:.2f} GiB" if r["cap_bytes"] else "none"
+        m_oom = r["measured_oom_micro_batch"]
+        p_oom = r.get("predicted_oom_micro_batch")
+        measured = (f"{r['measured_max_allocated'] / GiB:.2f} / {r['measured_max_reserved'] / GiB:.2f} GiB"
+                    + (f" (OOM at {m_oom + 1})" if m_oom is not None else ""))
+        if not r["cap_bytes"]:
+            predicted = f"{r['predicted_max_allocated'] / GiB:.2f} / {r['predicted_max_reserved'] / GiB:.2f} GiB"
+        elif p_oom is None:  # the capped replay's own maxima (the allocated peak is the uncapped one's)
+            predicted = (f"{r['predicted_max_allocated'] / GiB:.2f} / {r['predicted_capped_max_reserved'] / GiB:.2f} "
+                         "GiB (no OOM)")
+        else:
+            predicted = f"OOM at {p_oom + 1}"
+        error = f"{r['reserved_error_pct']:+.1f}%" if "reserved_error_pct" in r else "-"
+        print(f"| {r['run']} | {cap} | {measured} | {predicted} | {r['predicted_needed'] / GiB:.2f} GiB | {error} |")
+    uncapped = [abs(r["reserved_error_pct"]) for r in rows if "reserved_error_pct" in r]
+    capped = [r for r in rows if r["cap_bytes"]]
+    agree = sum((r["measured_oom_micro_batch"] is None) == (r.get("predicted_oom_micro_batch") is None)
+                for r in capped)
+    if uncapped:
+        print(f"\nuncapped runs: reserved over the run, median |error| {statistics.median(uncapped):.1f}%, "
+              f"max {max(uncapped):.1f}% over {len(uncapped)}")
+    if capped:
+        print(f"capped runs: OOM or not as measured in {agree} of {len(capped)}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
