@@ -75,6 +75,7 @@ PLANS = [
     ["meta-llama/Llama-3.1-8B", "--gpu", "a10g", "--seq-len", "2048", "--global-batch-size", "32", "--load-in-4bit",
      "--lora-r", "16"],
     ["bert-base-uncased", "--gpu-memory", "2GiB", "--seq-len", "128", "--global-batch-size", "32", "--device", "cpu"],
+    ["Qwen/Qwen2.5-0.5B", "--gpu-memory", "12GiB", "--seq-len", "1024", "--global-batch-size", "32"],  # one GPU
 ]
 
 
@@ -98,6 +99,17 @@ def test_plan_table_gives_the_explain_command_of_its_plan(argv):
                   "lora_r", "load_in_4bit", "zero_stage", "offload_optimizer", "offload_param", "device", "gpu",
                   "attn_implementation"):
         assert getattr(traced, field) == getattr(plan_settings, field), field
+    # a plan on one GPU the run simulation covers also prints `estimate --vary-seq-len` for its step (the others
+    # here: ZeRO-2, a 4-bit base, the CPU), and that command parses
+    from hf_memfit.estimator.run_of_shapes import run_problems
+
+    varying = [line.strip() for line in format_plan(result).splitlines() if "--vary-seq-len" in line]
+    shortest = plan_settings.seq_len // 8
+    simulated = plan_settings.device == "cuda" and not run_problems(plan_settings, min_seq_len=shortest,
+                                                                      micro_batches=64)
+    assert len(varying) == (1 if simulated else 0), varying
+    if varying:
+        assert build_parser().parse_args(varying[0].split()[1:]).vary_seq_len == shortest == 128
 
 
 def test_plan_explain_traces_the_chosen_plan(tmp_path, capsys):

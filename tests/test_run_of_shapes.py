@@ -115,3 +115,11 @@ def test_estimate_vary_seq_len_refuses_what_it_cannot_simulate_in_one_line(tmp_p
     model.write_text(json.dumps(TINY_LLAMA))
     code, out, err = _estimate(capsys, str(model), "--batch-size", "2", "--seq-len", "96", *flags)
     assert code == 2 and out == "" and err.count("\n") == 1 and says in err, err
+
+
+def test_an_image_or_audio_step_has_no_length_to_draw():
+    from hf_memfit.estimator.run_of_shapes import run_problems
+
+    problems = run_problems(_settings(task="image-cls"), min_seq_len=16, micro_batches=8)
+    assert len(problems) == 1 and "image-cls" in problems[0] and "not drawn" in problems[0]
+    assert run_problems(_settings(task="image-text-to-text"), min_seq_len=16, micro_batches=8) == []

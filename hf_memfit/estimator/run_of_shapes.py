@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 
 from hf_memfit.estimator.cuda_overhead import CachingAllocatorSimulator, SimulatedOutOfMemoryError
 from hf_memfit.settings import TrainSettings
+from hf_memfit.tasks import MEDIA_TASKS
 
 # A run's micro-batches when none are given: enough draws that the longest batches meet shorter ones in every
 # order (the H200 runs of docs/benchmarks.md section 19 reached their reserved maxima by the 48th).
@@ -63,6 +64,9 @@ def run_problems(settings: TrainSettings, *, min_seq_len: int, micro_batches: in
                         f"({settings.seq_len})")
     if micro_batches < 1:
         problems.append(f"`--micro-batches` must be at least 1, got {micro_batches}")
+    if settings.task in MEDIA_TASKS and settings.task != "image-text-to-text":
+        problems.append(f"`{flag}` draws text lengths, and a {settings.task} step's length is made from its images "
+                        "or audio, not drawn: drop it")
     unsupported = [(settings.zero_stage, "ZeRO (`--zero-stage`)"), (settings.fsdp is not None, "FSDP"),
                    (settings.sp_size * settings.cp_size > 1, "sequence or context parallelism"),
                    (settings.load_in_kbit, "4- or 8-bit base weights"),

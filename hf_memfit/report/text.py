@@ -3,6 +3,7 @@
 import shlex
 
 from hf_memfit.estimator.breakdown import CATEGORIES
+from hf_memfit.estimator.run_of_shapes import DEFAULT_MICRO_BATCHES, run_problems
 from hf_memfit.units import format_bytes
 
 _CATEGORY_NOTES = {
@@ -173,6 +174,10 @@ def format_plan(result) -> str:
     lines += ["", "The same figure from the estimator:", f"  {step_command('estimate', est.model, est.settings)}",
               "Where the memory goes (traces this plan's step; add --plot FILE.png to draw it):",
               f"  {explain_command(est.model, s)}"]
+    shortest = max(1, s.seq_len // 8)
+    if s.device == "cuda" and not run_problems(s, min_seq_len=shortest, micro_batches=DEFAULT_MICRO_BATCHES):
+        lines += ["Over a run whose batches vary in length (dynamic padding; traces the whole run, a minute or more):",
+                  f"  {step_command('estimate', est.model, est.settings)} --vary-seq-len {shortest}"]
     return "\n".join(lines)
 
 
