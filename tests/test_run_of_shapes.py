@@ -97,7 +97,7 @@ def test_estimate_vary_seq_len_reports_the_run_beside_the_step(tmp_path, capsys)
     outside = document["device_total_bytes"] - document["peak_reserved_bytes"]
     assert run["device_total_bytes"] == run["peak_reserved_bytes"] + outside
     code, out, err = _estimate(capsys, str(model), *step, "--vary-seq-len", "16", "--micro-batches", "6")
-    assert code == 0 and "over a run of 6 micro-batches" in out and "smallest card" in out
+    assert code == 0 and "over a run of 6 micro-batches, lengths drawn from 16 to 96 tokens" in out and "smallest card" in out
 
 
 @pytest.mark.parametrize("flags, says", [

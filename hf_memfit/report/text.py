@@ -99,7 +99,8 @@ def format_run_of_shapes(run, est) -> str:
     """`estimate --vary-seq-len`'s lines: the simulated caching allocator over a run of varying shapes."""
     lengths = sorted({length for length, _ in run.shapes})
     sides = sorted({side for _, side in run.shapes if side})
-    drawn = f"{lengths[0]}-{lengths[-1]} tokens" + (f", images {sides[0]}-{sides[-1]} px" if len(sides) > 1 else "")
+    drawn = (f"lengths drawn from {run.min_seq_len} to {lengths[-1]} tokens"
+             + (f", image sides {sides[0]}-{sides[-1]} px" if len(sides) > 1 else ""))
     outside = run.device_total_bytes - run.peak_reserved_bytes
     rows = [("peak allocated", format_bytes(run.peak_allocated_bytes), "torch.cuda.max_memory_allocated over the run"),
             ("peak reserved", format_bytes(run.peak_reserved_bytes),
@@ -108,7 +109,7 @@ def format_run_of_shapes(run, est) -> str:
     if run.needed_bytes is not None:
         rows.append(("smallest card", format_bytes(run.needed_bytes + outside),
                      "the least device memory on which the whole run completes"))
-    return "\n".join([f"over a run of {run.micro_batches} micro-batches of {drawn} (--vary-seq-len), traced at full "
+    return "\n".join([f"over a run of {run.micro_batches} micro-batches, {drawn} (--vary-seq-len), traced at full "
                       f"depth and replayed through the caching allocator's rules ({run.seconds:.0f} s):",
                       _table(rows),
                       f"  note: one step at the largest shape reserves {format_bytes(run.step_reserved_bytes)} in the "
