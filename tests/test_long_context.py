@@ -186,7 +186,7 @@ def test_seq_len_max_in_forked_children_is_the_answer_of_one_process(llama, monk
     monkeypatch.setattr(forked, "_start", lambda *a: started.append(a[0].__name__) or start(*a))
     monkeypatch.setenv("HF_MEMFIT_CACHE", str(tmp_path / "children"))
     children = longest_seq_len(llama, **kwargs)
-    assert "_search" in started and "_depth_trace" in started
+    assert "_search_and_plan" in started and "_depth_trace" in started
     monkeypatch.setenv("HF_MEMFIT_NO_FORK", "1")
     monkeypatch.setenv("HF_MEMFIT_CACHE", str(tmp_path / "here"))
     here = longest_seq_len(llama, **kwargs)
@@ -227,3 +227,27 @@ def test_json_output_stays_json_when_exact_mode_imports_deepspeed(tmp_path):
                          capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     assert json.loads(run.stdout)["mode"] == "exact", run.stdout[:300]
+
+
+def test_fast_estimates_from_the_search_child_are_read_not_made_again(llama, monkeypatch):
+    # `--seq-len max`'s child plans the answer's length in fast mode and sends its estimates back
+    # (`assemble.reused_fast_estimates`); the confirmation reads them: equal to fresh ones, and copies, so that a
+    # caller changing one changes nothing read later.
+    import pickle
+
+    from hf_memfit.estimator import assemble
+    from hf_memfit.settings import TrainSettings
+
+    settings = TrainSettings(batch_size=1, seq_len=64, gpu="h100", mode="fast")
+    with assemble.reused_fast_estimates() as made:
+        first = assemble.estimate_settings(llama, settings)
+    assert len(made) == 1
+    fresh = first.to_dict()
+    first.notes.append("changed by a caller")
+    sent = pickle.loads(pickle.dumps(made))  # as from the child
+    monkeypatch.setattr(assemble, "step_memory", lambda *a: pytest.fail("made again, not read"))
+    with assemble.reused_fast_estimates(sent):
+        again = assemble.estimate_settings(llama, settings)
+    assert again.to_dict() == fresh
+    with pytest.raises(pytest.fail.Exception):  # outside the context nothing is read
+        assemble.estimate_settings(llama, settings)

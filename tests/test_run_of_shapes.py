@@ -6,7 +6,7 @@ import json
 import pytest
 
 from hf_memfit.cli.main import main
-from tests.conftest import TINY_LLAMA
+from conftest import TINY_LLAMA
 
 
 @pytest.fixture(scope="module")

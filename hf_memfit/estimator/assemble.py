@@ -11,6 +11,8 @@ The layers, bottom up:
 The result is plain data (`MemoryEstimate`); printing lives in `report.py`.
 """
 
+import contextlib
+import copy
 from dataclasses import dataclass, field
 
 from hf_memfit.errors import MemFitError
@@ -93,8 +95,32 @@ def estimate(model: str | ModelSpec, **settings) -> MemoryEstimate:
 
 def estimate_settings(spec: ModelSpec, settings: TrainSettings) -> MemoryEstimate:
     """`estimate` for an already-built spec and settings (the planner's entry point)."""
-    settings = settings.validate(spec)
-    return assemble(spec, settings, step_memory(spec, settings))
+    key = (spec.name, spec.model_type, settings) if _reused is not None and settings.mode == "fast" else None
+    if key is not None and key in _reused:
+        return copy.deepcopy(_reused[key])
+    validated = settings.validate(spec)
+    estimate = assemble(spec, validated, step_memory(spec, validated))
+    if key is not None:
+        _reused[key] = copy.deepcopy(estimate)
+    return estimate
+
+
+# Fast-mode estimates made in one place for reuse in another (`planner/longest.py`: the search's forked child
+# plans the answer's length in fast mode while this process imports exact mode's code, and the confirmation here
+# reads them: 0.7 s of an eight-GPU `--seq-len max`). Fast mode is a pure function of the model and the settings.
+_reused: dict | None = None
+
+
+@contextlib.contextmanager
+def reused_fast_estimates(estimates: dict | None = None):
+    """Within: every fast-mode estimate is read from `estimates` where it is there, and added to it where it is
+    not. Yields the dict (picklable: it crosses from a forked child)."""
+    global _reused
+    outer, _reused = _reused, ({} if estimates is None else estimates)
+    try:
+        yield _reused
+    finally:
+        _reused = outer
 
 
 def step_memory(spec: ModelSpec, settings: TrainSettings) -> StepMemory:

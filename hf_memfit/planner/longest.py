@@ -19,6 +19,7 @@ import logging
 from dataclasses import dataclass, field
 
 from hf_memfit.errors import MemFitError, NothingFits
+from hf_memfit.estimator.assemble import reused_fast_estimates
 from hf_memfit.estimator.forked import import_for_traces, run_beside
 from hf_memfit.models.spec import ModelSpec, resolve_model
 from hf_memfit.planner.explain import layout_text
@@ -100,11 +101,13 @@ def longest_seq_len(model: str | ModelSpec, *, progress=None, **plan_kwargs) -> 
     limit, limit_reason = _length_limit(spec)
     # The fast-mode search imports no torch; the exact-mode confirmation after it imports torch, transformers
     # and the model's code (seconds). Where a CPU is idle, the search runs in a forked child meanwhile.
-    searched = run_beside(_search, (spec, limit, plan_kwargs), lambda: import_for_traces(spec.model_type))
+    searched, fast_estimates = run_beside(_search_and_plan, (spec, limit, plan_kwargs),
+                                          lambda: import_for_traces(spec.model_type))
     if isinstance(searched, MemFitError):
         raise searched
     low, high, points = searched
-    answer, result = _confirm(spec, low, points, mode, progress, plan_kwargs)
+    with reused_fast_estimates(fast_estimates):
+        answer, result = _confirm(spec, low, points, mode, progress, plan_kwargs)
     if high is None and answer == low:
         bound = limit_reason
     else:
@@ -112,6 +115,20 @@ def longest_seq_len(model: str | ModelSpec, *, progress=None, **plan_kwargs) -> 
         bound = (f"the budget: {over:,} tokens would not fit with {100 * FAST_MODE_MARGIN:g}% of it spare "
                  "for fast mode's error")
     return LongestResult(answer, result, bound, [points[k] for k in sorted(points)], len(points))
+
+
+def _search_and_plan(spec: ModelSpec, limit: int, plan_kwargs: dict):
+    """`_search`, then the answer's length planned in fast mode as `_confirm` plans it first: (the search, the
+    fast estimates that plan made), for `_confirm` to read instead of making them again. In a forked child this
+    runs while the parent imports exact mode's code, which takes longer than the search."""
+    searched = _search(spec, limit, plan_kwargs)
+    with reused_fast_estimates() as made:
+        if not isinstance(searched, MemFitError):
+            try:
+                plan(spec, seq_len=searched[0], mode="fast", confirm_in_exact=False, **plan_kwargs)
+            except MemFitError:
+                pass  # `_confirm` meets it again and handles it
+    return searched, made
 
 
 def _search(spec: ModelSpec, limit: int, plan_kwargs: dict):
