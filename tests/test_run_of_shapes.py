@@ -123,3 +123,17 @@ def test_an_image_or_audio_step_has_no_length_to_draw():
     problems = run_problems(_settings(task="image-cls"), min_seq_len=16, micro_batches=8)
     assert len(problems) == 1 and "image-cls" in problems[0] and "not drawn" in problems[0]
     assert run_problems(_settings(task="image-text-to-text"), min_seq_len=16, micro_batches=8) == []
+
+
+def test_a_last_partial_step_is_not_stepped(tiny_llama):
+    # 5 micro-batches with an optimizer step every 2: the Trainer (and `check --vary-seq-len`'s loop) steps after
+    # the 2nd and the 4th only; the replay ends with the 5th micro-batch's backward, not an optimizer step.
+    from hf_memfit.estimator.run_of_shapes import trace_run
+
+    settings = _settings().validate(tiny_llama)
+    shapes = [(96, None)] * 5
+    events, ends = trace_run(tiny_llama, settings, shapes)
+    full, full_ends = trace_run(tiny_llama, settings, shapes + [(96, None)])  # the 6th completes the 3rd step
+    # up to the 6th micro-batch's start the two runs are the same micro-batches, with no optimizer step after the 5th
+    assert len(ends) == 5 and ends[-1] == len(events) == full_ends[4]
+    assert events == full[:full_ends[4]]

@@ -155,7 +155,10 @@ def trace_run(spec, settings: TrainSettings, shapes: list[tuple[int, int | None]
     tracker = trace_step(config_with_depths(spec, depths), settings, depths, shapes=steps).tracker
     # A micro-batch starts at its forward marker; event n happened at clock n + 1 (`StorageTracker.track`).
     starts = [clock for clock, label in tracker.markers if " forward" in label]
-    return tracker.events, tuple(starts[1:]) + (len(tracker.events),)
+    events = tracker.events
+    if len(shapes) % accumulation:  # a last, partial step: the Trainer never steps it, the tracer always does
+        events = events[:max(clock for clock, label in tracker.markers if label.endswith(" optimizer"))]
+    return events, tuple(starts[1:]) + (len(events),)
 
 
 def workspace_bytes(settings: TrainSettings) -> int:
