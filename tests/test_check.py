@@ -142,6 +142,8 @@ def test_varying_lengths_need_a_gpu_and_a_shortest_length_in_range(tmp_path, cap
     assert code == 2 and err.count("\n") == 1 and "from 1 to `--seq-len` (64)" in err and "--micro-batches" in err
     code, _, err = _run(capsys, model, "--batch-size", "1", "--seq-len", "64", "--micro-batches", "8")
     assert code == 2 and err.count("\n") == 1 and "add `--vary-seq-len MIN`" in err
+    code, _, err = _run(capsys, model, "--batch-size", "1", "--seq-len", "64", "--vary-image-size", "224")
+    assert code == 2 and err.count("\n") == 1 and "`--vary-image-size` shapes a `--vary-seq-len` run" in err
 
 
 def test_a_run_of_varying_lengths_meets_the_largest_and_steps_with_accumulation():

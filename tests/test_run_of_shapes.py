@@ -137,3 +137,21 @@ def test_a_last_partial_step_is_not_stepped(tiny_llama):
     # up to the 6th micro-batch's start the two runs are the same micro-batches, with no optimizer step after the 5th
     assert len(ends) == 5 and ends[-1] == len(events) == full_ends[4]
     assert events == full[:full_ends[4]]
+
+
+def test_a_vlm_run_draws_image_sides_too():
+    # the tiny Qwen2.5-VL of test_vlm.py; sides 56-112 px are 4-16 image tokens a row (28-px merged patches)
+    from transformers import AutoConfig
+
+    from hf_memfit.estimator.run_of_shapes import drawn_image_sides, run_of_shapes
+    from hf_memfit.models.spec import ModelSpec
+    from test_vlm import QWEN25VL
+
+    spec = ModelSpec.from_config("tiny-qwen2.5-vl", AutoConfig.for_model(**QWEN25VL).to_dict())
+    settings = _settings(task="image-text-to-text", seq_len=16, image_size=112).validate(spec)
+    sides, problems = drawn_image_sides(settings, 56)
+    assert problems == [] and sides[0] == 56 and sides[-1] == 112
+    run = run_of_shapes(spec, settings, min_seq_len=8, micro_batches=6, image_sizes=sides, needed=False)
+    assert len({side for _, side in run.shapes}) > 2 and (16, 112) in run.shapes
+    assert 0 < run.peak_allocated_bytes <= run.peak_reserved_bytes
+    assert drawn_image_sides(settings, 113)[1] and drawn_image_sides(_settings(), 56)[1]  # out of range; not a VLM

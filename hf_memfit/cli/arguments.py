@@ -229,3 +229,11 @@ def check_writable(path: str, flag: str) -> None:
             pass
     except OSError as error:
         raise MemFitError(f"`{flag} {path}`: cannot write in {folder} ({error.strerror}); {hint}") from None
+
+
+def refuse_run_flags_without_vary_seq_len(args: argparse.Namespace) -> None:
+    """`--micro-batches` and `--vary-image-size` shape a `--vary-seq-len` run (`estimate`, `check`): alone, one line."""
+    given = [flag for flag, value in (("--micro-batches", args.micro_batches),
+                                      ("--vary-image-size", args.vary_image_size)) if value is not None]
+    if args.vary_seq_len is None and given:
+        raise MemFitError(f"`{given[0]}` shapes a `--vary-seq-len` run: add `--vary-seq-len MIN`, or drop it")

@@ -15,7 +15,7 @@ import sys
 
 from hf_memfit.cli.output import emit
 from hf_memfit.errors import MemFitError, check_all
-from hf_memfit.estimator.run_of_shapes import DEFAULT_MICRO_BATCHES
+from hf_memfit.estimator.run_of_shapes import DEFAULT_MICRO_BATCHES, drawn_image_sides
 from hf_memfit.units import GiB, format_bytes
 
 CHECK_EPILOG = """examples:
@@ -71,6 +71,9 @@ def add_check_parser(sub) -> None:
     parser.add_argument("--micro-batches", type=int, default=None,
                         help="with --vary-seq-len: how many micro-batches (default 64; one optimizer step every "
                              "--gradient-accumulation-steps)")
+    parser.add_argument("--vary-image-size", type=int, metavar="MIN",
+                        help="with --vary-seq-len and --task image-text-to-text: also draw each micro-batch's "
+                             "square image side from MIN to --image-size")
     parser.set_defaults(func=cmd_check)
 
 
@@ -79,7 +82,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
     if args.steps < 1:
         raise MemFitError(f"`--steps` must be at least 1, got {args.steps}; 2 reaches the steady state")
-    from hf_memfit.cli.arguments import check_writable, settings_from_args
+    from hf_memfit.cli.arguments import check_writable, refuse_run_flags_without_vary_seq_len, settings_from_args
 
     if args.grid:
         check_writable(args.out, "--out")  # before the runs, not after
@@ -91,20 +94,21 @@ def cmd_check(args: argparse.Namespace) -> int:
         if args.grid:
             raise MemFitError("`--memory-snapshot` records one run: drop `--grid`, or check that row alone")
         check_writable(args.memory_snapshot, "--memory-snapshot")
+    refuse_run_flags_without_vary_seq_len(args)
     if args.vary_seq_len is not None:
         check_all(_varying_problems(args, device))
-    elif args.micro_batches is not None:
-        raise MemFitError("`--micro-batches` sets the length of a `--vary-seq-len` run: add `--vary-seq-len MIN`, "
-                          "or drop it")
     args.device, args.gpu = device, _local_gpu_name(args.gpu) if device == "cuda" else args.gpu
     spec = resolve_model(args.model)
     base = settings_from_args(args).validate(spec)
+    image_sizes, image_problems = drawn_image_sides(base, args.vary_image_size)
+    check_all(image_problems)  # before any run
     machine = machine_info(device)
     if not args.grid:
         row = check_row(spec, base, steps=args.steps, terms=args.terms, exact=args.mode == "exact",
                         memory_snapshot=args.memory_snapshot)
         if args.vary_seq_len is not None:
-            row["varying"] = varying_row(spec, base, min_seq_len=args.vary_seq_len, micro_batches=args.micro_batches)
+            row["varying"] = varying_row(spec, base, min_seq_len=args.vary_seq_len, micro_batches=args.micro_batches,
+                                         image_sizes=image_sizes)
         emit(json.dumps({"model": spec.name, "machine": machine, **row}, indent=2) if args.json
               else format_row(spec.name, row, machine))
         return 0
@@ -145,12 +149,13 @@ def _varying_problems(args: argparse.Namespace, device: str) -> list[str]:
     return problems
 
 
-def varying_row(spec, settings, *, min_seq_len: int, micro_batches: int) -> dict:
-    """`micro_batches` of lengths from `min_seq_len` to the settings' on this GPU, beside the fixed-shape row."""
+def varying_row(spec, settings, *, min_seq_len: int, micro_batches: int, image_sizes: tuple[int, ...] = ()) -> dict:
+    """`micro_batches` of lengths from `min_seq_len` to the settings' (and image sides from `image_sizes`) on this
+    GPU, beside the fixed-shape row, and what `estimate --vary-seq-len` predicts for the same shapes."""
     from hf_memfit.estimator.measure_device import measure_varying
     from hf_memfit.estimator.run_of_shapes import run_of_shapes, run_problems, varying_shapes
 
-    shapes = varying_shapes(settings, min_seq_len=min_seq_len, micro_batches=micro_batches)
+    shapes = varying_shapes(settings, min_seq_len=min_seq_len, micro_batches=micro_batches, image_sizes=image_sizes)
 
     def progress(done, total, last):
         if done % 16 == 0 or done == total:
@@ -162,7 +167,7 @@ def varying_row(spec, settings, *, min_seq_len: int, micro_batches: int) -> dict
     if not run_problems(settings, min_seq_len=min_seq_len, micro_batches=micro_batches):
         # The same shapes replayed through the simulated allocator (`estimate --vary-seq-len`), to check it here.
         predicted = run_of_shapes(spec, settings.replace(mode="exact"), min_seq_len=min_seq_len,
-                                  micro_batches=micro_batches)
+                                  micro_batches=micro_batches, image_sizes=image_sizes)
         row["predicted"] = {key: value for key, value in predicted.to_dict().items() if key != "shapes"}
         row["error_percent"] = {key: _err(row["predicted"][f"peak_{key}_bytes"], result[f"max_{key}"])
                                 for key in ("allocated", "reserved")}

@@ -11,7 +11,8 @@ import logging
 import sys
 
 from hf_memfit.cli.arguments import (MemFitArgumentParser, add_step_arguments, check_writable, kbit_preparation,
-                                      media_inputs, positive_int, settings_from_args, step_shape)
+                                      media_inputs, positive_int, refuse_run_flags_without_vary_seq_len,
+                                      settings_from_args, step_shape)
 from hf_memfit.cli.cache import add_cache_parser
 from hf_memfit.cli.check import add_check_parser
 from hf_memfit.cli.output import emit, results_on_stdout
@@ -57,27 +58,14 @@ def _run_of_shapes_arguments(args: argparse.Namespace, settings) -> dict | None:
     """`run_of_shapes`'s keyword arguments from `--vary-seq-len`, `--vary-image-size` and `--micro-batches`
     (None without `--vary-seq-len`); every problem with them is refused at once, in one line each."""
     from hf_memfit.errors import check_all
-    from hf_memfit.estimator.run_of_shapes import DEFAULT_MICRO_BATCHES, run_problems
+    from hf_memfit.estimator.run_of_shapes import DEFAULT_MICRO_BATCHES, drawn_image_sides, run_problems
 
+    refuse_run_flags_without_vary_seq_len(args)
     if args.vary_seq_len is None:
-        given = [flag for flag, value in (("--micro-batches", args.micro_batches),
-                                          ("--vary-image-size", args.vary_image_size)) if value is not None]
-        if given:
-            raise MemFitError(f"`{given[0]}` shapes a `--vary-seq-len` run: add `--vary-seq-len MIN`, or drop it")
         return None
     micro_batches = DEFAULT_MICRO_BATCHES if args.micro_batches is None else args.micro_batches
-    problems = run_problems(settings, min_seq_len=args.vary_seq_len, micro_batches=micro_batches)
-    image_sizes = ()
-    if args.vary_image_size is not None:
-        if settings.task != "image-text-to-text" or not settings.image_size:
-            problems.append("`--vary-image-size` draws a VLM's image sides: it needs `--task image-text-to-text` "
-                            "and `--image-size`, the largest side")
-        elif not 1 <= args.vary_image_size <= settings.image_size:
-            problems.append(f"`--vary-image-size {args.vary_image_size}` is the smallest side drawn: give one from 1 "
-                            f"to `--image-size` ({settings.image_size})")
-        else:
-            image_sizes = tuple(range(args.vary_image_size, settings.image_size + 1))
-    check_all(problems)
+    image_sizes, image_problems = drawn_image_sides(settings, args.vary_image_size)
+    check_all(run_problems(settings, min_seq_len=args.vary_seq_len, micro_batches=micro_batches) + image_problems)
     return {"min_seq_len": args.vary_seq_len, "micro_batches": micro_batches, "image_sizes": image_sizes}
 
 

@@ -52,6 +52,21 @@ def varying_shapes(settings: TrainSettings, *, min_seq_len: int, micro_batches: 
     return drawn
 
 
+def drawn_image_sides(settings: TrainSettings, smallest: int | None,
+                      flag: str = "--vary-image-size") -> tuple[tuple[int, ...], list[str]]:
+    """The square image sides a VLM run draws, from `smallest` to the settings' `image_size` (none where `smallest`
+    is None), and why they cannot be drawn, one line each."""
+    if smallest is None:
+        return (), []
+    if settings.task != "image-text-to-text" or not settings.image_size:
+        return (), [f"`{flag}` draws a VLM's image sides: it needs `--task image-text-to-text` and `--image-size`, "
+                    "the largest side"]
+    if not 1 <= smallest <= settings.image_size:
+        return (), [f"`{flag} {smallest}` is the smallest side drawn: give one from 1 to `--image-size` "
+                    f"({settings.image_size})"]
+    return tuple(range(smallest, settings.image_size + 1)), []
+
+
 def run_problems(settings: TrainSettings, *, min_seq_len: int, micro_batches: int, flag: str = "--vary-seq-len"
                  ) -> list[str]:
     """Why a run of varying shapes cannot be simulated for these settings, one line each (empty: it can)."""
