@@ -176,6 +176,15 @@ def trace_run(spec, settings: TrainSettings, shapes: list[tuple[int, int | None]
     return events, tuple(starts[1:]) + (len(events),)
 
 
+def _traced(spec, settings: TrainSettings, shapes, replayed_with_workspace: int | None):
+    """`trace_run`'s (events, ends); or, given the workspace bytes, only the replay's reserved peak (a forked
+    child sends back an int, not the events)."""
+    events, ends = trace_run(spec, settings, shapes)
+    if replayed_with_workspace is None:
+        return events, ends
+    return replay(events, workspace_bytes=replayed_with_workspace)[0].peak_reserved_bytes
+
+
 def workspace_bytes(settings: TrainSettings) -> int:
     """cuBLAS's workspaces, which it takes from the caching allocator (the estimate counts them as allocated)."""
     from hf_memfit.estimator.cuda_overhead import cublas_workspace_bytes
@@ -194,6 +203,7 @@ def run_of_shapes(spec, settings: TrainSettings, *, min_seq_len: int, micro_batc
     `device_total_bytes`.
     """
     from hf_memfit.errors import check_all
+    from hf_memfit.estimator.forked import run_side_by_side
     from hf_memfit.estimator.trace import progress
 
     settings = settings.validate(spec)
@@ -203,14 +213,15 @@ def run_of_shapes(spec, settings: TrainSettings, *, min_seq_len: int, micro_batc
                             image_sizes=image_sizes)
     progress.info("run of %d micro-batches (%d-%d tokens): tracing %s at full depth", micro_batches, min_seq_len,
                   settings.seq_len, spec.name)
-    events, ends = trace_run(spec, settings, shapes)
     workspace = workspace_bytes(settings)
+    # Two steps at the largest shape, as the estimate traces them (micro-batches past the second repeat it), for
+    # the same replay's figure of one step: in a forked child beside the run's trace where a CPU is idle.
+    fixed = settings.replace(gradient_accumulation_steps=min(settings.gradient_accumulation_steps, 2))
+    largest = [(settings.seq_len, settings.image_size)] * (2 * fixed.gradient_accumulation_steps)
+    (events, ends), step_reserved = run_side_by_side(_traced, [(spec, settings, shapes, None),
+                                                               (spec, fixed, largest, workspace)])
     progress.info("replaying %d allocator events", len(events))
     sim, reserved_after = replay(events, workspace_bytes=workspace, boundaries=ends)
-    # Two steps at the largest shape, as the estimate traces them: micro-batches past the second repeat it.
-    fixed = settings.replace(gradient_accumulation_steps=min(settings.gradient_accumulation_steps, 2))
-    largest, _ = trace_run(spec, fixed, [(settings.seq_len, settings.image_size)] * (2 * fixed.gradient_accumulation_steps))
-    step_sim, _ = replay(largest, workspace_bytes=workspace)
     need = None
     if needed:
         progress.info("finding the smallest card the run fits on")
@@ -218,6 +229,6 @@ def run_of_shapes(spec, settings: TrainSettings, *, min_seq_len: int, micro_batc
                                workspace_bytes=workspace)
     return RunOfShapes(min_seq_len=min_seq_len, micro_batches=micro_batches, shapes=shapes,
                        peak_allocated_bytes=sim.peak_allocated_bytes, peak_reserved_bytes=sim.peak_reserved_bytes,
-                       step_reserved_bytes=step_sim.peak_reserved_bytes, needed_bytes=need,
+                       step_reserved_bytes=step_reserved, needed_bytes=need,
                        device_total_bytes=sim.peak_reserved_bytes + outside_allocator_bytes,
                        reserved_after=reserved_after, seconds=round(time.perf_counter() - started, 1))
