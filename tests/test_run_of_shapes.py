@@ -109,6 +109,7 @@ def test_estimate_vary_seq_len_reports_the_run_beside_the_step(tmp_path, capsys)
     (["--vary-seq-len", "16", "--vary-image-size", "224"], "--task image-text-to-text"),
     (["--vary-seq-len", "16", "--zero-stage", "2", "--num-gpus", "2"], "ZeRO"),
     (["--vary-seq-len", "16", "--expandable-segments"], "expandable segments"),
+    (["--vary-seq-len", "16", "--num-gpus", "2"], "DDP"),
 ])
 def test_estimate_vary_seq_len_refuses_what_it_cannot_simulate_in_one_line(tmp_path, capsys, flags, says):
     model = tmp_path / "config.json"

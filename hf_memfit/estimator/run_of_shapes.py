@@ -16,8 +16,8 @@ allocator frees its cache and retries before it raises an OOM, so the smallest N
 completes (`needed_bytes`) is what a budget must hold, and it lies between the run's allocated peak and its
 reserved peak on a roomy card.
 
-What it does not cover, refused by `run_problems`: ZeRO and FSDP (their shards and buckets are laid out by
-formula, not traced), sequence and context parallelism, 4- and 8-bit base weights (packed by formula after the
+What it does not cover, refused by `run_problems`: DDP, ZeRO and FSDP (their shards and buckets are laid out
+by formula, not traced), sequence and context parallelism, 4- and 8-bit base weights (packed by formula after the
 trace), and expandable segments (the simulator follows the default allocator; with expandable segments a run
 reserves what its step does, one partly used page per pool: `cuda_overhead.EXPANDABLE_SEGMENTS_SLACK_BYTES`).
 """
@@ -82,7 +82,9 @@ def run_problems(settings: TrainSettings, *, min_seq_len: int, micro_batches: in
     if settings.task in MEDIA_TASKS and settings.task != "image-text-to-text":
         problems.append(f"`{flag}` draws text lengths, and a {settings.task} step's length is made from its images "
                         "or audio, not drawn: drop it")
-    unsupported = [(settings.zero_stage, "ZeRO (`--zero-stage`)"), (settings.fsdp is not None, "FSDP"),
+    unsupported = [(settings.num_gpus * settings.num_nodes > 1 and not (settings.zero_stage or settings.fsdp),
+                    "DDP over several GPUs (its gradient buckets are laid out by formula)"),
+                   (settings.zero_stage, "ZeRO (`--zero-stage`)"), (settings.fsdp is not None, "FSDP"),
                    (settings.sp_size * settings.cp_size > 1, "sequence or context parallelism"),
                    (settings.load_in_kbit, "4- or 8-bit base weights"),
                    (settings.expandable_segments, "expandable segments, under which a run reserves what its step "
