@@ -180,10 +180,16 @@ def trace_run(spec, settings: TrainSettings, shapes: list[tuple[int, int | None]
 
 def _traced(spec, settings: TrainSettings, shapes, replayed_with_workspace: int | None):
     """`trace_run`'s (events, ends); or, given the workspace bytes, only the replay's reserved peak (a forked
-    child sends back an int, not the events)."""
-    events, ends = trace_run(spec, settings, shapes)
+    child sends back an int, not the events), with no progress lines: they would interleave with the run's."""
     if replayed_with_workspace is None:
-        return events, ends
+        return trace_run(spec, settings, shapes)
+    from hf_memfit.estimator.trace import progress
+
+    quiet, progress.disabled = progress.disabled, True
+    try:
+        events, _ = trace_run(spec, settings, shapes)
+    finally:
+        progress.disabled = quiet
     return replay(events, workspace_bytes=replayed_with_workspace)[0].peak_reserved_bytes
 
 
