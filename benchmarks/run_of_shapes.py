@@ -86,11 +86,83 @@ def shapes_of(record: dict) -> list[tuple[int, int | None]]:
 
 
 
+CHECK_ROWS = [os.path.join(HERE, "results", d, "rows_predicted.json") for d in ("gpu_h100", "gpu_h200_2")]
+
+
+def fixed_steps(only: str | None) -> list[dict]:
+    """`--part steps`: the GPU sessions' `check` rows (two optimizer steps at one shape, in a fresh process),
+    replayed at full depth through the simulator, against the measured reserved peak and the estimate's."""
+    from gpu_results import row_spec, settings_from_row
+
+    from hf_memfit.estimator.run_of_shapes import replay, replay_problems, trace_run, workspace_bytes
+
+    rows = []
+    for path in CHECK_ROWS:
+        for row in json.load(open(path)):
+            if only and only not in row["name"]:
+                continue
+            settings = settings_from_row(row).replace(mode="exact")
+            # check's steps: `--steps` (2) optimizer steps of at most two micro-batches (measure_device.train_on_cuda)
+            fixed = settings.replace(gradient_accumulation_steps=min(settings.gradient_accumulation_steps, 2))
+            spec = row_spec(row)
+            problems = replay_problems(fixed.validate(spec))
+            measured, predicted = row["measured"], row["predicted"].get("exact") or row["predicted"]["fast"]
+            entry = {"row": row["name"], "model": row["model"], "gpu": row["machine"]["device_name"],
+                     "measured_allocated": measured["peak_allocated_bytes"],
+                     "measured_reserved": measured["peak_reserved_bytes"],
+                     "estimate_reserved": predicted["peak_reserved_bytes"]}
+            if problems:
+                entry["not_replayed"] = problems[0]
+                rows.append(entry)
+                continue
+            started = time.perf_counter()
+            events, _ = trace_run(spec, fixed, [(fixed.seq_len, fixed.image_size)] *
+                                  (2 * fixed.gradient_accumulation_steps))
+            sim, _ = replay(events, workspace_bytes=workspace_bytes(fixed))
+            entry.update(replay_allocated=sim.peak_allocated_bytes, replay_reserved=sim.peak_reserved_bytes,
+                         seconds=round(time.perf_counter() - started, 1))
+            rows.append(entry)
+            print(f"{row['name']}: measured reserved {entry['measured_reserved'] / GiB:.3f} GiB, replay "
+                  f"{sim.peak_reserved_bytes / GiB:.3f} ({(sim.peak_reserved_bytes - entry['measured_reserved']) / 2**20:+.0f}"
+                  f" MiB), estimate {entry['estimate_reserved'] / GiB:.3f} GiB", flush=True)
+    print("\n| row | GPU | measured allocated / reserved | replay allocated / reserved | replay - measured, "
+          "reserved | the estimate's reserved |")
+    print("|---|---|---:|---:|---:|---:|")
+    for r in rows:
+        if "not_replayed" in r:
+            print(f"| {r['row']} | {r['gpu']} | {r['measured_allocated'] / GiB:.3f} / {r['measured_reserved'] / GiB:.3f}"
+                  f" GiB | not replayed: {r['not_replayed']} | | "
+                  f"{100 * (r['estimate_reserved'] / r['measured_reserved'] - 1):+.1f}% |")
+            continue
+        print(f"| {r['row']} | {r['gpu']} | {r['measured_allocated'] / GiB:.3f} / {r['measured_reserved'] / GiB:.3f} "
+              f"GiB | {r['replay_allocated'] / GiB:.3f} / {r['replay_reserved'] / GiB:.3f} GiB | "
+              f"{(r['replay_reserved'] - r['measured_reserved']) / 2**20:+.0f} MiB "
+              f"({100 * (r['replay_reserved'] / r['measured_reserved'] - 1):+.1f}%) | "
+              f"{100 * (r['estimate_reserved'] / r['measured_reserved'] - 1):+.1f}% |")
+    replayed = [r for r in rows if "replay_reserved" in r]
+    errors = [abs(100 * (r["replay_reserved"] / r["measured_reserved"] - 1)) for r in replayed]
+    estimate = [abs(100 * (r["estimate_reserved"] / r["measured_reserved"] - 1)) for r in replayed]
+    if errors:
+        print(f"\nreplayed rows: reserved median |error| {statistics.median(errors):.2f}%, max {max(errors):.2f}% "
+              f"over {len(errors)}; the estimate's slack model on the same rows: median {statistics.median(estimate):.1f}%, "
+              f"max {max(estimate):.1f}%")
+    return rows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--only", help="runs whose name contains this")
+    parser.add_argument("--part", choices=("runs", "steps"), default="runs",
+                        help="runs (default): the H200's runs of varying shapes; steps: the GPU sessions' `check` "
+                             "rows (one shape) replayed at full depth")
     args = parser.parse_args(argv)
+    if args.part == "steps":
+        rows = fixed_steps(args.only)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"rows": rows}, f, indent=1)
+        return 0
     from hf_memfit.estimator.run_of_shapes import needed_capacity, replay, trace_run, workspace_bytes
 
     models, runs = models_by_run(), measured_runs()

@@ -71,9 +71,6 @@ def run_problems(settings: TrainSettings, *, min_seq_len: int, micro_batches: in
                  ) -> list[str]:
     """Why a run of varying shapes cannot be simulated for these settings, one line each (empty: it can)."""
     problems = []
-    if settings.device != "cuda":
-        problems.append(f"`{flag}` simulates the CUDA caching allocator over a run of varying lengths, and the CPU "
-                        "has none (its peak is the step's): drop it, or give `--device cuda`")
     if not 1 <= min_seq_len <= settings.seq_len:
         problems.append(f"`{flag} {min_seq_len}` is the shortest length drawn: give one from 1 to `--seq-len` "
                         f"({settings.seq_len})")
@@ -82,6 +79,16 @@ def run_problems(settings: TrainSettings, *, min_seq_len: int, micro_batches: in
     if settings.task in MEDIA_TASKS and settings.task != "image-text-to-text":
         problems.append(f"`{flag}` draws text lengths, and a {settings.task} step's length is made from its images "
                         "or audio, not drawn: drop it")
+    return replay_problems(settings, flag) + problems
+
+
+def replay_problems(settings: TrainSettings, flag: str = "--vary-seq-len") -> list[str]:
+    """Why a traced step or run of these settings cannot be replayed through the simulated caching allocator as
+    one process's, one line each (empty: it can)."""
+    problems = []
+    if settings.device != "cuda":
+        problems.append(f"`{flag}` simulates the CUDA caching allocator over a run of varying lengths, and the CPU "
+                        "has none (its peak is the step's): drop it, or give `--device cuda`")
     unsupported = [(settings.num_gpus * settings.num_nodes > 1 and not (settings.zero_stage or settings.fsdp),
                     "DDP over several GPUs (its gradient buckets are laid out by formula)"),
                    (settings.zero_stage, "ZeRO (`--zero-stage`)"), (settings.fsdp is not None, "FSDP"),
