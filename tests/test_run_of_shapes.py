@@ -2,6 +2,7 @@
 simulated caching allocator (hf_memfit/estimator/run_of_shapes.py)."""
 
 import json
+import re
 
 import pytest
 
@@ -98,6 +99,7 @@ def test_estimate_vary_seq_len_reports_the_run_beside_the_step(tmp_path, capsys)
     assert run["device_total_bytes"] == run["peak_reserved_bytes"] + outside
     code, out, err = _estimate(capsys, str(model), *step, "--vary-seq-len", "16", "--micro-batches", "6")
     assert code == 0 and "over a run of 6 micro-batches, lengths drawn from 16 to 96 tokens" in out and "smallest card" in out
+    assert re.search(r"on H100\S* +[\d.]+ GiB +the run fits", out)  # `--gpu` names the card it is checked against
 
 
 @pytest.mark.parametrize("flags, says", [

@@ -109,12 +109,26 @@ def format_run_of_shapes(run, est) -> str:
     if run.needed_bytes is not None:
         rows.append(("smallest card", format_bytes(run.needed_bytes + outside),
                      "the least device memory on which the whole run completes"))
+        gpu = _named_gpu(est.settings)
+        if gpu is not None:
+            holds = run.needed_bytes + outside <= gpu.memory_bytes
+            rows.append((f"on {gpu.name}", format_bytes(gpu.memory_bytes),
+                         "the run fits" if holds else "the run runs out of memory on this card"))
     return "\n".join([f"over a run of {run.micro_batches} micro-batches, {drawn} (--vary-seq-len), traced at full "
                       f"depth and replayed through the caching allocator's rules ({run.seconds:.0f} s):",
                       _table(rows),
                       f"  note: one step at the largest shape reserves {format_bytes(run.step_reserved_bytes)} in the "
                       "same replay; over a run the allocator keeps the segments each shape made, and on a smaller "
                       "card it frees them and retries before it raises an OOM"])
+
+
+def _named_gpu(settings):
+    """The GPU `--gpu` names (None without one)."""
+    if not settings.gpu:
+        return None
+    from hf_memfit.hardware import find_gpu
+
+    return find_gpu(settings.gpu)
 
 
 def _searched_text(result) -> str:
