@@ -15,7 +15,7 @@ import sys
 
 from hf_memfit.cli.output import emit
 from hf_memfit.errors import MemFitError, check_all
-from hf_memfit.estimator.run_of_shapes import DEFAULT_MICRO_BATCHES, drawn_image_sides
+from hf_memfit.estimator.run_of_shapes import DEFAULT_MICRO_BATCHES, drawn_image_sides, drawn_length_problems
 from hf_memfit.units import GiB, format_bytes
 
 CHECK_EPILOG = """examples:
@@ -139,14 +139,9 @@ def _varying_problems(args: argparse.Namespace, device: str) -> list[str]:
                         "check runs on the CPU, which has none: drop it, or check on a GPU")
     if args.grid:
         problems.append("`--vary-seq-len` follows one row: drop `--grid`, or check that row alone")
-    if args.seq_len is None or not 1 <= args.vary_seq_len <= args.seq_len:
-        problems.append(f"`--vary-seq-len {args.vary_seq_len}` is the shortest length drawn: give one from 1 to "
-                        f"`--seq-len` ({args.seq_len})")
     if args.micro_batches is None:
         args.micro_batches = DEFAULT_MICRO_BATCHES
-    elif args.micro_batches < 1:
-        problems.append(f"`--micro-batches` must be at least 1, got {args.micro_batches}")
-    return problems
+    return problems + drawn_length_problems(args.seq_len, args.vary_seq_len, args.micro_batches)
 
 
 def varying_row(spec, settings, *, min_seq_len: int, micro_batches: int, image_sizes: tuple[int, ...] = ()) -> dict:
@@ -164,7 +159,10 @@ def varying_row(spec, settings, *, min_seq_len: int, micro_batches: int, image_s
 
     result = measure_varying(spec.config, settings.replace(mode="exact"), shapes, progress=progress)
     row = {"min_seq_len": min_seq_len, **result}
-    if not run_problems(settings, min_seq_len=min_seq_len, micro_batches=micro_batches):
+    unpredicted = run_problems(settings, min_seq_len=min_seq_len, micro_batches=micro_batches)
+    if unpredicted:  # measured all the same; said in the row
+        row["not_predicted"] = unpredicted[0]
+    else:
         # The same shapes replayed through the simulated allocator (`estimate --vary-seq-len`), to check it here.
         predicted = run_of_shapes(spec, settings.replace(mode="exact"), min_seq_len=min_seq_len,
                                   micro_batches=micro_batches, image_sizes=image_sizes)
@@ -483,6 +481,8 @@ def format_row(name: str, row: dict, machine: dict) -> str:
         lines.append(f"  max allocated {_size(v['max_allocated']):>12}   (the fixed step: {_size(m['peak_allocated_bytes'])})")
         lines.append(f"  max reserved  {_size(v['max_reserved']):>12}   (the fixed step: {_size(m['peak_reserved_bytes'])}; "
                      "cache the allocator frees and retries with before an OOM)")
+        if v.get("not_predicted"):
+            lines.append(f"  not predicted: {v['not_predicted']}")
         if v.get("predicted"):
             p, e = v["predicted"], v["error_percent"]
             lines.append(f"  predicted (estimate --vary-seq-len): allocated {_size(p['peak_allocated_bytes'])} "

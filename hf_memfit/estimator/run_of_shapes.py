@@ -70,16 +70,23 @@ def drawn_image_sides(settings: TrainSettings, smallest: int | None,
 def run_problems(settings: TrainSettings, *, min_seq_len: int, micro_batches: int, flag: str = "--vary-seq-len"
                  ) -> list[str]:
     """Why a run of varying shapes cannot be simulated for these settings, one line each (empty: it can)."""
-    problems = []
-    if not 1 <= min_seq_len <= settings.seq_len:
-        problems.append(f"`{flag} {min_seq_len}` is the shortest length drawn: give one from 1 to `--seq-len` "
-                        f"({settings.seq_len})")
-    if micro_batches < 1:
-        problems.append(f"`--micro-batches` must be at least 1, got {micro_batches}")
+    problems = drawn_length_problems(settings.seq_len, min_seq_len, micro_batches, flag)
     if settings.task in MEDIA_TASKS and settings.task != "image-text-to-text":
         problems.append(f"`{flag}` draws text lengths, and a {settings.task} step's length is made from its images "
                         "or audio, not drawn: drop it")
     return replay_problems(settings, flag) + problems
+
+
+def drawn_length_problems(seq_len: int | None, min_seq_len: int, micro_batches: int,
+                          flag: str = "--vary-seq-len") -> list[str]:
+    """What is wrong with a run's drawn lengths (`estimate` and `check --vary-seq-len`), one line each."""
+    problems = []
+    if seq_len is None or not 1 <= min_seq_len <= seq_len:
+        problems.append(f"`{flag} {min_seq_len}` is the shortest length drawn: give one from 1 to `--seq-len` "
+                        f"({seq_len})")
+    if micro_batches < 1:
+        problems.append(f"`--micro-batches` must be at least 1, got {micro_batches}")
+    return problems
 
 
 def replay_problems(settings: TrainSettings, flag: str = "--vary-seq-len") -> list[str]:

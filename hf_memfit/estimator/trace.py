@@ -381,7 +381,7 @@ def trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], *
             position["step"] = step_index
             if stash is not None:
                 stash.peak = stash.live
-            if run_as_given:  # a run's steps of these micro-batches, its first the warm-up (`run_of_shapes.py`)
+            if run_as_given:  # a run's steps as given, its first standing for the warm-up (`run_of_shapes.py`)
                 micro_settings = shapes[step_index]
                 progress.info("tracing optimizer step %d of %d", step_index + 1, len(shapes))
             elif step_index == 0:
