@@ -198,6 +198,11 @@ def find_gpu(name: str) -> GPU:
     return _BY_NAME[canonical]
 
 
+def named_gpu(name: str | None) -> GPU | None:
+    """`find_gpu(name)`, or None where no GPU is named (`TrainSettings.gpu` unset: an unknown GPU)."""
+    return None if not name else find_gpu(name)
+
+
 def detect_local_gpu() -> tuple[GPU, int] | None:
     """The local CUDA device 0 and its free memory in bytes, or None without one.
 

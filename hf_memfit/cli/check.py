@@ -335,9 +335,9 @@ def _errors(est, measured) -> dict:
 def cuda_constants(est, measured) -> dict:
     """Each CUDA-side constant family of the estimate beside what the run measured."""
     from hf_memfit.estimator import cuda_overhead
-    from hf_memfit.hardware import find_gpu
+    from hf_memfit.hardware import named_gpu
 
-    gpu = find_gpu(est.settings.gpu) if est.settings.gpu else None
+    gpu = named_gpu(est.settings.gpu)
     predicted = {
         "cublas_workspace_bytes": cuda_overhead.cublas_workspace_bytes(gpu),
         "cuda_context_bytes": cuda_overhead.cuda_context_bytes(gpu),

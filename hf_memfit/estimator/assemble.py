@@ -304,11 +304,9 @@ def assemble(spec: ModelSpec, settings: TrainSettings, step: StepMemory) -> Memo
 
 
 def _gpu(settings: TrainSettings):
-    if settings.gpu is None:
-        return None
-    from hf_memfit.hardware import find_gpu
+    from hf_memfit.hardware import named_gpu
 
-    return find_gpu(settings.gpu)
+    return named_gpu(settings.gpu)
 
 
 def describe_region(region: str) -> str:

@@ -210,9 +210,9 @@ def _traced(spec, settings: TrainSettings, shapes, replayed_with_workspace: int 
 def workspace_bytes(settings: TrainSettings) -> int:
     """cuBLAS's workspaces, which it takes from the caching allocator (the estimate counts them as allocated)."""
     from hf_memfit.estimator.cuda_overhead import cublas_workspace_bytes
-    from hf_memfit.hardware import find_gpu
+    from hf_memfit.hardware import named_gpu
 
-    return cublas_workspace_bytes(find_gpu(settings.gpu) if settings.gpu else None)
+    return cublas_workspace_bytes(named_gpu(settings.gpu))
 
 
 def run_of_shapes(spec, settings: TrainSettings, *, min_seq_len: int, micro_batches: int = DEFAULT_MICRO_BATCHES,

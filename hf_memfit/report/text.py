@@ -4,6 +4,7 @@ import shlex
 
 from hf_memfit.estimator.breakdown import CATEGORIES
 from hf_memfit.estimator.run_of_shapes import DEFAULT_MICRO_BATCHES, run_problems
+from hf_memfit.hardware import named_gpu
 from hf_memfit.units import format_bytes
 
 _CATEGORY_NOTES = {
@@ -109,7 +110,7 @@ def format_run_of_shapes(run, est) -> str:
     if run.needed_bytes is not None:
         rows.append(("smallest card", format_bytes(run.needed_bytes + outside),
                      "the least device memory on which the whole run completes"))
-        gpu = _named_gpu(est.settings)
+        gpu = named_gpu(est.settings.gpu)
         if gpu is not None:
             holds = run.needed_bytes + outside <= gpu.memory_bytes
             rows.append((f"on {gpu.name}", format_bytes(gpu.memory_bytes),
@@ -120,15 +121,6 @@ def format_run_of_shapes(run, est) -> str:
                       f"  note: one step at the largest shape reserves {format_bytes(run.step_reserved_bytes)} in the "
                       "same replay; over a run the allocator keeps the segments each shape made, and on a smaller "
                       "card it frees them and retries before it raises an OOM"])
-
-
-def _named_gpu(settings):
-    """The GPU `--gpu` names (None without one)."""
-    if not settings.gpu:
-        return None
-    from hf_memfit.hardware import find_gpu
-
-    return find_gpu(settings.gpu)
 
 
 def _searched_text(result) -> str:
