@@ -116,7 +116,7 @@ def fixed_steps(only: str | None) -> list[dict]:
                 rows.append(entry)
                 continue
             started = time.perf_counter()
-            events, _ = trace_run(spec, fixed, [(fixed.seq_len, fixed.image_size)] *
+            events, _, _ = trace_run(spec, fixed, [(fixed.seq_len, fixed.image_size)] *
                                   (2 * fixed.gradient_accumulation_steps))
             sim, _ = replay(events, workspace_bytes=workspace_bytes(fixed))
             entry.update(replay_allocated=sim.peak_allocated_bytes, replay_reserved=sim.peak_reserved_bytes,
@@ -181,7 +181,7 @@ def main(argv=None) -> int:
         record, model = runs[longest], models[longest]
         spec, settings, shapes = spec_for(model), settings_of(record), shapes_of(record)
         started = time.perf_counter()
-        events, ends = trace_run(spec, settings, shapes)
+        events, ends, _ = trace_run(spec, settings, shapes)
         traced = time.perf_counter() - started
         workspace = workspace_bytes(settings)
         sim, running = replay(events, workspace_bytes=workspace, boundaries=ends)

@@ -135,8 +135,8 @@ def test_a_last_partial_step_is_not_stepped(tiny_llama):
 
     settings = _settings().validate(tiny_llama)
     shapes = [(96, None)] * 5
-    events, ends = trace_run(tiny_llama, settings, shapes)
-    full, full_ends = trace_run(tiny_llama, settings, shapes + [(96, None)])  # the 6th completes the 3rd step
+    events, ends, _ = trace_run(tiny_llama, settings, shapes)
+    full, full_ends, _ = trace_run(tiny_llama, settings, shapes + [(96, None)])  # the 6th completes the 3rd step
     # up to the 6th micro-batch's start the two runs are the same micro-batches, with no optimizer step after the 5th
     assert len(ends) == 5 and ends[-1] == len(events) == full_ends[4]
     assert events == full[:full_ends[4]]
@@ -158,3 +158,30 @@ def test_a_vlm_run_draws_image_sides_too():
     assert len({side for _, side in run.shapes}) > 2 and (16, 112) in run.shapes
     assert 0 < run.peak_allocated_bytes <= run.peak_reserved_bytes
     assert drawn_image_sides(settings, 113)[1] and drawn_image_sides(_settings(), 56)[1]  # out of range; not a VLM
+
+
+def test_a_run_traced_in_two_halves_is_the_run_traced_in_one(tiny_llama, monkeypatch):
+    # Where a CPU is idle, a run of 3+ optimizer steps is traced in two processes: its first steps here, the first
+    # step again and then the rest in a child, joined after the child's first step. The joined stream must make
+    # the one process's allocations, numbered alike, with the same micro-batch ends and the same replayed peaks
+    # (frees that come together may come in another order in another process: `_halves`).
+    from hf_memfit.estimator import forked
+    from hf_memfit.estimator import run_of_shapes as runs
+
+    settings = _settings().validate(tiny_llama)
+    shapes = runs.varying_shapes(settings, min_seq_len=8, micro_batches=9, seed=1)  # 4 steps of 2, then 1 more
+    monkeypatch.setenv("HF_MEMFIT_NO_FORK", "1")
+    one = runs.trace_run(tiny_llama, settings, shapes, workspace=64 * 2**20)
+    monkeypatch.delenv("HF_MEMFIT_NO_FORK")
+    monkeypatch.setattr(forked, "idle_cpus", lambda: 2.0)  # as on an idle machine, whatever the load here
+    joined = []
+    halves = runs._halves
+    monkeypatch.setattr(runs, "_halves", lambda *a: joined.append(halves(*a)) or joined[-1])
+    two = runs.trace_run(tiny_llama, settings, shapes, workspace=64 * 2**20)
+    assert len(joined) == 1 and joined[0] is not None  # joined, not traced again in one process
+    (events, ends, step), (other, other_ends, other_step) = one, two
+    assert runs._allocations(other) == runs._allocations(events) and other_ends == ends and other_step == step
+    assert sorted(other) == sorted(events)  # the same frees too, whatever their order
+    first, second = runs.replay(events)[0], runs.replay(other)[0]
+    assert (second.peak_allocated_bytes, second.peak_reserved_bytes) == (first.peak_allocated_bytes,
+                                                                        first.peak_reserved_bytes)

@@ -170,41 +170,110 @@ def needed_capacity(events, *, low: int, high: int, workspace_bytes: int = 0,
     return high
 
 
-def trace_run(spec, settings: TrainSettings, shapes: list[tuple[int, int | None]]) -> tuple[list, tuple[int, ...]]:
+def trace_run(spec, settings: TrainSettings, shapes: list[tuple[int, int | None]], *,
+              workspace: int | None = None) -> tuple[list, tuple[int, ...], int | None]:
     """The allocator events of a run of micro-batches of these (tokens, image side) shapes, traced at full depth on
     fake CUDA tensors with an optimizer step every `gradient_accumulation_steps`, and the event count at the end
     of each micro-batch. The run is traced as given, from the model's build on, with no warm-up step: a warm-up
     at another shape would leave the allocator another cache (a VLM's at the full image size reserved the run's
-    final figure before its first micro-batch, and hid the growth the H200 measured)."""
-    from hf_memfit.estimator.trace import trace_step
-    from hf_memfit.models.depths import config_with_depths, real_depths
+    final figure before its first micro-batch, and hid the growth the H200 measured).
+
+    Given `workspace` (cuBLAS's bytes), the third item is the reserved peak of a replay of two steps at the
+    largest shape, traced beside the run. Where a CPU is idle, a run of 3+ optimizer steps is traced in two
+    halves side by side (`_halves`), with the same events as in one process.
+    """
+    from hf_memfit.estimator.forked import forking_pays, run_side_by_side
 
     accumulation = settings.gradient_accumulation_steps
     steps = tuple(tuple(settings.replace(seq_len=length, image_size=side) for length, side in shapes[i:i + accumulation])
                   for i in range(0, len(shapes), accumulation))
-    depths = real_depths(spec)
-    tracker = trace_step(config_with_depths(spec, depths), settings, depths, shapes=steps).tracker
-    # A micro-batch starts at its forward marker; event n happened at clock n + 1 (`StorageTracker.track`).
-    starts = [clock for clock, label in tracker.markers if " forward" in label]
-    events = tracker.events
+    # Two steps at the largest shape, as the estimate traces them (micro-batches past the second repeat it).
+    fixed = settings.replace(gradient_accumulation_steps=min(accumulation, 2))
+    largest = ((fixed,) * fixed.gradient_accumulation_steps,) * 2
+    jobs = [(spec, settings, steps, False)]
+    halves = len(steps) >= 3 and forking_pays()
+    if halves:  # here the first steps; in a child the first step again, then the rest (`_halves`)
+        split = (len(steps) + 2) // 2
+        jobs = [(spec, settings, steps[:split], False), (spec, settings, steps[:1] + steps[split:], True)]
+    jobs += [(spec, fixed, largest, True)] if workspace is not None else []
+    traced = run_side_by_side(_trace_steps, jobs)
+    events, micro_starts, optimizer_starts = traced[0]
+    if halves:
+        joined = _halves(traced[0], traced[1], len(steps[0]))
+        events, micro_starts, optimizer_starts = joined if joined is not None else _trace_steps(
+            spec, settings, steps, False)  # the halves do not join (see there): the run in one process
     if len(shapes) % accumulation:  # a last, partial step: the Trainer never steps it, the tracer always does
-        events = events[:max(clock for clock, label in tracker.markers if label.endswith(" optimizer"))]
-    return events, tuple(starts[1:]) + (len(events),)
+        events = events[:optimizer_starts[-1]]
+    step_reserved = None
+    if workspace is not None:
+        step_reserved = replay(traced[-1][0], workspace_bytes=workspace)[0].peak_reserved_bytes
+    return events, tuple(micro_starts[1:]) + (len(events),), step_reserved
 
 
-def _traced(spec, settings: TrainSettings, shapes, replayed_with_workspace: int | None):
-    """`trace_run`'s (events, ends); or, given the workspace bytes, only the replay's reserved peak (a forked
-    child sends back an int, not the events), with no progress lines: they would interleave with the run's."""
-    if replayed_with_workspace is None:
-        return trace_run(spec, settings, shapes)
-    from hf_memfit.estimator.trace import progress
+def _trace_steps(spec, settings: TrainSettings, steps: tuple, quiet: bool) -> tuple[list, list[int], list[int]]:
+    """One process's trace of these optimizer steps from the build on: (events, the event count at each
+    micro-batch's start, at each optimizer step's start). `quiet`: no progress lines (a child's would interleave
+    with the parent's)."""
+    from hf_memfit.estimator.trace import progress, trace_step
+    from hf_memfit.models.depths import config_with_depths, real_depths
 
-    quiet, progress.disabled = progress.disabled, True
+    depths = real_depths(spec)
+    was, progress.disabled = progress.disabled, quiet or progress.disabled
     try:
-        events, _ = trace_run(spec, settings, shapes)
+        tracker = trace_step(config_with_depths(spec, depths), settings, depths, shapes=steps).tracker
     finally:
-        progress.disabled = quiet
-    return replay(events, workspace_bytes=replayed_with_workspace)[0].peak_reserved_bytes
+        progress.disabled = was
+    # Event n happened at clock n + 1 (`StorageTracker.track`): a marker's clock is the events before it. The
+    # events after the "end" marker free the model as the trace lets it go, which no run does.
+    micro = [clock for clock, label in tracker.markers if " forward" in label]
+    optimizer = [clock for clock, label in tracker.markers if label.endswith(" optimizer")]
+    end = max(clock for clock, label in tracker.markers if label == "end")
+    return tracker.events[:end], micro, optimizer
+
+
+def _halves(first, second, first_micro_batches: int):
+    """The run traced in two processes as one stream: `first` is its first steps; `second` its first step again,
+    then the rest. After each optimizer step a run holds the same tensors (the weights and the optimizer's
+    states; gradients are set to None and the step's temporaries freed), so the second process's events after
+    its first step continue the first's. Its allocations are renumbered after the first's. None where that does
+    not hold: the two first steps allocate differently, or what the first process holds at its end is not what
+    the second held after its first step. (Frees that happen together, as a container of tensors goes, can come
+    in another order in another process: the tensors' finalizers run in an order that hashes of addresses set.
+    Allocations are numbered in the order they are made, which is the code's.)"""
+    events, micro, optimizer = first
+    other_events, other_micro, other_optimizer = second
+    cut = other_micro[first_micro_batches]  # the second process's second step starts here
+    if _allocations(other_events[:cut]) != _allocations(events[:cut]) or _live(events) != _live(other_events[:cut]):
+        return None
+    made = len(_allocations(events))
+    made_before_cut = len(_allocations(other_events[:cut]))
+    shift = made - made_before_cut
+
+    def renumbered(index: int) -> int:  # an allocation of the second process after the cut gets a new number
+        number = abs(index)
+        number = number + shift if number > made_before_cut else number
+        return number if index > 0 else -number
+
+    offset = len(events) - cut
+    joined = events + [(renumbered(index), nbytes) for index, nbytes in other_events[cut:]]
+    return (joined, micro + [m + offset for m in other_micro[first_micro_batches:]],
+            optimizer + [o + offset for o in other_optimizer[1:]])
+
+
+def _allocations(events) -> list[tuple[int, int]]:
+    """The allocations of a stream of events, in the order they were made."""
+    return [event for event in events if event[0] > 0]
+
+
+def _live(events) -> set[int]:
+    """The allocations a stream of events leaves live."""
+    live = set()
+    for index, _ in events:
+        if index > 0:
+            live.add(index)
+        else:
+            live.discard(-index)
+    return live
 
 
 def workspace_bytes(settings: TrainSettings) -> int:
@@ -225,7 +294,6 @@ def run_of_shapes(spec, settings: TrainSettings, *, min_seq_len: int, micro_batc
     `device_total_bytes`.
     """
     from hf_memfit.errors import check_all
-    from hf_memfit.estimator.forked import run_side_by_side
     from hf_memfit.estimator.trace import progress
 
     settings = settings.validate(spec)
@@ -236,12 +304,7 @@ def run_of_shapes(spec, settings: TrainSettings, *, min_seq_len: int, micro_batc
     progress.info("run of %d micro-batches (%d-%d tokens): tracing %s at full depth", micro_batches, min_seq_len,
                   settings.seq_len, spec.name)
     workspace = workspace_bytes(settings)
-    # Two steps at the largest shape, as the estimate traces them (micro-batches past the second repeat it), for
-    # the same replay's figure of one step: in a forked child beside the run's trace where a CPU is idle.
-    fixed = settings.replace(gradient_accumulation_steps=min(settings.gradient_accumulation_steps, 2))
-    largest = [(settings.seq_len, settings.image_size)] * (2 * fixed.gradient_accumulation_steps)
-    (events, ends), step_reserved = run_side_by_side(_traced, [(spec, settings, shapes, None),
-                                                               (spec, fixed, largest, workspace)])
+    events, ends, step_reserved = trace_run(spec, settings, shapes, workspace=workspace)
     progress.info("replaying %d allocator events", len(events))
     sim, reserved_after = replay(events, workspace_bytes=workspace, boundaries=ends)
     need = None
