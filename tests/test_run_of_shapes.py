@@ -144,13 +144,9 @@ def test_a_last_partial_step_is_not_stepped(tiny_llama):
 
 def test_a_vlm_run_draws_image_sides_too():
     # the tiny Qwen2.5-VL of test_vlm.py; sides 56-112 px are 4-16 image tokens a row (28-px merged patches)
-    from transformers import AutoConfig
-
     from hf_memfit.estimator.run_of_shapes import drawn_image_sides, run_of_shapes
-    from hf_memfit.models.spec import ModelSpec
-    from test_vlm import QWEN25VL
 
-    spec = ModelSpec.from_config("tiny-qwen2.5-vl", AutoConfig.for_model(**QWEN25VL).to_dict())
+    spec = _tiny_qwen25_vl()
     settings = _settings(task="image-text-to-text", seq_len=16, image_size=112).validate(spec)
     sides, problems = drawn_image_sides(settings, 56)
     assert problems == [] and sides[0] == 56 and sides[-1] == 112
@@ -160,7 +156,17 @@ def test_a_vlm_run_draws_image_sides_too():
     assert drawn_image_sides(settings, 113)[1] and drawn_image_sides(_settings(), 56)[1]  # out of range; not a VLM
 
 
-def test_a_run_traced_in_two_halves_is_the_run_traced_in_one(tiny_llama, monkeypatch):
+def _tiny_qwen25_vl():
+    from transformers import AutoConfig
+
+    from hf_memfit.models.spec import ModelSpec
+    from test_vlm import QWEN25VL
+
+    return ModelSpec.from_config("tiny-qwen2.5-vl", AutoConfig.for_model(**QWEN25VL).to_dict())
+
+
+@pytest.mark.parametrize("model", ["llama", "qwen2.5-vl"])
+def test_a_run_traced_in_two_halves_is_the_run_traced_in_one(model, tiny_llama, monkeypatch):
     # Where a CPU is idle, a run of 3+ optimizer steps is traced in two processes: its first steps here, the first
     # step again and then the rest in a child, joined after the child's first step. The joined stream must make
     # the one process's allocations, numbered alike, with the same micro-batch ends and the same replayed peaks
@@ -168,16 +174,22 @@ def test_a_run_traced_in_two_halves_is_the_run_traced_in_one(tiny_llama, monkeyp
     from hf_memfit.estimator import forked
     from hf_memfit.estimator import run_of_shapes as runs
 
-    settings = _settings().validate(tiny_llama)
-    shapes = runs.varying_shapes(settings, min_seq_len=8, micro_batches=9, seed=1)  # 4 steps of 2, then 1 more
+    # Qwen2.5-VL keeps a tensor of its last forward between steps (`rope_deltas`): `_halves` matches it by size
+    if model == "llama":
+        spec, settings, sides = tiny_llama, _settings(), ()
+    else:
+        spec, settings, sides = _tiny_qwen25_vl(), _settings(task="image-text-to-text", seq_len=16, image_size=112), \
+            tuple(range(56, 113))
+    settings = settings.validate(spec)
+    shapes = runs.varying_shapes(settings, min_seq_len=8, micro_batches=9, seed=1, image_sizes=sides)  # 4 x 2, 1
     monkeypatch.setenv("HF_MEMFIT_NO_FORK", "1")
-    one = runs.trace_run(tiny_llama, settings, shapes, workspace=64 * 2**20)
+    one = runs.trace_run(spec, settings, shapes, workspace=64 * 2**20)
     monkeypatch.delenv("HF_MEMFIT_NO_FORK")
     monkeypatch.setattr(forked, "idle_cpus", lambda: 2.0)  # as on an idle machine, whatever the load here
     joined = []
     halves = runs._halves
     monkeypatch.setattr(runs, "_halves", lambda *a: joined.append(halves(*a)) or joined[-1])
-    two = runs.trace_run(tiny_llama, settings, shapes, workspace=64 * 2**20)
+    two = runs.trace_run(spec, settings, shapes, workspace=64 * 2**20)
     assert len(joined) == 1 and joined[0] is not None  # joined, not traced again in one process
     (events, ends, step), (other, other_ends, other_step) = one, two
     assert runs._allocations(other) == runs._allocations(events) and other_ends == ends and other_step == step

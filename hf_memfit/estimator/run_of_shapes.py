@@ -237,21 +237,29 @@ def _halves(first, second, first_micro_batches: int):
     states; gradients are set to None and the step's temporaries freed), so the second process's events after
     its first step continue the first's. Its allocations are renumbered after the first's. None where that does
     not hold: the two first steps allocate differently, or what the first process holds at its end is not what
-    the second held after its first step. (Frees that happen together, as a container of tensors goes, can come
-    in another order in another process: the tensors' finalizers run in an order that hashes of addresses set.
+    the second held after its first step. A model may keep a tensor of its last forward between steps (Qwen2-VL's
+    `rope_deltas`): the one the first process holds then stands for the one the second held, matched by size in
+    the order they were made. (Frees that happen together, as a container of tensors goes, can come in another
+    order in another process: the tensors' finalizers run in an order that hashes of addresses set.
     Allocations are numbered in the order they are made, which is the code's.)"""
     events, micro, optimizer = first
     other_events, other_micro, other_optimizer = second
     cut = other_micro[first_micro_batches]  # the second process's second step starts here
-    if _allocations(other_events[:cut]) != _allocations(events[:cut]) or _live(events) != _live(other_events[:cut]):
+    if _allocations(other_events[:cut]) != _allocations(events[:cut]):
         return None
-    made = len(_allocations(events))
-    made_before_cut = len(_allocations(other_events[:cut]))
+    held, other_held = _live(events), _live(other_events[:cut])
+    sizes, other_sizes = dict(_allocations(events)), dict(_allocations(other_events[:cut]))
+    kept, other_kept = sorted(held - other_held), sorted(other_held - held)  # tensors a step replaces
+    if [sizes[i] for i in kept] != [other_sizes[i] for i in other_kept]:
+        return None
+    stands_for = dict(zip(other_kept, kept))
+    made = len(sizes)
+    made_before_cut = len(other_sizes)
     shift = made - made_before_cut
 
     def renumbered(index: int) -> int:  # an allocation of the second process after the cut gets a new number
         number = abs(index)
-        number = number + shift if number > made_before_cut else number
+        number = number + shift if number > made_before_cut else stands_for.get(number, number)
         return number if index > 0 else -number
 
     offset = len(events) - cut
