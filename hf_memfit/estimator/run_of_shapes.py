@@ -193,7 +193,11 @@ def trace_run(spec, settings: TrainSettings, shapes: list[tuple[int, int | None]
     jobs = [(spec, settings, steps, False)]
     halves = len(steps) >= 3 and forking_pays()
     if halves:  # here the first steps; in a child the first step again, then the rest (`_halves`)
+        from hf_memfit.estimator.trace import progress
+
         split = (len(steps) + 2) // 2
+        progress.info("the run's %d optimizer steps in two halves side by side: 1-%d here, %d-%d in a forked child",
+                      len(steps), split, split + 1, len(steps))
         jobs = [(spec, settings, steps[:split], False), (spec, settings, steps[:1] + steps[split:], True)]
     jobs += [(spec, fixed, largest, True)] if workspace is not None else []
     traced = run_side_by_side(_trace_steps, jobs)
