@@ -65,23 +65,9 @@ ROWS = [
 ]
 
 
-def replay(events, capacity):
-    from hf_memfit.estimator.cuda_overhead import CachingAllocatorSimulator, SimulatedOutOfMemoryError
-
-    sim = CachingAllocatorSimulator(capacity=capacity)
-    try:
-        for index, nbytes in events:
-            if index > 0:
-                sim.malloc(index, nbytes)
-            else:
-                sim.free(-index)
-    except SimulatedOutOfMemoryError:
-        return None
-    return sim
-
-
 def measure(name: str, settings: dict) -> dict:
     from hf_memfit.estimator import trace
+    from hf_memfit.estimator.run_of_shapes import needed_capacity, replay
     from hf_memfit.settings import TrainSettings
     from hf_memfit.models.depths import config_with_depths, real_depths
     from hf_memfit.models.spec import resolve_model
@@ -92,14 +78,9 @@ def measure(name: str, settings: dict) -> dict:
     t0 = time.perf_counter()
     traced = trace.trace_step(config_with_depths(spec, depths), s, depths)
     events, allocated = traced.tracker.events, traced.peak_bytes
-    free_reserved = replay(events, None).peak_reserved_bytes
-    lo, hi = allocated, free_reserved  # the sequence runs at `hi`; find the smallest capacity that does
-    while hi - lo > 2 * MiB:
-        mid = (lo + hi) // 2
-        if replay(events, mid) is None:
-            lo = mid
-        else:
-            hi = mid
+    free_reserved = replay(events)[0].peak_reserved_bytes
+    # the sequence runs at `free_reserved`; the smallest capacity that does, by bisection to 2 MiB
+    hi = needed_capacity(events, low=allocated, high=free_reserved, precision=2 * MiB)
     at_peak = traced.tracker.breakdown_at(traced.tracker.peak_clock)
     transient = at_peak["activations"] + at_peak["temporary"]
     return {"model": name, "settings": settings, "allocated": allocated, "transient": transient,
