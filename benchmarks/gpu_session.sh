@@ -114,8 +114,8 @@ grep -v '^#' "$ROWS" | grep . | while read -r name args; do
     args=${args//QWEN2VL_7B//tmp/qwen2vl_7b.json}
     args=${args//@SNAP/--memory-snapshot $OUT/$name.pickle}
     echo "timeout 200 $PY -m hf_memfit.cli check $args --device $DEVICE --json > $OUT/rows/$name.json 2> $OUT/rows/$name.err"
-done > /tmp/gpu_rows.cmds
-xargs -P "$LANES" -d '\n' -I{} bash -c '{}; echo "row done (rc=$?): {}" | cut -c1-160' < /tmp/gpu_rows.cmds 2>&1 | tee -a "$OUT/session.log"
+done > "$OUT/.rows.cmds"
+xargs -P "$LANES" -d '\n' -I{} bash -c '{}; echo "row done (rc=$?): {}" | cut -c1-160' < "$OUT/.rows.cmds" 2>&1 | tee -a "$OUT/session.log"
 "$PY" - "$OUT" <<'MERGE' 2>&1 | tee -a "$OUT/session.log"
 import glob, json, os, sys
 out = sys.argv[1]
@@ -134,7 +134,7 @@ for path in sorted(glob.glob(f"{out}/rows/*.json")):
         print(name, "FAILED", err.strip().splitlines()[-1:] if err.strip() else "")
 json.dump(rows, open(f"{out}/rows.json", "w"), indent=1)
 MERGE
-rm -rf "$OUT/rows"
+rm -rf "$OUT/rows" "$OUT/.rows.cmds"
 gzip -f "$OUT"/*.pickle 2>/dev/null
 ls -la "$OUT" | tee -a "$OUT/session.log"
 fi
@@ -144,10 +144,10 @@ mkdir -p "$OUT/drift"
 grep -v '^#' "$DRIFT" | grep . | while read -r name args; do
     args=${args//QWEN2VL_7B//tmp/qwen2vl_7b.json}
     echo "timeout 300 $PY benchmarks/gpu_shape_drift.py $args --out $OUT/drift/$name.json > $OUT/drift/$name.log 2>&1"
-done > /tmp/gpu_drift.cmds
-xargs -P "$LANES" -d '\n' -I{} bash -c '{}; echo "drift done (rc=$?): {}" | cut -c1-160' < /tmp/gpu_drift.cmds 2>&1 | tee -a "$OUT/session.log"
+done > "$OUT/.drift.cmds"
+xargs -P "$LANES" -d '\n' -I{} bash -c '{}; echo "drift done (rc=$?): {}" | cut -c1-160' < "$OUT/.drift.cmds" 2>&1 | tee -a "$OUT/session.log"
 grep -h -v "Warning\|warn(\|torchao\|_pytree" "$OUT"/drift/*.log | tail -40 | tee -a "$OUT/session.log"
 "$PY" -c "import glob, json, os; json.dump({os.path.basename(p)[:-5]: json.load(open(p)) for p in sorted(glob.glob('$OUT/drift/*.json'))}, open('$OUT/drift.json', 'w'))"
-rm -rf "$OUT/drift"
+rm -rf "$OUT/drift" "$OUT/.drift.cmds"
 fi
 echo "== done" | tee -a "$OUT/session.log"
