@@ -16,6 +16,7 @@ the simulator follows CUDACachingAllocator.cpp's rules, the tracer is exact mode
 
     python benchmarks/run_of_shapes.py --json benchmarks/results/run_of_shapes.json        # ~20 min here
     python benchmarks/run_of_shapes.py --only qwen05 --json /tmp/r.json                    # the 0.5B rows
+    python benchmarks/run_of_shapes.py --session gpu_h200_3 --json benchmarks/results/run_of_shapes_3.json
 """
 
 from __future__ import annotations
@@ -34,8 +35,12 @@ warnings.filterwarnings("ignore")
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 GiB = 2**30
-RESULTS = os.path.join(HERE, "results", "gpu_h200_2")
-DATA = [os.path.join(HERE, "data", f) for f in ("gpu_drift.txt", "gpu_drift_2.txt", "gpu_drift_3.txt")]
+# The GPU sessions' runs: the one these replays were built beside, and a later one whose runs were predicted and
+# committed (gpu_h200_3/predicted/) before the GPU ran them.
+SESSIONS = {"gpu_h200_2": ("drift.json", "drift_capped.json", "drift_plans.json"),
+            "gpu_h200_3": ("drift_a.json", "drift_b.json")}
+DATA = [os.path.join(HERE, "data", f) for f in ("gpu_drift.txt", "gpu_drift_2.txt", "gpu_drift_3.txt",
+                                                "gpu_drift_4a.txt", "gpu_drift_4b.txt")]
 
 
 def models_by_run() -> dict[str, str]:
@@ -49,13 +54,12 @@ def models_by_run() -> dict[str, str]:
     return names
 
 
-def measured_runs() -> dict[str, dict]:
+def measured_runs(session: str) -> dict[str, dict]:
     """Every varying run the session recorded, uncapped and capped, by name."""
     runs = {}
-    for name, record in json.load(open(os.path.join(RESULTS, "drift.json"))).items():
-        runs[name] = record["varying"]
-    for file in ("drift_capped.json", "drift_plans.json"):
-        runs.update(json.load(open(os.path.join(RESULTS, file))))
+    for file in SESSIONS[session]:
+        for name, record in json.load(open(os.path.join(HERE, "results", session, file))).items():
+            runs[name] = record["varying"] if "varying" in record and "summary" in record else record
     return runs
 
 
@@ -153,6 +157,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--only", help="runs whose name contains this")
+    parser.add_argument("--session", choices=tuple(SESSIONS), default="gpu_h200_2",
+                        help="whose runs (default: the 2026-11-27 H200 session's 16; gpu_h200_3: the later "
+                             "session's 6, predicted before they ran)")
     parser.add_argument("--part", choices=("runs", "steps"), default="runs",
                         help="runs (default): the H200's runs of varying shapes; steps: the GPU sessions' `check` "
                              "rows (one shape) replayed at full depth")
@@ -165,7 +172,7 @@ def main(argv=None) -> int:
         return 0
     from hf_memfit.estimator.run_of_shapes import needed_capacity, replay, trace_run, workspace_bytes
 
-    models, runs = models_by_run(), measured_runs()
+    models, runs = models_by_run(), measured_runs(args.session)
     groups: dict[str, list[str]] = {}  # one trace per (model, settings less the cap, shapes)
     for name, record in runs.items():
         if args.only and args.only not in name:
