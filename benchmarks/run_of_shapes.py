@@ -74,11 +74,12 @@ def spec_for(model: str):
     return resolve_model(model)
 
 
-def settings_of(record: dict):
+def settings_of(record: dict, gpu: str | None):
+    """The run's settings, on the GPU that ran it (its SMs size CUDA's reduction staging; None leaves it out)."""
     from hf_memfit.settings import TrainSettings
 
     fields = {k: tuple(v) if isinstance(v, list) else v for k, v in record["settings"].items()}
-    return TrainSettings(**fields).replace(mode="exact")
+    return TrainSettings(**fields).replace(mode="exact", gpu=gpu)
 
 
 def shapes_of(record: dict) -> list[tuple[int, int | None]]:
@@ -93,7 +94,7 @@ def shapes_of(record: dict) -> list[tuple[int, int | None]]:
 CHECK_ROWS = [os.path.join(HERE, "results", d, "rows_predicted.json") for d in ("gpu_h100", "gpu_h200_2")]
 
 
-def fixed_steps(only: str | None) -> list[dict]:
+def fixed_steps(only: str | None, staging: bool = True) -> list[dict]:
     """`--part steps`: the GPU sessions' `check` rows (two optimizer steps at one shape, in a fresh process),
     replayed at full depth through the simulator, against the measured reserved peak and the estimate's."""
     from gpu_results import row_spec, settings_from_row
@@ -105,7 +106,8 @@ def fixed_steps(only: str | None) -> list[dict]:
         for row in json.load(open(path)):
             if only and only not in row["name"]:
                 continue
-            settings = settings_from_row(row).replace(mode="exact")
+            settings = settings_from_row(row).replace(mode="exact",
+                                                      gpu=row["machine"]["device_name"] if staging else None)
             # check's steps: `--steps` (2) optimizer steps of at most two micro-batches (measure_device.train_on_cuda)
             fixed = settings.replace(gradient_accumulation_steps=min(settings.gradient_accumulation_steps, 2))
             spec = row_spec(row)
@@ -163,9 +165,13 @@ def main(argv=None) -> int:
     parser.add_argument("--part", choices=("runs", "steps"), default="runs",
                         help="runs (default): the H200's runs of varying shapes; steps: the GPU sessions' `check` "
                              "rows (one shape) replayed at full depth")
+    parser.add_argument("--without-staging", action="store_true",
+                        help="leave CUDA reductions' staged partial sums out (as before 2026-11-27's second session: no "
+                             "GPU named), which needs the GPU's SMs")
     args = parser.parse_args(argv)
+    gpu = None if args.without_staging else "H200"  # both sessions' runs ran on an H200
     if args.part == "steps":
-        rows = fixed_steps(args.only)
+        rows = fixed_steps(args.only, staging=not args.without_staging)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"rows": rows}, f, indent=1)
@@ -177,7 +183,7 @@ def main(argv=None) -> int:
     for name, record in runs.items():
         if args.only and args.only not in name:
             continue
-        settings = settings_of(record)
+        settings = settings_of(record, gpu)
         if settings.expandable_segments:
             continue  # the simulator follows the default allocator (run_of_shapes.run_problems)
         key = json.dumps([models[name], settings.to_dict()], sort_keys=True, default=str)
@@ -186,7 +192,7 @@ def main(argv=None) -> int:
     for names in groups.values():
         longest = max(names, key=lambda n: len(shapes_of(runs[n])))
         record, model = runs[longest], models[longest]
-        spec, settings, shapes = spec_for(model), settings_of(record), shapes_of(record)
+        spec, settings, shapes = spec_for(model), settings_of(record, gpu), shapes_of(record)
         started = time.perf_counter()
         events, ends, _ = trace_run(spec, settings, shapes)
         traced = time.perf_counter() - started

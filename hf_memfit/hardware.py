@@ -60,6 +60,10 @@ class GPU:
     # total (e.g. A100 "600 GB/s" -> 300e9). 0 when the part has no NVLink.
     nvlink_bandwidth_bytes_per_s: float
     source: str = ""
+    # Streaming multiprocessors and the resident threads each holds: CUDA's reduction kernel sizes the block it
+    # stages partial sums in from them (`estimator/reduction_staging.py`). 0: not known.
+    sm_count: int = 0
+    max_threads_per_sm: int = 0
 
     def matmul_tflops(self, dtype: str) -> float:
         """Peak dense matmul TFLOP/s for "fp32", "tf32", "fp16" or "bf16" (0 if unsupported)."""
@@ -75,76 +79,85 @@ class GPU:
         return rates[dtype.lower()]
 
 
+# Maximum resident threads per SM by compute capability: the CUDA C++ Programming Guide's table of technical
+# specifications per compute capability ("Maximum number of resident threads per SM").
+MAX_THREADS_PER_SM = {(7, 0): 2048, (7, 5): 1024, (8, 0): 2048, (8, 6): 1536, (8, 9): 1536, (9, 0): 2048}
+
+
 def _gpu(name: str, mib: int, cc: tuple[int, int], fp32: float, tf32: float, fp16: float,
-         mem_bw: float, pcie: float, nvlink: float, source: str) -> GPU:
+         mem_bw: float, pcie: float, nvlink: float, source: str, *, sms: int) -> GPU:
     ampere_plus = cc >= (8, 0)
     return GPU(name=name, memory_bytes=mib * MiB, compute_capability=cc,
                supports_bf16=ampere_plus, supports_flash_attention=ampere_plus,
                fp32_tflops=fp32, tf32_tflops=tf32, fp16_tflops=fp16,
                hbm_bandwidth_bytes_per_s=mem_bw, pcie_bandwidth_bytes_per_s=pcie,
-               nvlink_bandwidth_bytes_per_s=nvlink, source=source)
+               nvlink_bandwidth_bytes_per_s=nvlink, source=source, sm_count=sms,
+               max_threads_per_sm=MAX_THREADS_PER_SM[cc])
 
 
 # name, total_memory in MiB (torch), cc, fp32, tf32, fp16/bf16 (TFLOP/s dense),
-# memory bandwidth, host link, NVLink (unidirectional), source.
+# memory bandwidth, host link, NVLink (unidirectional), source; SMs from NVIDIA's architecture whitepapers and
+# datasheets (CUDA cores / 64 for T4, V100 and A100, / 128 for the rest), matching the `multi_processor_count` torch
+# reports where public (T4 40, V100 80, A10G 80, A100 108, L40S 142, RTX 3060 28, RTX 3090 82, RTX 4090 128, H100
+# SXM 132, H100 PCIe 114); H200's 132 as the 2026-11-27 H200 session read it.
 GPUS: tuple[GPU, ...] = (
     # total_memory=14930MB (torch 2.x on a 2025 driver; older drivers 15079-15109MB);
     # OOM messages show 14.56-14.58 GiB on current drivers.
     _gpu("T4", 14_930, (7, 5), 8.1, 8.1, 65.0, 320 * _GB, PCIE_GEN3_X16, 0,
-         "NVIDIA T4 Tensor Core GPU datasheet (FP16 mixed precision 65 TFLOPS)"),
+         "NVIDIA T4 Tensor Core GPU datasheet (FP16 mixed precision 65 TFLOPS)", sms=40),
     # total_memory=16160MB for Tesla V100-SXM2-16GB. Figures are for SXM2; the PCIe
     # card is 14 / 112 TFLOPS and has no NVLink.
     _gpu("V100-16GB", 16_160, (7, 0), 15.7, 15.7, 125.0, 900 * _GB, PCIE_GEN3_X16, 150 * _GB,
-         "NVIDIA V100 Tensor Core GPU datasheet (SXM2; NVLink 300 GB/s bidirectional)"),
+         "NVIDIA V100 Tensor Core GPU datasheet (SXM2; NVLink 300 GB/s bidirectional)", sms=80),
     # OOM messages show 31.74-31.75 GiB total capacity.
     _gpu("V100-32GB", 32_510, (7, 0), 15.7, 15.7, 125.0, 900 * _GB, PCIE_GEN3_X16, 150 * _GB,
-         "NVIDIA V100 Tensor Core GPU datasheet (SXM2; NVLink 300 GB/s bidirectional)"),
+         "NVIDIA V100 Tensor Core GPU datasheet (SXM2; NVLink 300 GB/s bidirectional)", sms=80),
     # AWS g5 part (GA102, 80 SMs). NVIDIA publishes no A10G datasheet; the rates are
     # the A10 datasheet's, which AWS-facing docs repeat. OOMs show 21.98 GiB
     # (torch total_memory=22587MB on another driver).
     _gpu("A10G", 22_507, (8, 6), 31.2, 62.5, 125.0, 600 * _GB, PCIE_GEN4_X16, 0,
-         "NVIDIA A10 Tensor Core GPU datasheet (A10G is AWS's variant; no separate datasheet)"),
+         "NVIDIA A10 Tensor Core GPU datasheet (A10G is AWS's variant; no separate datasheet)", sms=80),
     # OOMs in vLLM's L4 CI show 22.05 GiB total capacity.
     _gpu("L4", 22_579, (8, 9), 30.3, 60.0, 121.0, 300 * _GB, PCIE_GEN4_X16, 0,
-         "NVIDIA L4 Tensor Core GPU datasheet (TF32 120 / FP16 242 TFLOPS with sparsity, halved)"),
+         "NVIDIA L4 Tensor Core GPU datasheet (TF32 120 / FP16 242 TFLOPS with sparsity, halved)", sms=58),
     # total_memory=45589MB.
     _gpu("L40S", 45_589, (8, 9), 91.6, 183.0, 362.0, 864 * _GB, PCIE_GEN4_X16, 0,
-         "NVIDIA L40S GPU datasheet (BF16 362.05 / TF32 183 TFLOPS dense)"),
+         "NVIDIA L40S GPU datasheet (BF16 362.05 / TF32 183 TFLOPS dense)", sms=142),
     # OOMs show 39.50 GiB on current drivers (paddle docs print total_memory=40536MB).
     _gpu("A100-40GB", 40_448, (8, 0), 19.5, 156.0, 312.0, 1555 * _GB, PCIE_GEN4_X16, 300 * _GB,
-         "NVIDIA A100 Tensor Core GPU datasheet (SXM4 40GB; NVLink 600 GB/s bidirectional)"),
+         "NVIDIA A100 Tensor Core GPU datasheet (SXM4 40GB; NVLink 600 GB/s bidirectional)", sms=108),
     # OOMs show 79.15 GiB total capacity (the most common A100 80GB figure).
     _gpu("A100-80GB", 81_050, (8, 0), 19.5, 156.0, 312.0, 2039 * _GB, PCIE_GEN4_X16, 300 * _GB,
-         "NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB; PCIe 80GB has 1935 GB/s, no NVLink)"),
+         "NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB; PCIe 80GB has 1935 GB/s, no NVLink)", sms=108),
     # total_memory=81082-81090MB for "NVIDIA H100 80GB HBM3" across torch 2.0-2.7 logs.
     _gpu("H100-80GB", 81_089, (9, 0), 67.0, 494.5, 989.5, 3.35 * _TB, PCIE_GEN5_X16, 450 * _GB,
          "NVIDIA H100 Tensor Core GPU datasheet (SXM5; BF16 1979 / TF32 989 with sparsity, halved; "
-         "NVLink 900 GB/s bidirectional)"),
+         "NVLink 900 GB/s bidirectional)", sms=132),
     # total_memory=81008MB. NVLink exists only with an optional pairwise bridge: 0 here.
     _gpu("H100-PCIe", 81_008, (9, 0), 51.0, 378.0, 756.0, 2.0 * _TB, PCIE_GEN5_X16, 0,
-         "NVIDIA H100 Tensor Core GPU datasheet (PCIe; BF16 1513 / TF32 756 with sparsity, halved)"),
+         "NVIDIA H100 Tensor Core GPU datasheet (PCIe; BF16 1513 / TF32 756 with sparsity, halved)", sms=114),
     # total_memory=143156MB; OOMs show 139.80-139.81 GiB.
     _gpu("H200", 143_156, (9, 0), 67.0, 494.5, 989.5, 4.8 * _TB, PCIE_GEN5_X16, 450 * _GB,
-         "NVIDIA H200 Tensor Core GPU datasheet (SXM; same compute as H100 SXM, 4.8 TB/s HBM3e)"),
+         "NVIDIA H200 Tensor Core GPU datasheet (SXM; same compute as H100 SXM, 4.8 TB/s HBM3e)", sms=132),
     # total_memory 11931-12044MB across logs; 11938MB is typical on Linux.
     # GA106: 28 SMs x 512 fp16 FMA-with-fp32-accumulate FLOP/clk x 1.777 GHz = 25.5 TFLOPS.
     _gpu("RTX3060-12GB", 11_938, (8, 6), 12.7, 12.7, 25.5, 360 * _GB, PCIE_GEN4_X16, 0,
-         "NVIDIA GeForce RTX 3060 specs; rates derived as for GA102 in the Ampere GA102 whitepaper"),
+         "NVIDIA GeForce RTX 3060 specs; rates derived as for GA102 in the Ampere GA102 whitepaper", sms=28),
     # total_memory=24259-24268MB; OOMs show 23.69 GiB.
     _gpu("RTX3090", 24_259, (8, 6), 35.6, 35.6, 71.0, 936 * _GB, PCIE_GEN4_X16, 56.25 * _GB,
          "NVIDIA Ampere GA102 GPU architecture whitepaper, appendix A (RTX 3090: FP16 with FP32 "
-         "accumulate 71 TFLOPS dense; NVLink bridge 112.5 GB/s bidirectional)"),
+         "accumulate 71 TFLOPS dense; NVLink bridge 112.5 GB/s bidirectional)", sms=82),
     # OOMs on Linux servers show 23.64-23.65 GiB (one log prints total_memory=24563MB).
     _gpu("RTX4090", 24_217, (8, 9), 82.6, 82.6, 165.2, 1008 * _GB, PCIE_GEN4_X16, 0,
          "NVIDIA Ada Lovelace GPU architecture whitepaper (RTX 4090: FP16/BF16 with FP32 "
-         "accumulate 165.2 TFLOPS dense)"),
+         "accumulate 165.2 TFLOPS dense)", sms=128),
     # total_memory=48676MB. 84 SMs x 1024 FLOP/clk x 1.8 GHz = 154.8 TFLOPS dense.
     _gpu("A6000", 48_676, (8, 6), 38.7, 77.4, 154.8, 768 * _GB, PCIE_GEN4_X16, 56.25 * _GB,
          "NVIDIA RTX A6000 datasheet (tensor 309.7 TFLOPS with sparsity, halved; NVLink bridge "
-         "112.5 GB/s bidirectional)"),
+         "112.5 GB/s bidirectional)", sms=84),
     # total_memory=48622MB. 142 SMs x 1024 FLOP/clk x 2.505 GHz = 364 TFLOPS dense.
     _gpu("RTX6000-Ada", 48_622, (8, 9), 91.1, 182.1, 364.2, 960 * _GB, PCIE_GEN4_X16, 0,
-         "NVIDIA RTX 6000 Ada Generation datasheet (FP8 1457 TFLOPS with sparsity -> FP16 dense 364)"),
+         "NVIDIA RTX 6000 Ada Generation datasheet (FP8 1457 TFLOPS with sparsity -> FP16 dense 364)", sms=142),
 )
 
 _BY_NAME = {gpu.name: gpu for gpu in GPUS}
@@ -159,7 +172,7 @@ _ALIASES: dict[str, str] = {
     "v100sxm216gb": "V100-16GB", "v100pcie16gb": "V100-16GB",
     "v10032gb": "V100-32GB", "v10032": "V100-32GB", "v100sxm232gb": "V100-32GB",
     "v100pcie32gb": "V100-32GB", "v100s": "V100-32GB", "v100spcie32gb": "V100-32GB",
-    # The A10 (72 SMs) has the same memory and datasheet rates as the A10G row.
+    # The A10 (72 SMs) has the same memory and datasheet rates as the A10G row (only its SMs differ, 80 on A10G).
     "a10g": "A10G", "a10": "A10G",
     "l4": "L4",
     "l40s": "L40S",
@@ -230,6 +243,8 @@ def detect_local_gpu() -> tuple[GPU, int] | None:
                   hbm_bandwidth_bytes_per_s=0.0, pcie_bandwidth_bytes_per_s=0.0,
                   nvlink_bandwidth_bytes_per_s=0.0,
                   source="torch.cuda.get_device_properties (not in the table: throughputs unknown)")
+    gpu = dataclasses.replace(gpu, sm_count=int(props.multi_processor_count),
+                              max_threads_per_sm=int(getattr(props, "max_threads_per_multi_processor", 0)))
     return gpu, int(free_bytes)
 
 

@@ -84,8 +84,9 @@ def test_gpu_memory_auto_without_a_gpu():
     assert "--gpu-memory 24GiB" in str(err.value) and "\n" not in str(err.value)
 
 
-def _fake_torch(name, total, free, cc):
-    props = SimpleNamespace(name=name, total_memory=total, major=cc[0], minor=cc[1])
+def _fake_torch(name, total, free, cc, sms=108, threads=2048):
+    props = SimpleNamespace(name=name, total_memory=total, major=cc[0], minor=cc[1], multi_processor_count=sms,
+                            max_threads_per_multi_processor=threads)
     cuda = SimpleNamespace(is_available=lambda: True, get_device_properties=lambda i: props,
                            mem_get_info=lambda i=0: (free, total))
     return SimpleNamespace(cuda=cuda)
@@ -101,10 +102,20 @@ def test_detect_known_gpu_uses_the_driver_total(monkeypatch):
 
 
 def test_detect_unknown_gpu_builds_a_row(monkeypatch):
-    monkeypatch.setitem(sys.modules, "torch", _fake_torch("NVIDIA B200", 190 * GiB, 180 * GiB, (10, 0)))
+    monkeypatch.setitem(sys.modules, "torch", _fake_torch("NVIDIA B200", 190 * GiB, 180 * GiB, (10, 0), sms=148))
     gpu, free = detect_local_gpu()
     assert gpu.name == "NVIDIA B200" and gpu.compute_capability == (10, 0)
     assert gpu.supports_bf16 and gpu.memory_bytes == 190 * GiB and free == 180 * GiB
+    # the SMs that size CUDA's reduction staging (estimator/reduction_staging.py) are the card's own
+    assert (gpu.sm_count, gpu.max_threads_per_sm) == (148, 2048)
+
+
+def test_every_table_gpu_has_the_sms_its_reduction_staging_needs():
+    from hf_memfit.hardware import GPUS, MAX_THREADS_PER_SM
+
+    for gpu in GPUS:
+        assert gpu.sm_count > 0 and gpu.max_threads_per_sm == MAX_THREADS_PER_SM[gpu.compute_capability], gpu.name
+    assert (find_gpu("h100").sm_count, find_gpu("t4").max_threads_per_sm) == (132, 1024)
 
 
 def test_import_stays_torch_free():

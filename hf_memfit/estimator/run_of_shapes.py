@@ -128,6 +128,9 @@ class RunOfShapes:
     device_total_bytes: int  # peak_reserved_bytes + what the estimate puts outside the allocator (context ...)
     reserved_after: list[int] = field(default_factory=list)  # the running max reserved after each micro-batch
     seconds: float = 0.0
+    # The GPU whose CUDA reductions' staged partial sums are in the replay (`kernel_staging.py`); None: no GPU
+    # named, so they are left out (on biased models the replay is then under by up to a few hundred MiB).
+    reduction_staging_gpu: str | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -218,13 +221,16 @@ def _trace_steps(spec, settings: TrainSettings, steps: tuple, quiet: bool) -> tu
     """One process's trace of these optimizer steps from the build on: (events, the event count at each
     micro-batch's start, at each optimizer step's start). `quiet`: no progress lines (a child's would interleave
     with the parent's)."""
+    from hf_memfit.estimator.kernel_staging import reduction_staging
     from hf_memfit.estimator.trace import progress, trace_step
+    from hf_memfit.hardware import named_gpu
     from hf_memfit.models.depths import config_with_depths, real_depths
 
     depths = real_depths(spec)
     was, progress.disabled = progress.disabled, quiet or progress.disabled
     try:
-        tracker = trace_step(config_with_depths(spec, depths), settings, depths, shapes=steps).tracker
+        tracker = trace_step(config_with_depths(spec, depths), settings, depths, shapes=steps,
+                             after_op=reduction_staging(named_gpu(settings.gpu))).tracker
     finally:
         progress.disabled = was
     # Event n happened at clock n + 1 (`StorageTracker.track`): a marker's clock is the events before it. The
@@ -328,4 +334,13 @@ def run_of_shapes(spec, settings: TrainSettings, *, min_seq_len: int, micro_batc
                        peak_allocated_bytes=sim.peak_allocated_bytes, peak_reserved_bytes=sim.peak_reserved_bytes,
                        step_reserved_bytes=step_reserved, needed_bytes=need,
                        device_total_bytes=sim.peak_reserved_bytes + outside_allocator_bytes,
-                       reserved_after=reserved_after, seconds=round(time.perf_counter() - started, 1))
+                       reserved_after=reserved_after, seconds=round(time.perf_counter() - started, 1),
+                       reduction_staging_gpu=staging_gpu(settings))
+
+
+def staging_gpu(settings: TrainSettings) -> str | None:
+    """The named GPU whose reduction staging a replay of these settings holds (its SMs known), or None."""
+    from hf_memfit.hardware import named_gpu
+
+    gpu = named_gpu(settings.gpu)
+    return gpu.name if gpu is not None and gpu.sm_count and gpu.max_threads_per_sm else None

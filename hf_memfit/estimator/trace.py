@@ -44,6 +44,7 @@ from hf_memfit.estimator.fake_optimizers import apollo_on_fake_tensors, make_tra
 from hf_memfit.estimator.fake_vision import real_integer_metadata
 from hf_memfit.estimator.regions import by_class
 from hf_memfit.estimator.ssm_kernels import cuda_kernel_path
+from hf_memfit.estimator.warm_up import warm_up_settings
 from hf_memfit.estimator.fake_patches import (cuda_autocast_policy, cuda_dropout, cuda_softmax_backward,
                                               deepcopy_fake_tensors_as_real_ones, environment, gpu_sdpa,
                                               grouped_mm_any_dtype, is_experts, masks_as_the_batch_has,
@@ -51,7 +52,6 @@ from hf_memfit.estimator.fake_patches import (cuda_autocast_policy, cuda_dropout
 from hf_memfit.models.depths import config_with_depths, depth_plan
 from hf_memfit.models.vision_language import reads_batch_values
 from hf_memfit.settings import TrainSettings
-from hf_memfit.tasks import MEDIA_TASKS
 from hf_memfit.units import CUDA_BLOCK_BYTES
 
 # Progress of the traces ("tracing 2 of 3 ..."), at INFO: the CLI shows it on stderr; a library
@@ -101,6 +101,9 @@ class StorageTracker(TorchDispatchMode):
         self.module_stack: list[str] = [""]
         self.events: list[tuple[int, int]] = []  # (+alloc index+1 | -(alloc index+1), bytes) for replay
         self.markers: list[tuple[int, str]] = []  # (clock, label) phase boundaries, for timelines
+        # (tracker, func, args, kwargs) after each op that made a tensor, for blocks a kernel takes from the
+        # allocator and frees inside the op, which no fake tensor shows (`kernel_staging.py`).
+        self.after_op = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is _ADD and self._engine_sums_in_place(args, kwargs):
@@ -119,6 +122,8 @@ class StorageTracker(TorchDispatchMode):
         category = "weights" if func is _TO_COPY and self._is_weight(args[0]) else None
         for value in values:
             self.track(value, category)
+        if self.after_op is not None:
+            self.after_op(self, func, args, kwargs)
         return out
 
     def _engine_sums_in_place(self, args, kwargs) -> bool:
@@ -146,13 +151,27 @@ class StorageTracker(TorchDispatchMode):
         key = storage._cdata
         if key in self._live:
             return
-        nbytes = storage.nbytes()
+        record = self._allocate(storage.nbytes(), category)
+        self._live[key] = record
+        weakref.finalize(storage, self._release, key, len(self.allocations))
+
+    def transient(self, launches: list[tuple[int, ...]], held: int = 0) -> None:
+        """Blocks the op that just ran took and gave back: `held` through it, and each launch's in turn, freed
+        in the reverse order of their requests (a kernel's locals)."""
+        outer = (self._allocate(held, "temporary"), len(self.allocations)) if held else None
+        for requests in launches:
+            records = [(self._allocate(nbytes, "temporary"), len(self.allocations)) for nbytes in requests]
+            for record, index in reversed(records):
+                self._free(record, index)
+        if outer:
+            self._free(*outer)
+
+    def _allocate(self, nbytes: int, category: str | None) -> Allocation:
         if self.round_to > 1:
             nbytes = max(self.round_to, -(-nbytes // self.round_to) * self.round_to)
         self.clock += 1
         record = Allocation(nbytes, self.clock, None, category or _CATEGORY_BY_PHASE[self.phase], self.phase,
                             self.module_stack[-1])
-        self._live[key] = record
         self.allocations.append(record)
         self.events.append((len(self.allocations), nbytes))
         self.live_bytes += nbytes
@@ -161,12 +180,14 @@ class StorageTracker(TorchDispatchMode):
         best = self.region_peaks.get(self.region)
         if best is None or self.live_bytes > best[0]:
             self.region_peaks[self.region] = (self.live_bytes, self.clock)
-        weakref.finalize(storage, self._release, key, len(self.allocations))
+        return record
 
     def _release(self, key: int, index: int) -> None:
         record = self._live.pop(key, None)
-        if record is None:
-            return
+        if record is not None:
+            self._free(record, index)
+
+    def _free(self, record: Allocation, index: int) -> None:
         self.clock += 1
         record.end = self.clock
         self.live_bytes -= record.nbytes
@@ -308,7 +329,7 @@ def _module_names(tracker: StorageTracker, model):
 
 
 def trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], *, steps: int = 2,
-               shapes: tuple[tuple[int, int], ...] = (), short_warm_up: bool = True) -> TraceResult:
+               shapes: tuple[tuple[int, int], ...] = (), short_warm_up: bool = True, after_op=None) -> TraceResult:
     """Trace `steps` optimizer steps of the model built from `config` with the given stack depths.
 
     The steady-state peak is the one of the last step, when optimizer states exist.
@@ -316,7 +337,7 @@ def trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], *
 
     The first step is a warm-up: it is there to leave the optimizer's states (and whatever else a step
     leaves behind) for the steps that count, whose region peaks are the only ones kept. With
-    `short_warm_up` it runs one micro-batch of rows cut to `WARM_UP_TOKENS` (`warm_up_settings`); the
+    `short_warm_up` it runs one micro-batch of rows cut to `WARM_UP_TOKENS` (`warm_up.py`); the
     timeline `explain` draws passes False, to show the first step as it runs.
 
     `shapes` ((batch, seq, micro-batches) triples, for `parametric.py`; a fourth item is another precision
@@ -325,6 +346,7 @@ def trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], *
     `tracker.region_peaks`) are then kept for every step but the warm-up, and no
     breakdowns are computed here (the caller sweeps the events once for all of them). Or `shapes` is a run:
     per optimizer step a tuple of its micro-batches' settings, traced as given, with no warm-up before it.
+    `after_op`: the tracker's (`kernel_staging.py`).
     """
     run_as_given = bool(shapes) and isinstance(shapes[0][0], TrainSettings)
     if shapes:
@@ -333,6 +355,7 @@ def trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], *
     cuda = settings.device == "cuda"
     training.import_step_modules(config, settings)  # outside the tracker: see there
     tracker = StorageTracker(round_to=CUDA_BLOCK_BYTES if cuda else 1)  # the caching allocator's blocks
+    tracker.after_op = after_op
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     patches = contextlib.ExitStack()
     with fake_mode, tracker, patches:
@@ -455,26 +478,6 @@ def trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], *
             result.region_peaks[region] = live
             result.region_breakdowns[region] = tracker.breakdown_at(clock)
     return result
-
-
-# The warm-up step's rows are cut to this many tokens (decoder rows too). What the warm-up leaves behind is the
-# parameters' size whatever the rows' length, and a long row's tiled compute (a TiledMLP row of 400K tokens is
-# 100 shards in every layer, forward and again in backward) is not run once more for nothing. Checked
-# byte-identical on 55 configurations (benchmarks/trace_identity.py, docs/benchmarks.md section 17).
-WARM_UP_TOKENS = 128
-
-
-def warm_up_settings(settings: TrainSettings) -> TrainSettings:
-    """The warm-up step's settings: the same model, optimizer and levers, rows of at most `WARM_UP_TOKENS`.
-
-    What the warm-up has to leave for the measured step does not depend on the rows' length: the optimizer's
-    states are the trainable parameters' size, and so is every gradient a backward makes.
-    """
-    if settings.task in MEDIA_TASKS and settings.task != "image-text-to-text":
-        return settings  # rows of pixels or audio samples; `seq_len` is their patches / frames, made from them
-    short = {name: min(value, WARM_UP_TOKENS) for name in ("seq_len", "decoder_seq_len")
-             if (value := getattr(settings, name)) is not None}
-    return settings.replace(**short) if short else settings
 
 
 def _micro_label(micro: int, settings: TrainSettings) -> str:

@@ -120,7 +120,11 @@ def format_run_of_shapes(run, est) -> str:
                       _table(rows),
                       f"  note: one step at the largest shape reserves {format_bytes(run.step_reserved_bytes)} in the "
                       "same replay; over a run the allocator keeps the segments each shape made, and on a smaller "
-                      "card it frees them and retries before it raises an OOM"])
+                      "card it frees them and retries before it raises an OOM",
+                      f"  note: CUDA reductions' staged partial sums (a bias gradient's) are in the replay, for the "
+                      f"{run.reduction_staging_gpu}'s SMs" if run.reduction_staging_gpu else
+                      "  note: CUDA reductions' staged partial sums (a bias gradient's, up to a few hundred MiB) are "
+                      "not in the replay: their size depends on the GPU's SMs; name one with --gpu"])
 
 
 def _searched_text(result) -> str:
