@@ -8,7 +8,7 @@ from transformers import AutoConfig
 
 from hf_memfit.estimator.assemble import estimate_settings
 from hf_memfit.estimator.measure import measure_cpu_peak
-from hf_memfit.estimator.trace import exact_candidates
+from hf_memfit.estimator.exact import exact_candidates
 from hf_memfit.models.depths import _kinds_at, config_with_depths, depth_plan, towers
 from hf_memfit.models.spec import ModelSpec, resolve_model
 from hf_memfit.settings import TrainSettings

@@ -10,7 +10,7 @@ import pytest
 
 from hf_memfit.estimator.measure import measure_cpu_peak
 from hf_memfit.settings import TrainSettings
-from hf_memfit.estimator.trace import exact_candidates, trace_step
+from hf_memfit.estimator.exact import exact_candidates, trace_step
 
 CASES = [
     ("gpt2", {}),
@@ -122,7 +122,7 @@ _REPEATED_LORA_SEQ_CLS = """
 import json, sys
 from hf_memfit.settings import TrainSettings
 from hf_memfit.models.spec import ModelSpec
-from hf_memfit.estimator.trace import exact_candidates
+from hf_memfit.estimator.exact import exact_candidates
 specs = {name: ModelSpec.from_config(f"tiny-{name}", cfg) for name, cfg in json.loads(sys.argv[1]).items()}
 peaks = {name: [] for name in specs}
 for _ in range(3):

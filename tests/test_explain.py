@@ -8,7 +8,7 @@ from hf_memfit.cli.main import main
 from hf_memfit.estimator.assemble import assemble
 from hf_memfit.settings import TrainSettings
 from hf_memfit.estimator.timeline import trace_timeline
-from hf_memfit.estimator.trace import exact_candidates
+from hf_memfit.estimator.exact import exact_candidates
 
 
 def test_timeline_peak_equals_exact_mode(tiny_specs):

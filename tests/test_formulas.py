@@ -257,7 +257,7 @@ EXACT_CASES = [
 def test_fast_mode_agrees_with_exact_mode(family, kwargs):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from hf_memfit.estimator.trace import exact_candidates
+    from hf_memfit.estimator.exact import exact_candidates
 
     spec = SMALL[family]()
     settings = TrainSettings(**kwargs).validate(spec)

@@ -92,7 +92,7 @@ def test_image_text_to_text_trains_on_text():
 
 def test_depth_extrapolation_finds_the_hybrid_pattern():
     """Gemma-3's sliding/global pattern (period 3 here) extrapolates to the same peak as a full-depth trace."""
-    from hf_memfit.estimator.trace import exact_candidates
+    from hf_memfit.estimator.exact import exact_candidates
 
     config = dict(TINY_GEMMA3, num_hidden_layers=11)  # not a whole number of periods beyond 2p
     spec = ModelSpec.from_config("gemma-11", config)

@@ -8,7 +8,7 @@ from hf_memfit.estimator.measure import measure_cpu_peak
 from hf_memfit.planner.search import plan
 from hf_memfit.settings import TrainSettings
 from hf_memfit.models.spec import ModelSpec
-from hf_memfit.estimator.trace import exact_candidates
+from hf_memfit.estimator.exact import exact_candidates
 
 from conftest import TINY_LLAMA
 

@@ -54,7 +54,7 @@ def test_tiled_mlp_layer_backward_fast_matches_exact():
                   offload_activations=True, use_liger_kernel=True, attn_implementation="flash_attention_2", gpu="h100")
     from hf_memfit.estimator.assemble import traced_settings
     from hf_memfit.estimator.fast import fast_step_memory
-    from hf_memfit.estimator.trace import exact_candidates
+    from hf_memfit.estimator.exact import exact_candidates
 
     spec = ModelSpec.from_config("tiny-llama-v32", dict(TINY_LLAMA, vocab_size=32, num_hidden_layers=2,
                                                         max_position_embeddings=4096))
@@ -177,7 +177,7 @@ def test_seq_len_max_search_leaving_out_what_did_not_fit_is_the_full_search(llam
 def test_seq_len_max_in_forked_children_is_the_answer_of_one_process(llama, monkeypatch, tmp_path):
     """Where CPUs are idle the search runs in a child beside the imports, and exact mode's two depth traces side
     by side: the same answer, points and exact figure as one process."""
-    from hf_memfit.estimator import forked, trace
+    from hf_memfit.estimator import exact, forked
 
     kwargs = dict(global_batch_size=1, gpu_memory="1100MiB", gpu="h100")
     monkeypatch.setattr(forked, "idle_cpus", lambda: 2.0)  # as on an idle machine, whatever the load here
@@ -186,13 +186,13 @@ def test_seq_len_max_in_forked_children_is_the_answer_of_one_process(llama, monk
     monkeypatch.setattr(forked, "_start", lambda *a: started.append(a[0].__name__) or start(*a))
     monkeypatch.setenv("HF_MEMFIT_CACHE", str(tmp_path / "children"))
     children = longest_seq_len(llama, **kwargs)
-    assert "_search_and_plan" in started and "_depth_trace" in started
+    assert "_search" in started and "_depth_trace" in started
     monkeypatch.setenv("HF_MEMFIT_NO_FORK", "1")
     monkeypatch.setenv("HF_MEMFIT_CACHE", str(tmp_path / "here"))
     here = longest_seq_len(llama, **kwargs)
     assert json.dumps(children.to_dict(), sort_keys=True) == json.dumps(here.to_dict(), sort_keys=True)
     assert children.result.estimate.settings.mode == "exact"  # the answer, near its budget, was traced
-    assert trace._depth_trace.__module__ == "hf_memfit.estimator.trace"
+    assert exact._depth_trace.__module__ == "hf_memfit.estimator.exact"
 
 
 def test_forked_helpers_run_beside_and_side_by_side(monkeypatch):
@@ -212,6 +212,33 @@ def test_forked_helpers_run_beside_and_side_by_side(monkeypatch):
     assert forked.run_beside(divmod, (7, 2), lambda: ran.append("again")) == (3, 1) and ran == ["here"]
 
 
+def test_a_job_started_ahead_is_read_not_run_again_and_a_wrong_guess_is_ended(monkeypatch):
+    """`speculate` starts a job before it is asked for; `run_side_by_side` reads its result for the job of that key
+    and runs the others here; a guess no call asks for is ended (and reaped) before other jobs run."""
+    import os
+
+    from hf_memfit.estimator import forked
+
+    monkeypatch.setattr(forked, "idle_cpus", lambda: 2.0)
+    ran_here = []
+
+    def traced(a, b):
+        ran_here.append(os.getpid())
+        return divmod(a, b)
+
+    assert forked.speculate(traced, (7, 2), key="deep") and forked.speculated("deep")
+    assert forked.run_side_by_side(traced, [(9, 4), (7, 2)], keys=["shallow", "deep"]) == [(2, 1), (3, 1)]
+    assert ran_here == [os.getpid()] and not forked.speculated("deep")  # (7, 2) ran in the child only
+    assert forked.speculate(traced, (5, 0), key="wrong")  # a failing guess
+    assert forked.run_side_by_side(traced, [(9, 4), (8, 3)], keys=["a", "b"]) == [(2, 1), (2, 2)]
+    assert not forked.speculated("wrong")  # ended unread, before the jobs that were asked for
+    forked.speculate(traced, (1, 1), key="unread")
+    forked.discard_speculations()
+    assert not forked.speculated("unread")
+    monkeypatch.setattr(forked, "idle_cpus", lambda: 0.5)  # a busy machine: nothing is started ahead
+    assert not forked.speculate(traced, (7, 2), key="deep")
+
+
 def test_json_output_stays_json_when_exact_mode_imports_deepspeed(tmp_path):
     """DeepSpeed logs to the stdout of its first import (its accelerator check warns on a machine without a
     GPU); a fresh process that first imports it for TiledMLP must still print nothing but the JSON."""
@@ -227,27 +254,3 @@ def test_json_output_stays_json_when_exact_mode_imports_deepspeed(tmp_path):
                          capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     assert json.loads(run.stdout)["mode"] == "exact", run.stdout[:300]
-
-
-def test_fast_estimates_from_the_search_child_are_read_not_made_again(llama, monkeypatch):
-    # `--seq-len max`'s child plans the answer's length in fast mode and sends its estimates back
-    # (`assemble.reused_fast_estimates`); the confirmation reads them: equal to fresh ones, and copies, so that a
-    # caller changing one changes nothing read later.
-    import pickle
-
-    from hf_memfit.estimator import assemble
-    from hf_memfit.settings import TrainSettings
-
-    settings = TrainSettings(batch_size=1, seq_len=64, gpu="h100", mode="fast")
-    with assemble.reused_fast_estimates() as made:
-        first = assemble.estimate_settings(llama, settings)
-    assert len(made) == 1
-    fresh = first.to_dict()
-    first.notes.append("changed by a caller")
-    sent = pickle.loads(pickle.dumps(made))  # as from the child
-    monkeypatch.setattr(assemble, "step_memory", lambda *a: pytest.fail("made again, not read"))
-    with assemble.reused_fast_estimates(sent):
-        again = assemble.estimate_settings(llama, settings)
-    assert again.to_dict() == fresh
-    with pytest.raises(pytest.fail.Exception):  # outside the context nothing is read
-        assemble.estimate_settings(llama, settings)

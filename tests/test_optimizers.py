@@ -9,7 +9,7 @@ from hf_memfit.estimator.fast import fast_step_memory
 from hf_memfit.optimizers import TensorGroup, state_bytes
 from hf_memfit.planner.search import plan
 from hf_memfit.settings import TrainSettings
-from hf_memfit.estimator.trace import exact_candidates
+from hf_memfit.estimator.exact import exact_candidates
 from hf_memfit.units import GiB
 
 # Quantized (>= 4096 elements and a multiple of the 256-element block) and not: 1000 elements is too small,

@@ -11,7 +11,7 @@ from hf_memfit.errors import MemFitError
 from hf_memfit.estimator import estimate_settings
 from hf_memfit.estimator import ssm_kernels as kernels
 from hf_memfit.estimator.measure import measure_cpu_peak
-from hf_memfit.estimator.trace import exact_candidates
+from hf_memfit.estimator.exact import exact_candidates
 from hf_memfit.models.spec import ModelSpec
 from hf_memfit.settings import TrainSettings
 

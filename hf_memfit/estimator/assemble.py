@@ -2,7 +2,7 @@
 
 The layers, bottom up:
 - `fast.fast_step_memory` (fast mode, closed form, no torch) or
-  `trace.exact_candidates` (exact mode, the real step on fake tensors) give
+  `exact.exact_candidates` (exact mode, the real step on fake tensors) give
   single-device peak candidates, one per region of the step;
 - `sharding.shard` applies 4-bit packing, paging and ZeRO/DDP to each;
 - this module adds what a GPU holds beyond live tensors (cuBLAS workspaces,
@@ -11,8 +11,6 @@ The layers, bottom up:
 The result is plain data (`MemoryEstimate`); printing lives in `report.py`.
 """
 
-import contextlib
-import copy
 from dataclasses import dataclass, field
 
 from hf_memfit.errors import MemFitError
@@ -95,32 +93,8 @@ def estimate(model: str | ModelSpec, **settings) -> MemoryEstimate:
 
 def estimate_settings(spec: ModelSpec, settings: TrainSettings) -> MemoryEstimate:
     """`estimate` for an already-built spec and settings (the planner's entry point)."""
-    key = (spec.name, spec.model_type, settings) if _reused is not None and settings.mode == "fast" else None
-    if key is not None and key in _reused:
-        return copy.deepcopy(_reused[key])
     validated = settings.validate(spec)
-    estimate = assemble(spec, validated, step_memory(spec, validated))
-    if key is not None:
-        _reused[key] = copy.deepcopy(estimate)
-    return estimate
-
-
-# Fast-mode estimates made in one place for reuse in another (`planner/longest.py`: the search's forked child
-# plans the answer's length in fast mode while this process imports exact mode's code, and the confirmation here
-# reads them: 0.7 s of an eight-GPU `--seq-len max`). Fast mode is a pure function of the model and the settings.
-_reused: dict | None = None
-
-
-@contextlib.contextmanager
-def reused_fast_estimates(estimates: dict | None = None):
-    """Within: every fast-mode estimate is read from `estimates` where it is there, and added to it where it is
-    not. Yields the dict (picklable: it crosses from a forked child)."""
-    global _reused
-    outer, _reused = _reused, ({} if estimates is None else estimates)
-    try:
-        yield _reused
-    finally:
-        _reused = outer
+    return assemble(spec, validated, step_memory(spec, validated))
 
 
 def step_memory(spec: ModelSpec, settings: TrainSettings) -> StepMemory:
@@ -137,12 +111,12 @@ def step_memory(spec: ModelSpec, settings: TrainSettings) -> StepMemory:
 
 def _mode_step_memory(spec: ModelSpec, settings: TrainSettings, traced: TrainSettings) -> StepMemory:
     if settings.mode == "exact" and settings.task not in MEDIA_TASKS:
-        from hf_memfit.estimator.trace import exact_candidates  # imports torch; fast mode never does
+        from hf_memfit.estimator.exact import exact_candidates  # imports torch; fast mode never does
 
         return exact_candidates(spec, traced)
     if settings.task in MEDIA_TASKS:
         if settings.mode == "exact":
-            from hf_memfit.estimator.trace import exact_candidates
+            from hf_memfit.estimator.exact import exact_candidates
 
             return held_batches(spec, settings, exact_candidates(spec, traced))
         from hf_memfit.estimator.batch_fit import batch_fit_step_memory  # no free sequence length to fit over

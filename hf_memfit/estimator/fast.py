@@ -1,7 +1,7 @@
 """Fast mode: the peak memory of one training step in closed form, without torch.
 
 `fast_step_memory(spec, settings)` returns the same kind of `StepMemory` as
-exact mode (`trace.exact_candidates`): live bytes by category at each region
+exact mode (`exact.exact_candidates`): live bytes by category at each region
 of the step where the peak can fall. Nothing here imports torch,
 transformers or peft (the CLI's fast path must start in well under a second),
 so everything is derived from the `ModelSpec`:

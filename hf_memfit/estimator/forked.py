@@ -147,10 +147,21 @@ def forking_pays() -> bool:
     return hasattr(os, "fork") and not os.environ.get("HF_MEMFIT_NO_FORK") and idle_cpus() >= 1
 
 
-def run_side_by_side(function, jobs: list) -> list:
+def run_side_by_side(function, jobs: list, keys: list | None = None) -> list:
     """`[function(*job) for job in jobs]`, the first job here while the others run in forked children (as
     many at a time as the idle CPUs leave beside this process, at least one), where a CPU is idle; else one
-    after another here. Results come back in the jobs' order; a child that fails has its job run here."""
+    after another here. Results come back in the jobs' order; a child that fails has its job run here.
+
+    A job whose `keys` entry was started ahead by `speculate` is not run again: its child's result is read."""
+    ahead = [i for i, key in enumerate(keys or ()) if key in _speculated]
+    if keys is not None and not ahead and _speculated:
+        discard_speculations()  # a guess at other jobs: its child would only take the CPU these need
+    if ahead:  # the others here, one after another: the child started ahead has the other CPU
+        results = [None if i in ahead else function(*job) for i, job in enumerate(jobs)]
+        for i in ahead:
+            ok, value = _collect(_speculated.pop(keys[i]))
+            results[i] = value if ok else function(*jobs[i])
+        return results
     if len(jobs) < 2 or not forking_pays():
         return [function(*job) for job in jobs]
     results: list = [None] * len(jobs)
@@ -183,6 +194,54 @@ def run_beside(function, job: tuple, meanwhile):
     finally:
         gc.unfreeze()
     return results[0]
+
+
+# Jobs started ahead of the call that needs them (`speculate`): key -> (read end, pid) of the child running it.
+_speculated: dict = {}
+
+
+def speculate(function, job: tuple, key) -> bool:
+    """Start `function(*job)` now in a forked child, for a later `run_side_by_side` whose job has this `key` to
+    read instead of running it; where no CPU is idle (or fork is unavailable), nothing starts (False). What it
+    starts is a guess: `discard_speculations` ends the children no call read."""
+    if key in _speculated or not forking_pays():
+        return key in _speculated
+    gc.freeze()
+    try:
+        started = _start(function, job)
+    finally:
+        gc.unfreeze()
+    if started is not None:
+        _speculated[key] = started
+    return started is not None
+
+
+def speculated(key) -> bool:
+    """Whether a child started by `speculate` is running (or has run) the job of this key."""
+    return key in _speculated
+
+
+def discard_speculations() -> None:
+    """End the children `speculate` started that no call read (their guess was not asked for)."""
+    while _speculated:
+        fd, pid = _speculated.popitem()[1]
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        os.close(fd)
+
+
+def _collect(started: tuple[int, int]) -> tuple[bool, object]:
+    """(ok, result) of a child `_start` started, once it has written it and exited."""
+    fd, pid = started
+    data = bytearray()
+    while chunk := os.read(fd, 1 << 20):
+        data += chunk
+    os.close(fd)
+    _, status = os.waitpid(pid, 0)
+    try:
+        return pickle.loads(bytes(data)) if status == 0 else (False, None)
+    except Exception:  # noqa: BLE001 - a child that died mid-write: the caller runs the job itself
+        return False, None
 
 
 def _run_forked(function, jobs: list, workers: int, results: list, first: int, meanwhile=None) -> None:

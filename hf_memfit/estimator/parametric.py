@@ -305,7 +305,7 @@ def _traced_instead(spec, settings, fit: dict) -> StepMemory:
     cached = read_cache(CACHE_KIND + "-traced", key)
     paid = None
     if not isinstance(cached, dict) or "candidates" not in cached:
-        from hf_memfit.estimator.trace import exact_candidates
+        from hf_memfit.estimator.exact import exact_candidates
 
         started = time.perf_counter()
         traced = exact_candidates(spec, settings.replace(mode="exact"))

@@ -53,7 +53,8 @@ def trace_timeline(spec, settings: TrainSettings, label: str = "", samples: int 
     """
     from hf_memfit.estimator.assemble import assemble, traced_settings
     from hf_memfit.estimator.sequence import local_step_settings, with_sequence_terms
-    from hf_memfit.estimator.trace import full_depth_step_memory, trace_step
+    from hf_memfit.estimator.exact import full_depth_step_memory
+    from hf_memfit.estimator.trace import trace_step
     from hf_memfit.models.depths import config_with_depths, real_depths
 
     depths = real_depths(spec)

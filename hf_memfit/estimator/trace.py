@@ -6,9 +6,9 @@ output of every aten op, counts each new storage once (views share one), and
 releases it through a weakref finalizer when the last tensor on it dies. The
 running sum is what the allocator holds; its maximum is the peak.
 
-Periods of a stack are identical, so the model is traced at depth 2p and 3p
-(p = the stack's layer period, 1 for most models) and every *region* of the
-step is extrapolated linearly to the real depth. A region is a stretch of the
+Periods of a stack are identical, so exact mode (`exact.py`) traces the model at depth 2p and 3p
+(p = the stack's layer period, 1 for most models) and extrapolates every *region* of the
+step linearly to the real depth. A region is a stretch of the
 step (forward before the stack, each layer of its first and its last period
 in forward, the head and loss, the same in backward, the optimizer step) over
 which the live bytes are a linear function of the depth (`regions.py`); its
@@ -24,7 +24,9 @@ explicitly, each item sourced in `shared/CUDA_MEMORY_FACTS.md`:
   backward (`grad * output`): `fake_patches.cuda_autocast_policy`, `cuda_dropout`, `cuda_softmax_backward`;
 - torch's default foreach optimizer path on CUDA (`step.make_optimizer`);
 - the caching allocator's 512-byte rounding (its reserved memory beyond that is
-  `cuda_overhead.allocator_slack_bytes`, the same model as fast mode's).
+  `cuda_overhead.allocator_slack_bytes`, the same model as fast mode's);
+- in a run replayed through the allocator simulator only, the blocks CUDA's reductions stage
+  (`StorageTracker.after_op`, `kernel_staging.py`).
 """
 
 import contextlib
@@ -38,18 +40,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from hf_memfit.estimator import step as training
-from hf_memfit.estimator.breakdown import CATEGORIES, StepMemory
+from hf_memfit.estimator.breakdown import CATEGORIES
 from hf_memfit.estimator.fake_ctc import static_ctc_loss
 from hf_memfit.estimator.fake_optimizers import apollo_on_fake_tensors, make_traced_optimizer, optimizer_state_tensors
 from hf_memfit.estimator.fake_vision import real_integer_metadata
-from hf_memfit.estimator.regions import by_class
 from hf_memfit.estimator.ssm_kernels import cuda_kernel_path
 from hf_memfit.estimator.warm_up import warm_up_settings
 from hf_memfit.estimator.fake_patches import (cuda_autocast_policy, cuda_dropout, cuda_softmax_backward,
                                               deepcopy_fake_tensors_as_real_ones, environment, gpu_sdpa,
                                               grouped_mm_any_dtype, is_experts, masks_as_the_batch_has,
                                               spec_augment_off, triton_folds_in_place, truncated_normal_init_in_place)
-from hf_memfit.models.depths import config_with_depths, depth_plan
 from hf_memfit.models.vision_language import reads_batch_values
 from hf_memfit.settings import TrainSettings
 from hf_memfit.units import CUDA_BLOCK_BYTES
@@ -510,108 +510,3 @@ def _quantizable_linear_params(model) -> tuple[int, int]:
     """Parameters bitsandbytes would pack to 4 bits, and the largest one (`step.quantizable_linears`)."""
     sizes = [module.weight.numel() for module in training.quantizable_linears(model)]
     return sum(sizes), max(sizes, default=0)
-
-
-# --- extrapolation to the real depth -----------------------------------------
-
-def exact_candidates(spec, settings: TrainSettings, *, extrapolate: bool = True) -> StepMemory:
-    """Trace at small depths and extrapolate each region linearly to the model's real depth.
-
-    A model whose forward has shapes that depend on the data (a mixture-of-experts layer that loops over the
-    experts a batch hits) cannot run on fake tensors; that is reported in one line, not as a traceback.
-    """
-    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
-
-    try:
-        return _exact_candidates(spec, settings, extrapolate=extrapolate)
-    except (DataDependentOutputException, DynamicOutputShapeException) as exc:
-        from hf_memfit.errors import CannotEstimate
-
-        raise CannotEstimate(f"exact mode cannot trace model_type `{spec.model_type}`: its forward has shapes that "
-                          f"depend on the data ({type(exc).__name__} in {exc.func if hasattr(exc, 'func') else exc}),"
-                          " which fake tensors do not have; for mixture-of-experts models use transformers' "
-                          "grouped_mm experts (its default where the model supports it)") from None
-
-
-def _exact_candidates(spec, settings: TrainSettings, *, extrapolate: bool = True) -> StepMemory:
-    plan = depth_plan(spec, extrapolate)
-    real = plan.real
-    if not plan.reduced:
-        progress.info("exact mode: tracing %s at its full depth %s", spec.name, _depth_text(real))
-        return full_depth_step_memory(trace_step(config_with_depths(spec, real), settings, real), settings,
-                                      spec)
-
-    depth_sets = plan.depth_sets
-    period = getattr(spec, "layer_period", 1) or 1
-    # The depths' traces are independent: side by side in forked children where CPUs are idle (`forked.py`).
-    from hf_memfit.estimator.forked import forking_pays, run_side_by_side
-
-    jobs = [(spec, settings, depths, number, len(depth_sets), real) for number, depths in enumerate(depth_sets, 1)]
-    side_by_side = forking_pays()
-    if side_by_side:  # announced here: a forked child's progress would not reach the parent's stream
-        for job in jobs:
-            _announce(*job)
-    traces = run_side_by_side(_depth_trace, [job + (not side_by_side,) for job in jobs])
-    base_classes = by_class(traces[0], period)  # the first and last period of each stack (`regions.py`)
-    grown_classes = [by_class(t, period) for t in traces[1:]]
-    candidates = {}
-    for cls, (_, base_breakdown) in base_classes.items():
-        extrapolated = dict(base_breakdown)
-        for steps, classes in zip(plan.steps, grown_classes):
-            if cls not in classes:
-                continue
-            grown_breakdown = classes[cls][1]
-            for key in extrapolated:
-                extrapolated[key] += steps * (grown_breakdown[key] - base_breakdown[key])
-        candidates[cls] = {k: max(0, int(round(v))) for k, v in extrapolated.items()}
-    result = _exact_result(candidates, traces[0], settings, spec)
-
-    def grow(attr):  # parameter counts grow linearly with depth too
-        base_value = getattr(traces[0], attr)
-        # `steps` periods are added per axis; a depth that is not a whole number of periods (Gemma-3: 26
-        # layers, period 6) adds a fraction of one, which is what it adds on average.
-        return base_value + int(round(sum(steps * (getattr(t, attr) - base_value)
-                                          for steps, t in zip(plan.steps, traces[1:]))))
-    result.trainable_params = grow("trainable_params")
-    result.total_params = grow("total_params")
-    result.quantizable_linear_params = grow("quantizable_linear_params")
-    result.host_bytes = grow("host_bytes")
-    return result
-
-
-def _announce(spec, settings, depths, number: int, count: int, real) -> None:
-    progress.info("exact mode: tracing %s at depth %s (%d of %d), extrapolated to %s", spec.name,
-                  _depth_text(depths), number, count, _depth_text(real))
-
-
-def _depth_trace(spec, settings: TrainSettings, depths: tuple[int, ...], number: int, count: int,
-                 real: tuple[int, ...], announce: bool = True) -> TraceResult:
-    """One trace of `_exact_candidates`, without its per-allocation records (what extrapolation reads is small
-    enough to send back from a forked child)."""
-    if announce:
-        _announce(spec, settings, depths, number, count, real)
-    trace = trace_step(config_with_depths(spec, depths), settings, depths)
-    trace.tracker = None
-    return trace
-
-
-def full_depth_step_memory(trace: TraceResult, settings: TrainSettings, spec=None) -> StepMemory:
-    """Exact mode's candidates from a trace at the model's real depth (nothing to extrapolate)."""
-    candidates = {r: b for r, (_, b) in by_class(trace).items()}  # every layer a class (`regions.py`)
-    return _exact_result(candidates, trace, settings, spec)
-
-
-def _exact_result(candidates, trace: TraceResult, settings: TrainSettings, spec=None) -> StepMemory:
-    """The candidates with `trace`'s parameter facts (the shallowest trace's, where depths were extrapolated)."""
-    step = StepMemory(candidates, trace.trainable_params, trace.total_params, trace.largest_param_numel,
-                      trace.quantizable_linear_params, trace.largest_linear_numel, host_bytes=trace.host_bytes)
-    moe = getattr(spec, "moe", None)
-    if moe:
-        from hf_memfit.models.generic import moe_note
-
-        step.notes.append(moe_note(moe, settings))
-    return step
-
-
-def _depth_text(depths: tuple[int, ...]) -> str:
-    return "+".join(map(str, depths))

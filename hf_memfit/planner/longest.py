@@ -12,15 +12,16 @@ its budget is); the probes are not, which is what keeps a cold answer to seconds
 Because a setting's memory grows with the sequence, a probe leaves out the settings that did not fit
 at a shorter length (`plan(not_fitting=...)`; the same points as the full search, tested), and the
 search, which imports no torch, runs in a forked child while this process imports what exact mode's
-confirmation needs (`estimator/forked.py`, where a CPU is idle).
+confirmation needs (`estimator/forked.py`, where a CPU is idle). Then, while this process plans the answer's
+length, a child starts the confirmation's deepest trace for the plan the search's probe chose there, which is
+almost always the plan's: the confirmation reads it, or it is ended unread.
 """
 
 import logging
 from dataclasses import dataclass, field
 
 from hf_memfit.errors import MemFitError, NothingFits
-from hf_memfit.estimator.assemble import reused_fast_estimates
-from hf_memfit.estimator.forked import import_for_traces, run_beside
+from hf_memfit.estimator.forked import discard_speculations, import_for_traces, run_beside
 from hf_memfit.models.spec import ModelSpec, resolve_model
 from hf_memfit.planner.explain import layout_text
 from hf_memfit.planner.result import PlanResult
@@ -57,6 +58,7 @@ class LengthPoint:
     summary: str = ""  # micro-batch, checkpointing, layout and levers of the plan there
     why_not: str = ""
     confirmed: bool = False  # re-estimated in exact mode (only the answer is)
+    settings: object = None  # the plan's TrainSettings (not in the JSON): what the answer's confirmation traces
 
     def to_dict(self) -> dict:
         return {"seq_len": self.seq_len, "fits": self.fits, "device_total_bytes": self.device_total_bytes,
@@ -101,13 +103,20 @@ def longest_seq_len(model: str | ModelSpec, *, progress=None, **plan_kwargs) -> 
     limit, limit_reason = _length_limit(spec)
     # The fast-mode search imports no torch; the exact-mode confirmation after it imports torch, transformers
     # and the model's code (seconds). Where a CPU is idle, the search runs in a forked child meanwhile.
-    searched, fast_estimates = run_beside(_search_and_plan, (spec, limit, plan_kwargs),
-                                          lambda: import_for_traces(spec.model_type))
+    searched = run_beside(_search, (spec, limit, plan_kwargs), lambda: import_for_traces(spec.model_type))
     if isinstance(searched, MemFitError):
         raise searched
     low, high, points = searched
-    with reused_fast_estimates(fast_estimates):
+    # The confirmation plans `low` in fast mode (0.7 s for 816 candidates on eight GPUs), then traces its choice at
+    # two depths side by side, the deeper one last to finish. Its choice is the probe's there (the same candidates,
+    # a little more memory usable), so that trace starts now, in a child beside the plan (`speculate`).
+    from hf_memfit.estimator.exact import speculate_deepest_trace
+
+    try:
+        speculate_deepest_trace(spec, points[low].settings)
         answer, result = _confirm(spec, low, points, mode, progress, plan_kwargs)
+    finally:
+        discard_speculations()  # the guess no confirmation read (another choice, or none near the budget)
     if high is None and answer == low:
         bound = limit_reason
     else:
@@ -115,20 +124,6 @@ def longest_seq_len(model: str | ModelSpec, *, progress=None, **plan_kwargs) -> 
         bound = (f"the budget: {over:,} tokens would not fit with {100 * FAST_MODE_MARGIN:g}% of it spare "
                  "for fast mode's error")
     return LongestResult(answer, result, bound, [points[k] for k in sorted(points)], len(points))
-
-
-def _search_and_plan(spec: ModelSpec, limit: int, plan_kwargs: dict):
-    """`_search`, then the answer's length planned in fast mode as `_confirm` plans it first: (the search, the
-    fast estimates that plan made), for `_confirm` to read instead of making them again. In a forked child this
-    runs while the parent imports exact mode's code, which takes longer than the search."""
-    searched = _search(spec, limit, plan_kwargs)
-    with reused_fast_estimates() as made:
-        if not isinstance(searched, MemFitError):
-            try:
-                plan(spec, seq_len=searched[0], mode="fast", confirm_in_exact=False, **plan_kwargs)
-            except MemFitError:
-                pass  # `_confirm` meets it again and handles it
-    return searched, made
 
 
 def _search(spec: ModelSpec, limit: int, plan_kwargs: dict):
@@ -261,7 +256,8 @@ def _point(seq_len: int, result: PlanResult, global_batch_size: int) -> LengthPo
                f"{'on' if s.gradient_checkpointing else 'off'}, {layout_text(s)}"
                + (f", {', '.join(levers)}" if levers else ""))
     return LengthPoint(seq_len, True, result.estimate.device_total_bytes, seconds,
-                       global_batch_size * seq_len / seconds if seconds else 0.0, summary)
+                       global_batch_size * seq_len / seconds if seconds else 0.0, summary,
+                       settings=result.estimate.settings)
 
 
 def format_scaling(longest: LongestResult) -> str:
