@@ -112,6 +112,18 @@ def test_real_process_exit_code_and_no_traceback():
     assert "meta-llama/Llama-3" in proc.stderr  # close catalogue matches
 
 
+def test_the_command_exits_without_teardown_but_with_its_output_and_exit_handlers():
+    # `run()` (the `hf-memfit` command) ends with os._exit, skipping Python's 1.2 s teardown after a trace: the
+    # whole JSON still reaches a pipe, and the exit handlers libraries registered still run.
+    code = ("import atexit, sys; atexit.register(lambda: print('exit handlers ran', file=sys.stderr)); "
+            "sys.argv = ['hf-memfit', 'plan', 'gpt2', '--gpu-memory', '12GiB', '--seq-len', '128', "
+            "'--global-batch-size', '8', '--json']; from hf_memfit.cli import run; run()")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout)["plan"]["per_device_train_batch_size"] >= 1
+    assert "exit handlers ran" in proc.stderr
+
+
 def test_fast_cli_path_does_not_import_torch():
     code = ("import sys; from hf_memfit.cli.main import main; main(['estimate','gpt2','--batch-size','1','--seq-len','64',"
             "'--json']); assert 'torch' not in sys.modules, 'torch imported'")

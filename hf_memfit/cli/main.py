@@ -5,9 +5,11 @@ The fast paths import no torch.
 """
 
 import argparse
+import atexit
 import contextlib
 import json
 import logging
+import os
 import sys
 
 from hf_memfit.cli.arguments import (MemFitArgumentParser, add_step_arguments, check_writable, kbit_preparation,
@@ -446,5 +448,23 @@ def _main(argv: list[str] | None) -> int:
         return 141
 
 
+def run() -> None:
+    """The `hf-memfit` command (and `python -m hf_memfit.cli`): `main()`, then exit without Python's teardown.
+
+    After an exact-mode trace, Python's own shutdown frees the imported torch, transformers and DeepSpeed module by
+    module and object by object: 1.2 s of an eight-GPU `--seq-len max` that took 9.5 s (measured 2026-11-27), for
+    memory the OS takes back at once. The exit handlers libraries registered (logging's flush, file locks,
+    temporary directories, multiprocessing) still run first; the output is flushed.
+    """
+    code = main()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (BrokenPipeError, ValueError):  # the reader went away, or the stream is closed
+            pass
+    os._exit(code if isinstance(code, int) else (0 if code is None else 1))
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -13,8 +13,9 @@ Because a setting's memory grows with the sequence, a probe leaves out the setti
 at a shorter length (`plan(not_fitting=...)`; the same points as the full search, tested), and the
 search, which imports no torch, runs in a forked child while this process imports what exact mode's
 confirmation needs (`estimator/forked.py`, where a CPU is idle). Then, while this process plans the answer's
-length, a child starts the confirmation's deepest trace for the plan the search's probe chose there, which is
-almost always the plan's: the confirmation reads it, or it is ended unread.
+length, a child starts the confirmation's deepest trace for the plan's choice there, which the search finds as
+a probe does (`_choice`): the confirmation reads it, or, where exact mode refuses that choice, it is ended
+unread.
 """
 
 import logging
@@ -58,7 +59,7 @@ class LengthPoint:
     summary: str = ""  # micro-batch, checkpointing, layout and levers of the plan there
     why_not: str = ""
     confirmed: bool = False  # re-estimated in exact mode (only the answer is)
-    settings: object = None  # the plan's TrainSettings (not in the JSON): what the answer's confirmation traces
+    settings: object = None  # the answer's: the TrainSettings its confirmation will trace (`_choice`; not in the JSON)
 
     def to_dict(self) -> dict:
         return {"seq_len": self.seq_len, "fits": self.fits, "device_total_bytes": self.device_total_bytes,
@@ -108,12 +109,13 @@ def longest_seq_len(model: str | ModelSpec, *, progress=None, **plan_kwargs) -> 
         raise searched
     low, high, points = searched
     # The confirmation plans `low` in fast mode (0.7 s for 816 candidates on eight GPUs), then traces its choice at
-    # two depths side by side, the deeper one last to finish. Its choice is the probe's there (the same candidates,
-    # a little more memory usable), so that trace starts now, in a child beside the plan (`speculate`).
+    # two depths side by side, the deeper one last to finish. The search knows that choice (`_choice`), so that
+    # trace starts now, in a child beside the plan (`forked.speculate`).
     from hf_memfit.estimator.exact import speculate_deepest_trace
 
     try:
-        speculate_deepest_trace(spec, points[low].settings)
+        if points[low].settings is not None:
+            speculate_deepest_trace(spec, points[low].settings)
         answer, result = _confirm(spec, low, points, mode, progress, plan_kwargs)
     finally:
         discard_speculations()  # the guess no confirmation read (another choice, or none near the budget)
@@ -163,7 +165,20 @@ def _search(spec: ModelSpec, limit: int, plan_kwargs: dict):
                 _probe(spec, over, points, plan_kwargs)
     except MemFitError as refused:
         return refused
+    points[low].settings = _choice(spec, low, plan_kwargs, not_fitting)
     return low, high, points
+
+
+def _choice(spec, seq_len: int, plan_kwargs: dict, not_fitting: dict):
+    """The settings the answer's confirmation will trace: what `plan()` chooses at `seq_len` with the user's
+    headroom, where the probe had `FAST_MODE_MARGIN` less. Planned as a probe is (leaving out what did not fit
+    at a shorter length), in milliseconds where the full plan takes most of a second (eight GPUs: 816
+    candidates, for its reasons and runners-up), so that the confirmation's traces can start beside that plan."""
+    try:
+        return plan(spec, seq_len=seq_len, mode="fast", confirm_in_exact=False, not_fitting=not_fitting,
+                    **plan_kwargs).estimate.settings
+    except MemFitError:
+        return None
 
 
 def probe_headroom(headroom: float) -> float:
@@ -256,8 +271,7 @@ def _point(seq_len: int, result: PlanResult, global_batch_size: int) -> LengthPo
                f"{'on' if s.gradient_checkpointing else 'off'}, {layout_text(s)}"
                + (f", {', '.join(levers)}" if levers else ""))
     return LengthPoint(seq_len, True, result.estimate.device_total_bytes, seconds,
-                       global_batch_size * seq_len / seconds if seconds else 0.0, summary,
-                       settings=result.estimate.settings)
+                       global_batch_size * seq_len / seconds if seconds else 0.0, summary)
 
 
 def format_scaling(longest: LongestResult) -> str:
