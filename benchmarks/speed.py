@@ -212,7 +212,7 @@ def check_extrapolation(results: dict) -> None:
     from hf_memfit.estimator.assemble import assemble
     from hf_memfit.settings import TrainSettings
     from hf_memfit.models.spec import resolve_model
-    from hf_memfit.estimator.trace import exact_candidates
+    from hf_memfit.estimator.exact import exact_candidates
 
     print("## layer extrapolation: traced at 2 and 3 layers vs traced at full depth")
     cases = [

@@ -25,7 +25,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from hf_memfit.estimator import estimate_settings  # noqa: E402
 from hf_memfit.estimator.measure import measure_cpu_peak  # noqa: E402
-from hf_memfit.estimator.trace import exact_candidates  # noqa: E402
+from hf_memfit.estimator.exact import exact_candidates  # noqa: E402
 from hf_memfit.models.spec import ModelSpec, resolve_model  # noqa: E402
 from hf_memfit.settings import TrainSettings  # noqa: E402
 

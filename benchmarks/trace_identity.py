@@ -100,7 +100,7 @@ def cases() -> list[tuple[str, dict, dict]]:
 
 def run(fast: bool) -> dict:
     from hf_memfit.estimator.assemble import estimate_settings
-    from hf_memfit.estimator.trace import exact_candidates
+    from hf_memfit.estimator.exact import exact_candidates
 
     out = {}
     for name, cfg, kw in cases():
