@@ -97,6 +97,17 @@ def estimate_settings(spec: ModelSpec, settings: TrainSettings) -> MemoryEstimat
     return assemble(spec, validated, step_memory(spec, validated))
 
 
+def speculate_exact(spec: ModelSpec, settings: TrainSettings) -> bool:
+    """Start the deepest trace an exact estimate of `settings` will run, in a forked child, before it is asked
+    for (`exact.speculate_deepest_trace`; `--seq-len max` does this beside its last fast plan). Whether one
+    started."""
+    from hf_memfit.estimator.exact import speculate_deepest_trace
+    from hf_memfit.estimator.sequence import local_step_settings
+
+    validated = settings.replace(mode="exact").validate(spec)
+    return speculate_deepest_trace(spec, local_step_settings(traced_settings(validated)))
+
+
 def step_memory(spec: ModelSpec, settings: TrainSettings) -> StepMemory:
     """Single-device peak candidates from the mode the settings ask for.
 

@@ -88,18 +88,16 @@ def depth_trace_key(job: tuple) -> tuple:
     return spec.name, spec.model_type, settings, depths
 
 
-def speculate_deepest_trace(spec, settings: TrainSettings) -> bool:
-    """Start, in a forked child, the deepest of the traces an exact estimate of `settings` will run, so that
-    an estimate asked for them later reads it (`forked.speculate`). Whether one started: not where the model is
-    traced at its full depth, or no CPU is idle. `forked.discard_speculations` ends it if nothing asks."""
-    from hf_memfit.estimator.assemble import traced_settings
+def speculate_deepest_trace(spec, traced: TrainSettings) -> bool:
+    """Start, in a forked child, the deepest of the traces `exact_candidates(spec, traced)` will run, so that it
+    reads that trace instead of running it (`forked.speculate`; `assemble.speculate_exact` makes `traced` as an
+    estimate does). Whether one started: not where the model is traced at its full depth, or no CPU is idle.
+    `forked.discard_speculations` ends it if nothing asks for it."""
     from hf_memfit.estimator.forked import speculate
-    from hf_memfit.estimator.sequence import local_step_settings
 
     plan = depth_plan(spec, True)
     if not plan.reduced:
         return False
-    traced = local_step_settings(traced_settings(settings.replace(mode="exact").validate(spec)))
     deepest = depth_trace_jobs(spec, traced, plan)[-1]
     return speculate(_depth_trace, deepest + (False,), depth_trace_key(deepest))
 

@@ -22,6 +22,7 @@ import logging
 from dataclasses import dataclass, field
 
 from hf_memfit.errors import MemFitError, NothingFits
+from hf_memfit.estimator.assemble import speculate_exact
 from hf_memfit.estimator.forked import discard_speculations, import_for_traces, run_beside
 from hf_memfit.models.spec import ModelSpec, resolve_model
 from hf_memfit.planner.explain import layout_text
@@ -110,12 +111,10 @@ def longest_seq_len(model: str | ModelSpec, *, progress=None, **plan_kwargs) -> 
     low, high, points = searched
     # The confirmation plans `low` in fast mode (0.7 s for 816 candidates on eight GPUs), then traces its choice at
     # two depths side by side, the deeper one last to finish. The search knows that choice (`_choice`), so that
-    # trace starts now, in a child beside the plan (`forked.speculate`).
-    from hf_memfit.estimator.exact import speculate_deepest_trace
-
+    # trace starts now, in a child beside the plan (`assemble.speculate_exact`).
     try:
         if points[low].settings is not None:
-            speculate_deepest_trace(spec, points[low].settings)
+            speculate_exact(spec, points[low].settings)
         answer, result = _confirm(spec, low, points, mode, progress, plan_kwargs)
     finally:
         discard_speculations()  # the guess no confirmation read (another choice, or none near the budget)
