@@ -35,12 +35,13 @@ warnings.filterwarnings("ignore")
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 GiB = 2**30
-# The GPU sessions' runs: the one these replays were built beside, and a later one whose runs were predicted and
-# committed (gpu_h200_3/predicted/) before the GPU ran them.
+# The GPU sessions' runs: the one these replays were built beside, and two later calls whose runs were predicted
+# and committed (gpu_h200_3/predicted/, gpu_h200_4/predicted/) before the GPU ran them.
 SESSIONS = {"gpu_h200_2": ("drift.json", "drift_capped.json", "drift_plans.json"),
-            "gpu_h200_3": ("drift_a.json", "drift_b.json")}
+            "gpu_h200_3": ("drift_a.json", "drift_b.json"), "gpu_h200_4": ("drift_a.json", "drift_b.json")}
 DATA = [os.path.join(HERE, "data", f) for f in ("gpu_drift.txt", "gpu_drift_2.txt", "gpu_drift_3.txt",
-                                                "gpu_drift_4a.txt", "gpu_drift_4b.txt")]
+                                                "gpu_drift_4a.txt", "gpu_drift_4b.txt", "gpu_drift_5a.txt",
+                                                "gpu_drift_5b.txt")]
 
 
 def models_by_run() -> dict[str, str]:
@@ -160,8 +161,8 @@ def main(argv=None) -> int:
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--only", help="runs whose name contains this")
     parser.add_argument("--session", choices=tuple(SESSIONS), default="gpu_h200_2",
-                        help="whose runs (default: the 2026-11-27 H200 session's 16; gpu_h200_3: the later "
-                             "session's 6, predicted before they ran)")
+                        help="whose runs (default: the 2026-11-27 H200 session's 16; gpu_h200_3 and gpu_h200_4: the "
+                             "later session's 6 and 4, predicted before they ran)")
     parser.add_argument("--part", choices=("runs", "steps"), default="runs",
                         help="runs (default): the H200's runs of varying shapes; steps: the GPU sessions' `check` "
                              "rows (one shape) replayed at full depth")
