@@ -237,10 +237,16 @@ def _collect(started: tuple[int, int]) -> tuple[bool, object]:
     while chunk := os.read(fd, 1 << 20):
         data += chunk
     os.close(fd)
+    return _reaped(pid, data)
+
+
+def _reaped(pid: int, data: bytearray) -> tuple[bool, object]:
+    """(ok, result) of a child that has closed its pipe, reaped; (False, None) where it failed, or died
+    mid-write: the caller then runs its job itself, so that a real error is raised as it would be without it."""
     _, status = os.waitpid(pid, 0)
     try:
         return pickle.loads(bytes(data)) if status == 0 else (False, None)
-    except Exception:  # noqa: BLE001 - a child that died mid-write: the caller runs the job itself
+    except Exception:  # noqa: BLE001 - a child that died mid-write
         return False, None
 
 
@@ -289,11 +295,7 @@ def _run_forked(function, jobs: list, workers: int, results: list, first: int, m
                 continue
             os.close(fd)
             del running[fd]
-            _, status = os.waitpid(pid, 0)
-            try:
-                ok, value = pickle.loads(bytes(data)) if status == 0 else (False, None)
-            except Exception:  # noqa: BLE001 - a child that died mid-write: its job runs here instead
-                ok, value = False, None
+            ok, value = _reaped(pid, data)
             if ok:
                 results[index] = value
             else:

@@ -340,7 +340,8 @@ def run_of_shapes(spec, settings: TrainSettings, *, min_seq_len: int, micro_batc
 
 def staging_gpu(settings: TrainSettings) -> str | None:
     """The named GPU whose reduction staging a replay of these settings holds (its SMs known), or None."""
+    from hf_memfit.estimator.kernel_staging import reduction_staging
     from hf_memfit.hardware import named_gpu
 
     gpu = named_gpu(settings.gpu)
-    return gpu.name if gpu is not None and gpu.sm_count and gpu.max_threads_per_sm else None
+    return gpu.name if reduction_staging(gpu) is not None else None
