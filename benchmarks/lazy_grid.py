@@ -47,7 +47,7 @@ RESULTS = Path(__file__).parent / "results" / "lazy_grid.json"
 def run(args: list[str], lazy: bool) -> dict:
     cache = tempfile.mkdtemp(prefix="memfit_lazy_bench_")
     code = ("import sys; import hf_memfit.planner.lazy_grid as g; g.LAZY = " + str(lazy) +
-            "; from hf_memfit.cli.main import main; sys.exit(main(sys.argv[1:]))")
+            "; from hf_memfit.cli.main import run; run()")  # as the `hf-memfit` command runs (no teardown)
     started = time.perf_counter()
     done = subprocess.run([sys.executable, "-c", code, "plan", *args, "--json"], capture_output=True, text=True,
                           env={**os.environ, "HF_MEMFIT_CACHE": cache})
