@@ -247,6 +247,8 @@ EXACT_CASES = [
     ("llama", dict(batch_size=2, seq_len=256, device="cuda", precision="bf16", optim="adamw_bnb_8bit")),
     ("bert", dict(batch_size=4, seq_len=128, device="cuda", precision="fp32", optim="adamw_torch_fused")),
     ("t5", dict(batch_size=2, seq_len=128, device="cpu", precision="bf16-mixed", optim="adafactor")),
+    # CUDA autocast's cross_entropy of T5's bf16 logits: half log_softmax, nll_loss's fp32 copy (fast_heads)
+    ("t5", dict(batch_size=2, seq_len=128, device="cuda", precision="bf16-mixed")),
     ("opt", dict(batch_size=2, seq_len=128, device="cuda", precision="bf16-mixed", attn_implementation="eager")),
     ("pythia", dict(batch_size=2, seq_len=128, device="cuda", precision="fp16-mixed", gradient_checkpointing=True)),
     ("gemma2", dict(batch_size=2, seq_len=128, device="cuda", precision="bf16-mixed", attn_implementation="eager")),

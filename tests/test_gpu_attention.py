@@ -48,3 +48,30 @@ def test_without_autocast_nothing_is_cast():
     q, k, v = _qkv()
     out = gpu_sdpa(flash_supported=True)(q, k, v.float(), is_causal=True)
     assert out.dtype == torch.float32  # fp32: not the flash kernel (half precision only)
+
+
+def test_cross_entropy_of_half_logits_runs_as_cuda_autocast_decomposes_it():
+    # CPU autocast casts cross_entropy's logits to fp32 as a whole; CUDA autocast keeps log_softmax in the logits'
+    # dtype and gives nll_loss an fp32 copy (Whisper's H100 snapshot, docs/benchmarks.md section 21). Under the
+    # trace's policy the storages made are the GPU's: the bf16 log_softmax output, then its fp32 copy; in backward
+    # the fp32 gradient, its bf16 cast and the bf16 log_softmax backward.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from hf_memfit.estimator.fake_patches import cuda_autocast_policy
+    from hf_memfit.estimator.trace import StorageTracker
+
+    n, vocab = 64, 1000
+    tracker = StorageTracker()
+    with FakeTensorMode(allow_non_fake_inputs=True), tracker, cuda_autocast_policy():
+        logits = torch.randn(n, vocab, dtype=torch.bfloat16, requires_grad=True)
+        target = torch.randint(0, vocab, (n,))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = torch.nn.CrossEntropyLoss()(logits, target)
+        made_forward = len(tracker.allocations)
+        loss.backward()
+    half, single = n * vocab * 2, n * vocab * 4
+    forward = [a.nbytes for a in tracker.allocations[:made_forward] if a.nbytes >= half]
+    backward = [a.nbytes for a in tracker.allocations[made_forward:] if a.nbytes >= half]
+    assert forward == [half, half, single]  # logits, log_softmax in bf16, nll_loss's fp32 copy (no fp32 logits)
+    assert backward == [single, half, half]
+    assert loss.dtype == torch.float32

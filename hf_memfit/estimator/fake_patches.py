@@ -154,8 +154,36 @@ def cuda_autocast_policy():
 
         return upcast
 
-    with _wrapped(_CUDA_FP32_OPS, fp32_when_autocast):
+    with _wrapped(_CUDA_FP32_OPS, fp32_when_autocast), _wrapped(((torch.nn.functional, "cross_entropy"),),
+                                                               _cuda_cross_entropy):
         yield
+
+
+def _cuda_cross_entropy(original):
+    """`F.cross_entropy` of half-precision logits as CUDA autocast runs it.
+
+    CPU autocast has `cross_entropy_loss` on its fp32 list: it casts the logits to fp32 and runs log_softmax and
+    its backward in fp32. CUDA autocast has it on neither list, so it decomposes (LossNLL.cpp
+    `cross_entropy_loss`): `log_softmax(x, dim, x.dtype)`, which keeps the logits' dtype because the dtype is
+    given (fp32_set_opt_dtype), then `nll_loss`, which is on the fp32 list and so gets an fp32 copy. Whisper's
+    H100 snapshot (docs/benchmarks.md section 21) holds exactly these: the fp16 log_softmax output and its fp32
+    copy, then in backward the fp32 gradient, its fp16 cast and the fp16 log_softmax backward. Causal LMs are
+    untouched: transformers' loss upcasts their logits to fp32 first. Label smoothing and the deprecated
+    `size_average` / `reduce` keep the original path."""
+
+    @functools.wraps(original)
+    def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
+                      reduction="mean", label_smoothing=0.0):
+        if (not torch.is_autocast_enabled("cpu") or input.dtype not in (torch.float16, torch.bfloat16)
+                or label_smoothing or size_average is not None or reduce is not None
+                or target.is_floating_point()):
+            return original(input, target, weight, size_average, ignore_index, reduce, reduction, label_smoothing)
+        with torch.autocast("cpu", enabled=False):
+            log_probs = torch.log_softmax(input, 0 if input.dim() == 1 else 1, dtype=input.dtype)
+            return torch.nn.functional.nll_loss(log_probs.float(), target, None if weight is None else weight.float(),
+                                                ignore_index=ignore_index, reduction=reduction)
+
+    return cross_entropy
 
 
 @contextlib.contextmanager

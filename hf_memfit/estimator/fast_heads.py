@@ -71,15 +71,18 @@ def head_memory(spec, settings, ctx: StepContext, f: ForwardTape, head_in: SymTe
     saved_w = f.scope_bytes("head", held=False, weight_copies=True)
     held_w = f.scope_bytes("head", held=True, weight_copies=True) - saved_w
     # The loss works on fp32 logits: the causal-LM loss calls logits.float(); T5's
-    # CrossEntropyLoss gets fp32 from autocast (cross_entropy runs in fp32) but the raw
+    # CrossEntropyLoss gets fp32 from CPU autocast (cross_entropy runs in fp32) but the raw
     # logits' dtype without it. log_softmax saves its output; nll_loss makes a scalar.
+    # CUDA autocast decomposes T5's cross_entropy instead (`fake_patches._cuda_cross_entropy`): log_softmax keeps
+    # the logits' half dtype, and nll_loss saves an fp32 copy of its output.
+    cuda_split = ctx.cuda and bool(ctx.ac) and settings.task != "causal-lm" and cdt != "f32"
     loss_dt = "f32" if (settings.task == "causal-lm" or ctx.ac) else cdt
     Lc, L4 = nb(L, cdt), nb(L, loss_dt)
     labels = 2 * nb(T + ctx.b, "i64")  # padded and shifted labels
     upcast = L4 if cdt != loss_dt else 0
-    during_loss = upcast + L4 + labels
+    during_loss = (Lc if cuda_split else upcast) + L4 + labels
     # After the model returns, accelerate's convert_to_fp32 copies the logits under autocast.
-    after_loss = L4 + (nb(L, "f32") if ctx.ac else 0)
+    after_loss = (Lc if cuda_split else 0) + L4 + (nb(L, "f32") if ctx.ac else 0)
     # (soft-capping's transients never exceed the tanh output and the final logits it leaves)
     fwd_extra = max(during_loss, after_loss)
     # Backward (outputs deleted: logits, their copies and the autocast cache are gone), as
@@ -90,9 +93,13 @@ def head_memory(spec, settings, ctx: StepContext, f: ForwardTape, head_in: SymTe
     # - the head's mm backward makes the hidden-state grad and the weight grad (under
     #   autocast in the compute dtype, then its fp32 copy).
     # Each step: (activations still saved beyond the layers', temporaries, weight copies gone).
-    steps = [(L4, 2 * L4, 0)]  # log_softmax's saved output, its grad in, its grad out
-    cur = L4
-    if cdt != loss_dt:
+    if cuda_split:  # nll_loss's backward (its fp32 input saved), the cast of its grad, the half log_softmax's
+        steps = [(Lc + L4, L4, 0), (Lc, L4 + Lc, 0), (Lc, 2 * Lc, 0)]
+        cur = Lc
+    else:
+        steps = [(L4, 2 * L4, 0)]  # log_softmax's saved output, its grad in, its grad out
+        cur = L4
+    if cdt != loss_dt and not cuda_split:
         steps.append((0, L4 + Lc, 0))
         cur = Lc
     if softcap:
