@@ -74,7 +74,7 @@ def head_memory(spec, settings, ctx: StepContext, f: ForwardTape, head_in: SymTe
     # CrossEntropyLoss gets fp32 from CPU autocast (cross_entropy runs in fp32) but the raw
     # logits' dtype without it. log_softmax saves its output; nll_loss makes a scalar.
     # CUDA autocast decomposes T5's cross_entropy instead (`fake_patches._cuda_cross_entropy`): log_softmax keeps
-    # the logits' half dtype, and nll_loss saves an fp32 copy of its output.
+    # the logits' half dtype, and nll_loss gets, and saves, an fp32 copy of log_softmax's output.
     cuda_split = ctx.cuda and bool(ctx.ac) and settings.task != "causal-lm" and cdt != "f32"
     loss_dt = "f32" if (settings.task == "causal-lm" or ctx.ac) else cdt
     Lc, L4 = nb(L, cdt), nb(L, loss_dt)
@@ -99,9 +99,9 @@ def head_memory(spec, settings, ctx: StepContext, f: ForwardTape, head_in: SymTe
     else:
         steps = [(L4, 2 * L4, 0)]  # log_softmax's saved output, its grad in, its grad out
         cur = L4
-    if cdt != loss_dt and not cuda_split:
-        steps.append((0, L4 + Lc, 0))
-        cur = Lc
+        if cdt != loss_dt:
+            steps.append((0, L4 + Lc, 0))
+            cur = Lc
     if softcap:
         steps.append((0, cur + 2 * Lc, 0))  # tanh's backward reads its saved output
     hidden_grad = nb(T * width, cdt)
