@@ -169,7 +169,14 @@ def main(argv=None) -> int:
     parser.add_argument("--without-staging", action="store_true",
                         help="leave CUDA reductions' staged partial sums out (as before 2026-11-27's second session: no "
                              "GPU named), which needs the GPU's SMs")
+    parser.add_argument("--segment-order", choices=("ascending", "descending"), default=None,
+                        help="where the simulator puts a new segment (CachingAllocatorSimulator.SEGMENT_ORDER; "
+                             "default ascending): descending replays the GPU snapshots' own events exactly on 10 of 11")
     args = parser.parse_args(argv)
+    if args.segment_order:
+        from hf_memfit.estimator.cuda_overhead import CachingAllocatorSimulator
+
+        CachingAllocatorSimulator.SEGMENT_ORDER = args.segment_order
     gpu = None if args.without_staging else "H200"  # both sessions' runs ran on an H200
     if args.part == "steps":
         rows = fixed_steps(args.only, staging=not args.without_staging)

@@ -202,13 +202,21 @@ class CachingAllocatorSimulator:
     searched with `bisect`, so each event costs O(log n) comparisons.
     """
 
-    def __init__(self, capacity: int | None = None, max_split_size: int | None = None):
+    # Where cudaMalloc puts a new segment: below every earlier one ("descending") or above ("ascending"). Among free
+    # blocks of one size the lowest address serves a request (BlockComparator), so the order decides which block
+    # is reused. Replaying the eleven H100/H200 snapshots' own events (docs/benchmarks.md section 21), descending
+    # reproduced the measured reserved peak on 10 (ascending on 7); the real addresses, on all 11.
+    SEGMENT_ORDER = "ascending"
+
+    def __init__(self, capacity: int | None = None, max_split_size: int | None = None,
+                 segment_order: str | None = None):
         self.capacity = capacity
         self.max_split_size = max_split_size
+        self.descending = (segment_order or self.SEGMENT_ORDER) == "descending"
         self._free: dict[bool, list[tuple[int, int]]] = {True: [], False: []}  # small? -> [(size, addr)]
         self._free_blocks: dict[int, _Block] = {}  # addr -> free block
         self._live: dict[object, _Block | None] = {}
-        self._next_addr = 0
+        self._next_addr = 2**62 if self.descending else 0
         self._allocated = self._reserved = 0
         self._peak_allocated = self._peak_reserved = 0
         self._requested = 0
@@ -357,8 +365,12 @@ class CachingAllocatorSimulator:
     def _alloc_segment(self, alloc_size: int, small: bool) -> _Block | None:
         if self.capacity is not None and self._reserved + alloc_size > self.capacity:
             return None  # cudaMalloc would fail
-        block = _Block(self._next_addr, alloc_size, small)
-        self._next_addr += alloc_size
+        if self.descending:
+            self._next_addr -= alloc_size
+            block = _Block(self._next_addr, alloc_size, small)
+        else:
+            block = _Block(self._next_addr, alloc_size, small)
+            self._next_addr += alloc_size
         self._reserved += alloc_size
         self.num_segments += 1
         if self._reserved > self._peak_reserved:
