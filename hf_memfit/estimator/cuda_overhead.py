@@ -208,11 +208,10 @@ class CachingAllocatorSimulator:
     # reproduced the measured reserved peak on 10 (ascending on 7); the real addresses, on all 11.
     SEGMENT_ORDER = "ascending"
 
-    def __init__(self, capacity: int | None = None, max_split_size: int | None = None,
-                 segment_order: str | None = None):
+    def __init__(self, capacity: int | None = None, max_split_size: int | None = None):
         self.capacity = capacity
         self.max_split_size = max_split_size
-        self.descending = (segment_order or self.SEGMENT_ORDER) == "descending"
+        self.descending = self.SEGMENT_ORDER == "descending"
         self._free: dict[bool, list[tuple[int, int]]] = {True: [], False: []}  # small? -> [(size, addr)]
         self._free_blocks: dict[int, _Block] = {}  # addr -> free block
         self._live: dict[object, _Block | None] = {}
