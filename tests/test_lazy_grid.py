@@ -71,3 +71,26 @@ def test_near_budget_choices_confirmed_in_exact_mode_as_an_exhaustive_search_con
                 for lazy in (True, False)]
     assert outcomes[0][0] == outcomes[1][0]
     assert any("confirmed in exact mode" in r for r in outcomes[0][1].plan.reasons)
+
+
+def test_offloaded_checkpoints_wait_until_nothing_on_the_device_is_certain(monkeypatch):
+    """A plan offloads activation checkpoints only when nothing on the device fits, so once an on-device plan is
+    certain the offloaded candidates are not estimated (each is a traced fit for image and VLM inputs); the plan
+    still says what offloading would free, from the one counterpart it looks up."""
+    from hf_memfit.planner.candidates import Candidates
+
+    seen = []  # the settings each plan estimated (`Candidates.estimate_one`'s calls)
+    original = Candidates.__init__
+    monkeypatch.setattr(Candidates, "__init__", lambda self, estimate_one: original(
+        self, lambda settings: seen.append(settings) or estimate_one(settings)))
+    estimated = {}
+    for lazy in (True, False):
+        monkeypatch.setattr(lazy_grid, "LAZY", lazy)
+        seen.clear()
+        result = plan(confirm_in_exact=False, **CASES["full-ft-offload"])
+        estimated[lazy] = [s for s in seen if s.offload_activations]
+    assert result.plan.gradient_checkpointing and not result.plan.offload_activations
+    assert len(estimated[False]) > 10
+    chosen = result.estimate.settings
+    assert estimated[True] == [s for s in estimated[False] if s == chosen.replace(offload_activations=True)]
+    assert not any(c.settings.offload_activations for c in result.alternatives)

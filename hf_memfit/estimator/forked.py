@@ -113,7 +113,7 @@ def run_jobs(function, jobs: list, workers: int | None = None) -> list:
     if workers and at_once > 1:
         at_once = workers
     # The first job runs here: a process's first trace also pays for what torch and transformers set up on
-    # first use (about 1.5 s of CPU), which forked children then inherit instead of each paying it again.
+    # first use (about 1.5 s of CPU), which children forked after it inherit instead of each paying it again.
     # Once a job has run here, every job of a later call can start in a child at once.
     first = 0 if _ran_here else 1
     if at_once < 2 or len(jobs) < 2 or not hasattr(os, "fork") or os.environ.get("HF_MEMFIT_NO_FORK"):
@@ -122,13 +122,13 @@ def run_jobs(function, jobs: list, workers: int | None = None) -> list:
         return results
     results = [None] * len(jobs)
     beside = None
-    if first and len(jobs) <= at_once:
-        # Every other job has a CPU of its own while the first runs here: start them at once, each paying its own
-        # first use, rather than leave those CPUs idle through the first job (a fit's two depths side by side).
+    if first:
+        # The other CPUs start jobs at once while the first runs here, each of those children paying its own first
+        # use, rather than stay idle through the first job; the jobs left after it start in children that
+        # inherit it (a Qwen2.5-VL fit's four depths: two rounds, where the first job alone, then two, then the
+        # last alone made three).
         def beside():
             results[0] = function(*jobs[0])
-    elif first:
-        results[0] = function(*jobs[0])
     _ran_here = True
     gc.freeze()  # what this process holds now is left out of the children's collections (no copy-on-write churn)
     try:
@@ -252,7 +252,8 @@ def _reaped(pid: int, data: bytearray) -> tuple[bool, object]:
 
 def _run_forked(function, jobs: list, workers: int, results: list, first: int, meanwhile=None) -> None:
     """Run `jobs[first:]` in children, `workers` at a time, into `results`; `meanwhile()` runs here once the
-    first children are started (children still running if it raises are killed)."""
+    first children are started (children still running if it raises are killed), and once it is done its CPU
+    takes a child too: `workers + 1` at a time."""
     failed = []
     running: dict[int, tuple[int, int, bytearray]] = {}  # read end -> (job index, pid, bytes so far)
     pending = list(range(first, len(jobs)))
@@ -276,6 +277,7 @@ def _run_forked(function, jobs: list, workers: int, results: list, first: int, m
                     os.waitpid(pid, 0)
                     os.close(fd)
                 raise
+            workers += 1  # this process now only waits: its CPU is free for another child
             continue
         ready, _, _ = select.select(list(running), [], [], 30.0)
         now = time.monotonic()

@@ -45,7 +45,9 @@ def runners_up(best: Candidate, fitting: list[Candidate], candidates: list[Candi
     picked = runner_up_picks(fitting)
     for c in picked:
         c.why_not = f"{100 * (c.step_seconds / best.step_seconds - 1):.0f}% slower: {difference(best.settings, c.settings)}"
-    faster_misfits = [c for c in candidates if not c.fits and c.step_seconds < best.step_seconds]
+    # Those that would be the plan had they fit: not a last resort (offloaded activations) beside a plan on the device
+    faster_misfits = [c for c in candidates if not c.fits and c.step_seconds < best.step_seconds
+                      and (best.settings.offload_activations or not c.settings.offload_activations)]
     if faster_misfits:
         closest = min(faster_misfits, key=lambda c: c.estimate.device_total_bytes)
         picked.append(closest)
@@ -79,14 +81,9 @@ def layout_key(s: TrainSettings) -> tuple:
             s.cp_size)
 
 
-def difference(chosen: TrainSettings, other: TrainSettings) -> str:
+def lever_differences(chosen: TrainSettings, other: TrainSettings) -> list[str]:
+    """The precision and levers where `other` differs from `chosen` (a runner-up's label names the rest)."""
     parts = []
-    if other.batch_size != chosen.batch_size:
-        parts.append(f"micro-batch {other.batch_size}")
-    if other.gradient_checkpointing != chosen.gradient_checkpointing:
-        parts.append("checkpointing " + ("on" if other.gradient_checkpointing else "off"))
-    if other.optim != chosen.optim:
-        parts.append(other.optim)
     if other.precision != chosen.precision:
         parts.append("pure bf16" if other.precision == "bf16" else other.precision)
     if other.use_liger_kernel != chosen.use_liger_kernel:
@@ -95,6 +92,18 @@ def difference(chosen: TrainSettings, other: TrainSettings) -> str:
         parts.append("activation offload " + ("on" if other.offload_activations else "off"))
     if other.tiled_mlp != chosen.tiled_mlp:
         parts.append("tiled MLP " + ("on" if other.tiled_mlp else "off"))
+    return parts
+
+
+def difference(chosen: TrainSettings, other: TrainSettings) -> str:
+    parts = []
+    if other.batch_size != chosen.batch_size:
+        parts.append(f"micro-batch {other.batch_size}")
+    if other.gradient_checkpointing != chosen.gradient_checkpointing:
+        parts.append("checkpointing " + ("on" if other.gradient_checkpointing else "off"))
+    if other.optim != chosen.optim:
+        parts.append(other.optim)
+    parts += lever_differences(chosen, other)
     if other.frozen != chosen.frozen:
         parts.append("frozen: " + ", ".join(other.frozen) if other.frozen else "nothing frozen")
     if layout_key(other) != layout_key(chosen):

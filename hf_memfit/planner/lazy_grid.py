@@ -17,7 +17,9 @@ every choice. An explanation naming a slower candidate estimates it on demand (`
 
 Estimating costs nothing for families with formulas; for image, audio and VLM inputs and families without
 formulas each fast-mode fit is traced (seconds each), and a plan whose fastest settings fit needs only theirs.
-Until the plan and its runners-up are known, candidates are estimated strictly fastest first and fits are made
+Candidates that offload activation checkpoints, a last resort, wait until every candidate on the device is
+estimated and none is certain to be the plan. Until the plan and its runners-up are known, candidates are
+estimated strictly fastest first and fits are made
 when every faster candidate has been estimated. The first step makes as many as the idle CPUs trace in one round
 (`_first_groups`): a roomy budget needs only the fastest setting's fit. Once that leaves the plan unknown, more
 fits are likely needed, and each step makes the next `AT_LEAST_GROUPS` in that order, and any other whose fastest
@@ -74,14 +76,20 @@ def search_grid(spec, grid: list, found: Candidates, *, gpu_info, uncertain) -> 
             groups[i] = fit_group(spec, grid[i])
         return groups[i]
 
+    # Offloaded activation checkpoints are a last resort (`fitting_last_resort_last`): a plan takes one only when
+    # nothing on the device fits, and reports none beside an on-device plan (`explain.runners_up`). So they are
+    # searched only once the candidates on the device leave the plan unknown (`last_resort` below).
+    on_device = {i for i, s in enumerate(grid) if not s.offload_activations}
+    last_resort = not on_device
     compute = [step_seconds(spec, s, _NO_PARAMETERS, gpu_info) for s in grid]
     order = sorted(range(len(grid)), key=compute.__getitem__)
     fitted = any(group(i) is not None for i in order)  # formulas need no fits (nor a look at the idle CPUs)
-    firsts = _next_groups(order, set(), group, compute, _first_groups(spec) if fitted else 0, ties=False)
+    firsts = _next_groups([i for i in order if i in on_device or last_resort], set(), group, compute,
+                          _first_groups(spec) if fitted else 0, ties=False)
     prepare(spec, [grid[i] for i in firsts])
     made = {group(i) for i in firsts}  # the fit groups made
     seed = None
-    for i in order:
+    for i in sorted(order, key=lambda i: i not in on_device):  # stable: on the device first, fastest first
         estimate([i])
         if results[i] is not None:
             seed = results[i]
@@ -95,7 +103,10 @@ def search_grid(spec, grid: list, found: Candidates, *, gpu_info, uncertain) -> 
     order = sorted(range(len(grid)), key=bounds.__getitem__)
     while True:
         threshold = _threshold(fitting_last_resort_last(estimated()), uncertain)
-        todo = [i for i in order if i not in results and bounds[i] <= threshold]
+        todo = [i for i in order if i not in results and bounds[i] <= threshold and (last_resort or i in on_device)]
+        if not todo and math.isinf(threshold) and not last_resort:
+            last_resort = True  # every candidate on the device is estimated, and none is a plan for certain
+            continue
         if not todo:
             break
         if math.isinf(threshold):

@@ -138,7 +138,7 @@ def _searched_text(result) -> str:
 def format_plan(result) -> str:
     """The `hf-memfit plan` table: the plan, its memory breakdown, the runners-up and the reasons."""
     from hf_memfit.planner.candidates import host_bytes_per_node
-    from hf_memfit.planner.explain import layout_text  # the reasons' wording
+    from hf_memfit.planner.explain import layout_text, lever_differences  # the reasons' wording
     from hf_memfit.planner.result import OFFLOADED_OPTIMIZER
 
     p, est, s = result.plan, result.estimate, result.plan.settings
@@ -180,6 +180,9 @@ def format_plan(result) -> str:
                      f"ckpt {'on' if c_s.gradient_checkpointing else 'off'}, {c_s.optim}, {layout_text(c_s)}")
             if c_s.frozen != s.frozen:
                 label += ", frozen " + ", ".join(c_s.frozen) if c_s.frozen else ", nothing frozen"
+            # The knobs the label above leaves out, where they differ from the plan's (a runner-up in pure bf16,
+            # or a misfit that offloads its checkpoints, would otherwise read as the plan's setting)
+            label += "".join(f", {part}" for part in lever_differences(s, c_s))
             verdict = c.why_not if c.fits else f"does not fit: {c.why_not}"
             lines.append(f"  - {label}: {verdict}")
     lines += ["", "The same figure from the estimator:", f"  {step_command('estimate', est.model, est.settings)}",
