@@ -22,7 +22,8 @@ estimated and none is certain to be the plan. Until the plan and its runners-up 
 estimated strictly fastest first and fits are made
 when every faster candidate has been estimated. The first step makes as many as the idle CPUs trace in one round
 (`_first_groups`): a roomy budget needs only the fastest setting's fit. Once that leaves the plan unknown, more
-fits are likely needed, and each step makes the next `AT_LEAST_GROUPS` in that order, and any other whose fastest
+fits are likely needed, and each step makes the next fit a candidate on the device needs, the next ones in order
+beside it (offloaded checkpoints' too) up to `AT_LEAST_GROUPS` where one fit leaves a CPU idle, and any other whose fastest
 setting ties theirs (a ZeRO layout's bf16 step on one GPU). After that, every fit left below the threshold side by
 side (`assemble.prepare`). Candidates are kept in grid order, as an exhaustive search lists
 them, so ties break the same way. `tests/test_lazy_grid.py` checks that plans come out the same as an exhaustive
@@ -57,8 +58,9 @@ def search_grid(spec, grid: list, found: Candidates, *, gpu_info, uncertain) -> 
     found.searched += len(grid)
     results: dict[int, Candidate | None] = {}  # grid index -> candidate (None: the search skips it)
 
-    def estimate(indices: list[int]) -> None:
-        prepare(spec, [grid[i] for i in indices])  # the traced fits these read, side by side
+    def estimate(indices: list[int], also_fit: tuple[int, ...] = ()) -> None:
+        # the traced fits these read, side by side, and those of `also_fit` (made beside them, estimated later)
+        prepare(spec, [grid[i] for i in list(indices) + list(also_fit)])
         for i in indices:
             results[i] = found.estimate_one(grid[i])
 
@@ -86,6 +88,8 @@ def search_grid(spec, grid: list, found: Candidates, *, gpu_info, uncertain) -> 
     fitted = any(group(i) is not None for i in order)  # formulas need no fits (nor a look at the idle CPUs)
     firsts = _next_groups([i for i in order if i in on_device or last_resort], set(), group, compute,
                           _first_groups(spec) if fitted else 0, ties=False)
+    groups_per_step = _groups_per_step(spec) if fitted else 1
+    beside: list[int] = []  # a step's fits made beside those its candidates read (not estimated yet)
     prepare(spec, [grid[i] for i in firsts])
     made = {group(i) for i in firsts}  # the fit groups made
     seed = None
@@ -116,10 +120,15 @@ def search_grid(spec, grid: list, found: Candidates, *, gpu_info, uncertain) -> 
             if free:
                 todo = free[:max(1, len(results))]
             else:
-                new = {group(i) for i in _next_groups(todo, made, group, bounds, AT_LEAST_GROUPS)}
+                new = {group(i) for i in _next_groups(todo, made, group, bounds, 1)}
+                if groups_per_step > 1:  # made beside it: the next groups in order, offloaded checkpoints' too
+                    later = [i for i in order if i not in results and bounds[i] <= threshold]
+                    beside = _next_groups(later, made | new, group, bounds, groups_per_step - 1)
+                    new |= {group(i) for i in beside}
                 todo = [i for i in todo if group(i) is None or group(i) in made or group(i) in new]
-        made.update(group(i) for i in todo)
-        estimate(todo)
+        made.update(group(i) for i in todo + beside)
+        estimate(todo, beside)
+        beside = []
         if any((c.estimate.total_params, c.estimate.trainable_params) != counts for c in estimated()):
             bounds = [-math.inf] * len(grid)  # the step times are not known before the estimates: all of them
     return _done(grid, results, found, estimated())
@@ -142,9 +151,20 @@ def _next_groups(indices, made: set, group, times, count: int, ties: bool = True
 
 
 # Fits made per step at least once the first step has left the plan unknown (the next ones in order, while there
-# are): each step waits for its slowest trace, and a fit's 2-3 depth traces leave a CPU idle on two CPUs where two
-# fits' traces keep both busy.
+# are), where one fit's traces leave a CPU idle (`_groups_per_step`): each step waits for its slowest trace, and a
+# fit's 3 depth traces leave a CPU idle on two CPUs where two fits' traces keep both busy.
 AT_LEAST_GROUPS = 2
+
+
+def _groups_per_step(spec) -> int:
+    """Fit groups made per step once the first has left the plan unknown: `AT_LEAST_GROUPS` where one fit's
+    depth traces leave a CPU idle in their last round (3 traces on two CPUs), else one. A second fit made beside
+    one that fills the CPUs costs a round of its own, and may not be needed: Qwen2.5-VL's fits are 4 traces
+    (its tower has two kinds of block), and its plan needs 4 of the 5 fits that pairs of them made."""
+    from hf_memfit.estimator.forked import slots
+    from hf_memfit.models.depths import depth_plan
+
+    return AT_LEAST_GROUPS if len(depth_plan(spec).depth_sets) % max(1, slots()) else 1
 
 
 def _first_groups(spec) -> int:
