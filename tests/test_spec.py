@@ -552,3 +552,26 @@ def test_peft_default_targets_read_from_source_are_peft_s_own():
 
     read = _peft_lora_mapping_from_source()
     assert read is not None and read == dict(imported)
+
+
+def test_a_described_spec_keys_its_caches_as_the_same_spec_read_back(tmp_path, monkeypatch):
+    """transformers' config classes write into the nested dicts they are given (Qwen2.5-VL's `rope_scaling` gains
+    `rope_theta` and `rope_type`). A spec's config keys every cached fit and trace, so a spec described in one
+    process must hash as the same spec read back from the cache in the next: otherwise a second plan traces every
+    fit again (a cold Qwen2.5-VL plan: 16 traces twice)."""
+    from hf_memfit.cache import config_key
+    from hf_memfit.models import spec as spec_module
+
+    monkeypatch.setenv("HF_MEMFIT_CACHE", str(tmp_path))
+
+    def fresh_process_resolve():  # as a new process would: nothing memoised in this one
+        for value in vars(spec_module).values():
+            if hasattr(value, "cache_clear"):
+                value.cache_clear()
+        return resolve_model("Qwen/Qwen2.5-VL-7B-Instruct")
+
+    described = fresh_process_resolve()
+    assert any(tmp_path.rglob("*.json"))  # the description was cached
+    read_back = fresh_process_resolve()
+    assert read_back is not described
+    assert config_key(described.config) == config_key(read_back.config)

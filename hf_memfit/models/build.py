@@ -3,6 +3,8 @@ and `hf-memfit check` trains, one code path for all three."""
 
 from __future__ import annotations
 
+import copy
+
 from hf_memfit.cache import library_version
 from hf_memfit.errors import CannotEstimate
 from hf_memfit.tasks import TASK_TABLE
@@ -16,7 +18,11 @@ def hf_config(config: dict, name: str = ""):
     model_type = config.get("model_type")
     version = library_version("transformers")
     try:
-        return transformers.AutoConfig.for_model(**config)
+        # A copy: transformers' config classes write into the nested dicts they are given (Qwen2.5-VL's
+        # `rope_scaling` gains `rope_theta` and `rope_type`), and the spec's config keys every cached fit and
+        # trace: a spec described in this process hashed other than the same spec read back from the cache, so
+        # a second cold-cache plan traced every fit again.
+        return transformers.AutoConfig.for_model(**copy.deepcopy(config))
     except (ValueError, KeyError) as exc:
         remote = " (its config names remote code in `auto_map`, which hf-memfit does not run)" \
             if "auto_map" in config else ""
