@@ -11,11 +11,11 @@ category by category the bytes are
 The reduced-depth copies exact mode traces are stepped at batch 1 and at batch 2 with two micro-batches (the
 line, and a later micro-batch's constant offset, as in parametric.py), and at batch 3 (a check of the first
 micro-batch and the optimizer step, whose miss goes in the notes). A step's first micro-batch is the same
-whether more follow it (the loss is scaled after the forward; byte for byte on ViT, Whisper, wav2vec2, LLaVA
-and Qwen2.5-VL, with and without checkpointing), so batch 2 is traced once for both: five forward and
-backward passes with the warm-up, where a step of its own at batch 2 made seven. The coefficients are extrapolated to the real depth as exact mode extrapolates
-its bytes, and the optimizer is moved by formula as in parametric.py. One calibration per input shape,
-precision and lever serves every micro-batch and accumulation the planner searches.
+whether more follow it (byte for byte on ViT, Whisper, wav2vec2, LLaVA and Qwen2.5-VL, with and without
+checkpointing), so batch 2 is traced once for both: five forward and backward passes with the warm-up, where a
+step of its own at batch 2 made seven. The coefficients are extrapolated to the real depth as exact mode
+extrapolates its bytes, and the optimizer is moved by formula as in parametric.py. One calibration per input
+shape, precision and lever serves every micro-batch and accumulation the planner searches.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ Candidates that offload activation checkpoints, a last resort, wait until every 
 estimated and none is certain to be the plan. Until the plan and its runners-up are known, candidates are
 estimated strictly fastest first and fits are made
 when every faster candidate has been estimated. The first step makes as many as the idle CPUs trace in one round
-(`_first_groups`): a roomy budget needs only the fastest setting's fit. Once that leaves the plan unknown, more
+(`_fit_groups_per_step`): a roomy budget needs only the fastest setting's fit. Once that leaves the plan unknown, more
 fits are likely needed, and each step makes the next fit a candidate on the device needs, the next ones in order
 beside it (offloaded checkpoints' too) up to `AT_LEAST_GROUPS` where one fit leaves a CPU idle, and any other whose fastest
 setting ties theirs (a ZeRO layout's bf16 step on one GPU). After that, every fit left below the threshold side by
@@ -86,10 +86,9 @@ def search_grid(spec, grid: list, found: Candidates, *, gpu_info, uncertain) -> 
     compute = [step_seconds(spec, s, _NO_PARAMETERS, gpu_info) for s in grid]
     order = sorted(range(len(grid)), key=compute.__getitem__)
     fitted = any(group(i) is not None for i in order)  # formulas need no fits (nor a look at the idle CPUs)
-    firsts = _next_groups([i for i in order if i in on_device or last_resort], set(), group, compute,
-                          _first_groups(spec) if fitted else 0, ties=False)
-    groups_per_step = _groups_per_step(spec) if fitted else 1
-    beside: list[int] = []  # a step's fits made beside those its candidates read (not estimated yet)
+    first_groups, groups_per_step = _fit_groups_per_step(spec) if fitted else (0, 1)
+    firsts = _next_groups([i for i in order if i in on_device or last_resort], set(), group, compute, first_groups,
+                          ties=False)
     prepare(spec, [grid[i] for i in firsts])
     made = {group(i) for i in firsts}  # the fit groups made
     seed = None
@@ -106,6 +105,7 @@ def search_grid(spec, grid: list, found: Candidates, *, gpu_info, uncertain) -> 
     bounds = [step_seconds(spec, s, proxy, gpu_info) for s in grid]
     order = sorted(range(len(grid)), key=bounds.__getitem__)
     while True:
+        beside: list[int] = []  # fits made beside those the step's candidates read, their candidates not estimated
         threshold = _threshold(fitting_last_resort_last(estimated()), uncertain)
         todo = [i for i in order if i not in results and bounds[i] <= threshold and (last_resort or i in on_device)]
         if not todo and math.isinf(threshold) and not last_resort:
@@ -128,7 +128,6 @@ def search_grid(spec, grid: list, found: Candidates, *, gpu_info, uncertain) -> 
                 todo = [i for i in todo if group(i) is None or group(i) in made or group(i) in new]
         made.update(group(i) for i in todo + beside)
         estimate(todo, beside)
-        beside = []
         if any((c.estimate.total_params, c.estimate.trainable_params) != counts for c in estimated()):
             bounds = [-math.inf] * len(grid)  # the step times are not known before the estimates: all of them
     return _done(grid, results, found, estimated())
@@ -151,35 +150,31 @@ def _next_groups(indices, made: set, group, times, count: int, ties: bool = True
 
 
 # Fits made per step at least once the first step has left the plan unknown (the next ones in order, while there
-# are), where one fit's traces leave a CPU idle (`_groups_per_step`): each step waits for its slowest trace, and a
-# fit's 3 depth traces leave a CPU idle on two CPUs where two fits' traces keep both busy.
+# are), where one fit's traces leave a CPU idle (`_fit_groups_per_step`): each step waits for its slowest trace, and
+# a fit's 3 depth traces leave a CPU idle on two CPUs where two fits' traces keep both busy.
 AT_LEAST_GROUPS = 2
 
 
-def _groups_per_step(spec) -> int:
-    """Fit groups made per step once the first has left the plan unknown: `AT_LEAST_GROUPS` where one fit's
-    depth traces leave a CPU idle in their last round (3 traces on two CPUs), else one. A second fit made beside
-    one that fills the CPUs costs a round of its own, and may not be needed: Qwen2.5-VL's fits are 4 traces
-    (its tower has two kinds of block), and its plan needs 4 of the 5 fits that pairs of them made."""
-    from hf_memfit.estimator.forked import slots
-    from hf_memfit.models.depths import depth_plan
+def _fit_groups_per_step(spec) -> tuple[int, int]:
+    """How many fit groups a step makes: (the first step, each later step), from the CPUs that trace side by side
+    (`forked.slots`) and the reduced depths each fit traces (`depths.depth_plan`: 2-4).
 
-    return AT_LEAST_GROUPS if len(depth_plan(spec).depth_sets) % max(1, slots()) else 1
+    The first step, before anything says that more than the fastest fit is needed, makes as many as the idle CPUs
+    trace in one round, at least one, and no ties. A group made on speculation costs nothing where its traces run
+    on CPUs that would otherwise be idle, and a whole round where they would not: on two CPUs a cold Whisper-small
+    plan made its ZeRO layout's bf16 fit beside the mixed-precision one (the two time alike on one GPU) and never
+    read it (14.6 s; 11.1 s without).
 
-
-def _first_groups(spec) -> int:
-    """How many fit groups the first step makes, before anything says that more than the fastest one is needed:
-    as many as the idle CPUs trace in one round (`forked.slots`; each fit traces its 2-3 reduced depths,
-    `depths.depth_plan`), at least one, and no ties.
-
-    A group made on speculation costs nothing where its traces run on CPUs that would otherwise be idle, and a
-    whole round where they would not: on two CPUs a cold Whisper-small plan made its ZeRO layout's bf16 fit
-    beside the mixed-precision one (the two time alike on one GPU) and never read it (14.6 s; 11.1 s without).
+    A later step makes `AT_LEAST_GROUPS` where one fit's traces leave a CPU idle in their last round (3 traces on
+    two CPUs), else one. A second fit made beside one that fills the CPUs costs a round of its own, and may not be
+    needed: Qwen2.5-VL's fits are 4 traces (its tower has two kinds of block), and its plan needs 4 of the 5 fits
+    that pairs of them made.
     """
     from hf_memfit.estimator.forked import slots
     from hf_memfit.models.depths import depth_plan
 
-    return max(1, slots() // len(depth_plan(spec).depth_sets))
+    cpus, traces = slots(), len(depth_plan(spec).depth_sets)
+    return max(1, cpus // traces), (AT_LEAST_GROUPS if traces % max(1, cpus) else 1)
 
 
 def _done(grid, results, found: Candidates, estimated: list[Candidate]) -> tuple[list[Candidate], int]:
