@@ -159,7 +159,9 @@ def calibrate_many(spec, many: list) -> list[dict]:
         points = tuple((b, settings.seq_len, min(m, micro)) for b, _, m in POINTS)
         traced = settings.replace(mode="exact", batch_size=1, gradient_accumulation_steps=micro)
         # The check point at the base depth only: it has every kind of layer, and a grown depth adds one more of a
-        # kind it has (a trace of four passes instead of five).
+        # kind it has (a trace of four passes instead of five). The check only writes a note here; parametric.py's
+        # check decides whether to fit again (by batch regime, or without the sibling precision), and a grown
+        # depth's miss can decide that (Jamba's: 38 traces where 62 were), so it checks every depth.
         jobs += [(spec, traced, depths, points if i == 0 else points[:2]) for i, depths in enumerate(plan.depth_sets)]
     _import_for_traces(many)
     summaries = run_jobs(_trace_summary, jobs)

@@ -443,10 +443,8 @@ def calibrate_many(spec, many: list, shared: list | None = None) -> list[dict]:
     while pending:
         plans = {i: [_calibration_plan(spec, many[i], how[i][0], batches)
                      for batches in (("1", "2+") if how[i][1] else ("",))] for i in pending}
-        # The check point (and the sibling precision's step there) at the base depth only: it has every kind of
-        # layer, and a grown depth adds one more of a kind it has (two passes fewer at each grown depth).
-        jobs = [(spec, plan["traced"], depths, plan["shapes"] if k == 0 else plan["shapes"][:-1])
-                for i in pending for plan in plans[i] for k, depths in enumerate(plan["depth_sets"])]
+        jobs = [(spec, plan["traced"], depths, plan["shapes"])
+                for i in pending for plan in plans[i] for depths in plan["depth_sets"]]
         summaries = iter(run_jobs(_trace_summary, jobs))
         again = []
         for i in pending:

@@ -187,8 +187,6 @@ def _check(series, fitted, points) -> tuple[float, str]:
     row = np.array([_term(b, s, t) for t in TERMS])
     worst, where = 0.0, ""
     for classes, fit in zip(series, fitted):
-        if len(classes) < len(points):  # a grown depth: traced without the check point
-            continue
         seen = classes[-1]
         peak = max(float(v.sum(axis=1).max()) for v in seen.values())
         for region, values in seen.items():
