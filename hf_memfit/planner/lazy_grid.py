@@ -19,14 +19,14 @@ Estimating costs nothing for families with formulas; for image, audio and VLM in
 formulas each fast-mode fit is traced (seconds each), and a plan whose fastest settings fit needs only theirs.
 Candidates that offload activation checkpoints, a last resort, wait until every candidate on the device is
 estimated and none is certain to be the plan. Until the plan and its runners-up are known, candidates are
-estimated strictly fastest first and fits are made
-when every faster candidate has been estimated. The first step makes as many as the idle CPUs trace in one round
-(`_fit_groups_per_step`): a roomy budget needs only the fastest setting's fit. Once that leaves the plan unknown, more
-fits are likely needed, and each step makes the next fit a candidate on the device needs, the next ones in order
-beside it (offloaded checkpoints' too) up to `AT_LEAST_GROUPS` where one fit leaves a CPU idle, and any other whose fastest
-setting ties theirs (a ZeRO layout's bf16 step on one GPU). After that, every fit left below the threshold side by
-side (`assemble.prepare`). Candidates are kept in grid order, as an exhaustive search lists
-them, so ties break the same way. `tests/test_lazy_grid.py` checks that plans come out the same as an exhaustive
+estimated strictly fastest first and fits are made when every faster candidate has been estimated. The first
+step makes as many as the idle CPUs trace in one round (`_fit_groups_per_step`): a roomy budget needs only the
+fastest setting's fit. Once that leaves the plan unknown, more fits are likely needed, and each step makes the
+next fit a candidate on the device needs, the next ones in order beside it (offloaded checkpoints' too) up to
+`AT_LEAST_GROUPS` where one fit leaves a CPU idle, and any other whose fastest setting ties theirs (a ZeRO
+layout's bf16 step on one GPU). After that, every fit left below the threshold side by side
+(`assemble.prepare`). Candidates are kept in grid order, as an exhaustive search lists them, so ties break the
+same way. `tests/test_lazy_grid.py` checks that plans come out the same as an exhaustive
 search's.
 """
 
@@ -58,9 +58,9 @@ def search_grid(spec, grid: list, found: Candidates, *, gpu_info, uncertain) -> 
     found.searched += len(grid)
     results: dict[int, Candidate | None] = {}  # grid index -> candidate (None: the search skips it)
 
-    def estimate(indices: list[int], also_fit: tuple[int, ...] = ()) -> None:
+    def estimate(indices: list[int], also_fit: list[int] | None = None) -> None:
         # the traced fits these read, side by side, and those of `also_fit` (made beside them, estimated later)
-        prepare(spec, [grid[i] for i in list(indices) + list(also_fit)])
+        prepare(spec, [grid[i] for i in indices + (also_fit or [])])
         for i in indices:
             results[i] = found.estimate_one(grid[i])
 
