@@ -229,3 +229,34 @@ def test_an_extrapolated_region_keeps_its_linear_total_when_its_peak_moves():
     assert sum(kept.values()) == pytest.approx(sum(extrapolated.values()), abs=2)
     assert sum(kept.values()) < 0.75 * sum(max(0, v) for v in extrapolated.values())
     assert non_negative_breakdown({"weights": 5.0, "activations": 7.0}) == {"weights": 5, "activations": 7}
+
+
+@pytest.mark.parametrize("model", ["llama", "llava"])
+def test_a_warm_up_without_a_pass_leaves_the_measured_step_as_a_full_one_does(tiny_specs, model):
+    """The warm-up is the optimizer step alone, on zero gradients: no forward or backward runs before the measured
+    step, and that step's regions are byte for byte those after a warm-up step of full-size rows. LLaVA's last CLIP
+    layer gets no gradient (its features are the second-to-last layer's), so it has no states in a real run: the
+    first measured backward names it and the trace starts again without its states."""
+    from transformers import AutoConfig
+
+    from hf_memfit.models.depths import config_with_depths, real_depths
+    from hf_memfit.models.spec import ModelSpec
+    from test_vlm import LLAVA
+
+    if model == "llava":
+        spec = ModelSpec.from_config("tiny-llava", AutoConfig.for_model(**LLAVA).to_dict())
+        settings = TrainSettings(batch_size=2, seq_len=32, task="image-text-to-text", device="cuda", gpu="A100",
+                                 precision="bf16-mixed", gradient_accumulation_steps=2)
+    else:
+        spec = tiny_specs[model]
+        settings = TrainSettings(batch_size=2, seq_len=64, task="causal-lm", gradient_checkpointing=True,
+                                 optim="adamw_torch_fused", gradient_accumulation_steps=2)
+    real = real_depths(spec)
+    config = config_with_depths(spec, real)
+    without_a_pass = trace_step(config, settings, real)
+    with_a_pass = trace_step(config, settings, real, short_warm_up=False)
+    forwards = [label for _, label in without_a_pass.tracker.markers if "forward" in label]
+    assert forwards and all(label.startswith("step 2") for label in forwards)
+    assert any(label.startswith("step 1 forward") for _, label in with_a_pass.tracker.markers)
+    assert without_a_pass.region_peaks == with_a_pass.region_peaks
+    assert without_a_pass.region_breakdowns == with_a_pass.region_breakdowns

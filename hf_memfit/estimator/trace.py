@@ -334,6 +334,14 @@ def _module_names(tracker: StorageTracker, model):
             h.remove()
 
 
+class _StatesNeedABackward(Exception):
+    """The warm-up made states for parameters the measured step gives no gradient (`trace_step`): their names."""
+
+    def __init__(self, names: frozenset[str]):
+        super().__init__(", ".join(sorted(names)))
+        self.names = names
+
+
 def trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], *, steps: int = 2,
                shapes: tuple[tuple[int, int], ...] = (), short_warm_up: bool = True, after_op=None) -> TraceResult:
     """Trace `steps` optimizer steps of the model built from `config` with the given stack depths.
@@ -343,8 +351,16 @@ def trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], *
 
     The first step is a warm-up: it is there to leave the optimizer's states (and whatever else a step
     leaves behind) for the steps that count, whose region peaks are the only ones kept. With
-    `short_warm_up` it runs one micro-batch of rows cut to `WARM_UP_TOKENS` (`warm_up.py`); the
-    timeline `explain` draws passes False, to show the first step as it runs.
+    `short_warm_up` it is the optimizer step alone, on zero gradients of the trainable parameters
+    (`_warm_up_without_a_pass`), where the optimizer keeps nothing but states: a forward and backward pass
+    fewer, a fifth to a third of a trace. What a forward keeps on a module for the next one is then made in
+    the first measured step rather than before it: Qwen2-VL's `rope_deltas`, 8 bytes a row, the one such
+    tensor in `benchmarks/trace_identity.py`'s 55 configurations. A parameter the measured step gives no gradient (LLaVA's last CLIP
+    layer: its features are the second-to-last layer's) has no states in a real run; the first measured
+    backward names them, and the trace starts again without them (the pass it wasted is the one it saved).
+    Where that does not hold, or the optimizer cannot step alone (`_warm_up_without_a_pass`), the warm-up is a
+    step of one micro-batch of rows cut to `WARM_UP_TOKENS` (`warm_up.py`). The timeline `explain` draws
+    passes `short_warm_up=False`, to show the first step as it runs.
 
     `shapes` ((batch, seq, micro-batches) triples, for `parametric.py`; a fourth item is another precision
     of the same autocast build, for that step): after the warm-up, one steady-state step
@@ -354,6 +370,35 @@ def trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], *
     per optimizer step a tuple of its micro-batches' settings, traced as given, with no warm-up before it.
     `after_op`: the tracker's (`kernel_staging.py`).
     """
+    if short_warm_up and _warm_up_without_a_pass(settings, shapes):
+        no_gradient = frozenset()
+        for _ in range(2):
+            try:
+                return _trace_step(config, settings, depths, steps, shapes, True, after_op, no_gradient=no_gradient)
+            except _StatesNeedABackward as missing:
+                if no_gradient:
+                    break  # the second start found others: the warm-up runs a pass
+                no_gradient = missing.names
+                logging.getLogger(__name__).debug("%s: no gradient for %d parameters (%s, ...); traced again without "
+                                                  "their states", config.get("model_type"), len(no_gradient),
+                                                  min(no_gradient))
+    return _trace_step(config, settings, depths, steps, shapes, short_warm_up, after_op, no_gradient=None)
+
+
+def _warm_up_without_a_pass(settings: TrainSettings, shapes) -> bool:
+    """Whether the warm-up can be the optimizer step alone: its states are what it leaves. Not for a run traced as
+    given (no warm-up), nor for optimizers whose step runs inside the backward (layerwise) or projects the
+    gradient (GaLore, APOLLO: the projector is made from the first gradient)."""
+    run_as_given = bool(shapes) and isinstance(shapes[0][0], TrainSettings)
+    return not run_as_given and not settings.optimizer.layerwise and not settings.optimizer.low_rank
+
+
+def _trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], steps: int,
+                shapes: tuple, short_warm_up: bool, after_op, *, no_gradient: frozenset[str] | None) -> TraceResult:
+    """`trace_step`. Unless `no_gradient` is None, the warm-up is the optimizer step alone, on zero gradients of
+    the trainable parameters not named there; the first measured backward must then give a gradient to exactly
+    those (else `_StatesNeedABackward`)."""
+    states_only = no_gradient is not None
     run_as_given = bool(shapes) and isinstance(shapes[0][0], TrainSettings)
     if shapes:
         steps = (0 if run_as_given else 1) + len(shapes)
@@ -391,6 +436,7 @@ def trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], *
         for tensor in list(model.parameters()) + list(model.buffers()):
             tracker.mark(tensor, "weights")
         optimizer = make_traced_optimizer(model, settings, cuda)
+        trainable = {name: p for name, p in model.named_parameters() if p.requires_grad}
         stacks = _layer_stacks(model)
         if any(is_experts(m) for m in model.modules()):
             patches.enter_context(grouped_mm_any_dtype())
@@ -414,7 +460,7 @@ def trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], *
                 micro_settings = shapes[step_index]
                 progress.info("tracing optimizer step %d of %d", step_index + 1, len(shapes))
             elif step_index == 0:
-                micro_settings = (warm_up,) * (1 if short_warm_up else micro_batches)
+                micro_settings = () if states_only else (warm_up,) * (1 if short_warm_up else micro_batches)
             elif shapes:
                 batch_size, seq_len, micros, *precision = shapes[step_index - 1]
                 micro_settings = (settings.replace(batch_size=batch_size, seq_len=seq_len,
@@ -434,9 +480,19 @@ def trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], *
                     tracker.mark(p.grad, "gradients")
                     if p.grad is not None:
                         got_gradient.add(id(p))
+                if states_only and step_index == 1 and micro == 0:  # the warm-up's zero gradients were these
+                    missing = frozenset(name for name, p in trainable.items() if p.grad is None)
+                    if missing != no_gradient:
+                        raise _StatesNeedABackward(missing)
             tracker.phase = "optimizer"
             tracker.set_region(f"{step_tag()}|opt")
             tracker.markers.append((tracker.clock, f"step {step_index + 1} optimizer"))
+            if not micro_settings:  # the warm-up's states alone: the step on zero gradients
+                for name, p in trainable.items():
+                    if name in no_gradient:
+                        continue
+                    p.grad = torch.zeros_like(p)
+                    tracker.mark(p.grad, "gradients")
             training.optimizer_step(model, optimizer, cuda_semantics=cuda)
             for p in model.parameters():  # GaLore 8-bit's step gives each target a new storage (`p.saved_data`)
                 tracker.mark(p, "weights")

@@ -1,4 +1,9 @@
-"""The warm-up step every trace runs before the steps it measures: what it is for, and why its rows are short."""
+"""The warm-up step a trace runs before the steps it measures, where it cannot be the optimizer step alone.
+
+Most traces warm up with the optimizer step alone, on zero gradients (`trace.trace_step`). A layerwise, GaLore or
+APOLLO optimizer, or a parameter whose gradient is not what the trace expected, gets this warm-up: a step of
+one micro-batch of short rows. What it is for, and why its rows are short:
+"""
 
 from hf_memfit.settings import TrainSettings
 from hf_memfit.tasks import MEDIA_TASKS
