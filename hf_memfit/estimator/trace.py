@@ -30,6 +30,7 @@ explicitly, each item sourced in `shared/CUDA_MEMORY_FACTS.md`:
 """
 
 import contextlib
+import functools
 import logging
 import weakref
 from dataclasses import dataclass, field
@@ -474,13 +475,17 @@ def _trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], 
                 tracker.markers.append((tracker.clock, f"step {step_index + 1} forward{_micro_label(micro, shaped)}"))
                 batch = training.make_batch(shaped, config)
                 tracker.phase = "forward"
-                _forward_backward(model, batch, shaped, tracker, step_tag)
+                # The warm-up's zero gradients were those the loss reaches: checked before the backward runs. Not
+                # under TiledMLP, whose autograd Function builds its MLP's graph in the backward (`_check_reached`).
+                check = (functools.partial(_check_reached, trainable, no_gradient)
+                         if states_only and step_index == 1 and micro == 0 and not settings.tiled_mlp else None)
+                _forward_backward(model, batch, shaped, tracker, step_tag, before_backward=check)
                 del batch
                 for p in model.parameters():
                     tracker.mark(p.grad, "gradients")
                     if p.grad is not None:
                         got_gradient.add(id(p))
-                if states_only and step_index == 1 and micro == 0:  # the warm-up's zero gradients were these
+                if states_only and step_index == 1 and micro == 0:  # and after it, by the gradients it gave
                     missing = frozenset(name for name, p in trainable.items() if p.grad is None)
                     if missing != no_gradient:
                         raise _StatesNeedABackward(missing)
@@ -550,11 +555,14 @@ def _micro_label(micro: int, settings: TrainSettings) -> str:
     return ", micro-batch 1" if micro == 0 else (", micro-batch 2" if steps == 2 else f", micro-batches 2-{steps}")
 
 
-def _forward_backward(model, batch, settings, tracker, step_tag):
-    """`step.forward_backward`, with the phase switched to backward once the loss exists."""
+def _forward_backward(model, batch, settings, tracker, step_tag, before_backward=None):
+    """`step.forward_backward`, with the phase switched to backward once the loss exists (and `before_backward`
+    called with it)."""
     original_backward = torch.Tensor.backward
 
     def backward(loss, *args, **kwargs):
+        if before_backward is not None:
+            before_backward(loss)
         tracker.phase = "backward"
         tracker.set_region(f"{step_tag()}|bwd|pre")
         step_index, micro = (int(part) for part in step_tag().split("."))
@@ -566,6 +574,27 @@ def _forward_backward(model, batch, settings, tracker, step_tag):
         training.forward_backward(model, batch, settings, device_type="cpu")
     finally:
         torch.Tensor.backward = original_backward
+
+
+def _check_reached(trainable: dict, no_gradient: frozenset, loss) -> None:
+    """Raise `_StatesNeedABackward` unless the parameters the loss's graph reaches are the trainable ones but
+    `no_gradient`: a walk of the autograd graph, so that a restart wastes a forward, not a backward too.
+    It sees the parameters whose graph the forward builds: checkpointing is non-reentrant here
+    (`step.build_model`), so its layers' parameters are in the graph, but TiledMLP's Function runs its MLP's
+    forward again in its backward and only then builds their graph, so there the gradients decide, after it."""
+    reached, seen, stack = set(), set(), [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # AccumulateGrad: a leaf's gradient lands here
+        if variable is not None:
+            reached.add(id(variable))
+        stack.extend(following for following, _ in node.next_functions)
+    missing = frozenset(name for name, p in trainable.items() if id(p) not in reached)
+    if missing != no_gradient:
+        raise _StatesNeedABackward(missing)
 
 
 def _quantizable_linear_params(model) -> tuple[int, int]:
