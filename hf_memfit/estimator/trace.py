@@ -46,7 +46,8 @@ from hf_memfit.estimator.fake_ctc import static_ctc_loss
 from hf_memfit.estimator.fake_optimizers import apollo_on_fake_tensors, make_traced_optimizer, optimizer_state_tensors
 from hf_memfit.estimator.fake_vision import real_integer_metadata
 from hf_memfit.estimator.ssm_kernels import cuda_kernel_path
-from hf_memfit.estimator.warm_up import warm_up_settings
+from hf_memfit.estimator.warm_up import (StatesNeedABackward, check_reached, known_without_gradient,
+                                         remember_without_gradient, warm_up_settings, warm_up_without_a_pass)
 from hf_memfit.estimator.fake_patches import (cuda_autocast_policy, cuda_dropout, cuda_softmax_backward,
                                               deepcopy_fake_tensors_as_real_ones, environment, gpu_sdpa,
                                               grouped_mm_any_dtype, is_experts, masks_as_the_batch_has,
@@ -335,14 +336,6 @@ def _module_names(tracker: StorageTracker, model):
             h.remove()
 
 
-class _StatesNeedABackward(Exception):
-    """The warm-up made states for parameters the measured step gives no gradient (`trace_step`): their names."""
-
-    def __init__(self, names: frozenset[str]):
-        super().__init__(", ".join(sorted(names)))
-        self.names = names
-
-
 def trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], *, steps: int = 2,
                shapes: tuple[tuple[int, int], ...] = (), short_warm_up: bool = True, after_op=None) -> TraceResult:
     """Trace `steps` optimizer steps of the model built from `config` with the given stack depths.
@@ -352,16 +345,9 @@ def trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], *
 
     The first step is a warm-up: it is there to leave the optimizer's states (and whatever else a step
     leaves behind) for the steps that count, whose region peaks are the only ones kept. With
-    `short_warm_up` it is the optimizer step alone, on zero gradients of the trainable parameters
-    (`_warm_up_without_a_pass`), where the optimizer keeps nothing but states: a forward and backward pass
-    fewer, a fifth to a third of a trace. What a forward keeps on a module for the next one is then made in
-    the first measured step rather than before it: Qwen2-VL's `rope_deltas`, 8 bytes a row, the one such
-    tensor in `benchmarks/trace_identity.py`'s 55 configurations. A parameter the measured step gives no gradient (LLaVA's last CLIP
-    layer: its features are the second-to-last layer's) has no states in a real run; the first measured
-    backward names them, and the trace starts again without them (the pass it wasted is the one it saved).
-    Where that does not hold, or the optimizer cannot step alone (`_warm_up_without_a_pass`), the warm-up is a
-    step of one micro-batch of rows cut to `WARM_UP_TOKENS` (`warm_up.py`). The timeline `explain` draws
-    passes `short_warm_up=False`, to show the first step as it runs.
+    `short_warm_up` it is the optimizer step alone on zero gradients where it can be, else one micro-batch of
+    rows cut to `WARM_UP_TOKENS` (`warm_up.py` says which, and why); the timeline `explain` draws passes
+    False, to show the first step as it runs.
 
     `shapes` ((batch, seq, micro-batches) triples, for `parametric.py`; a fourth item is another precision
     of the same autocast build, for that step): after the warm-up, one steady-state step
@@ -371,34 +357,29 @@ def trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], *
     per optimizer step a tuple of its micro-batches' settings, traced as given, with no warm-up before it.
     `after_op`: the tracker's (`kernel_staging.py`).
     """
-    if short_warm_up and _warm_up_without_a_pass(settings, shapes):
-        no_gradient = frozenset()
-        for _ in range(2):
+    if short_warm_up and warm_up_without_a_pass(settings, shapes):
+        known = known_without_gradient(config, settings)
+        no_gradient = known or frozenset()
+        for _ in range(2):  # a second start that finds others again: the warm-up runs a pass (below)
             try:
-                return _trace_step(config, settings, depths, steps, shapes, True, after_op, no_gradient=no_gradient)
-            except _StatesNeedABackward as missing:
-                if no_gradient:
-                    break  # the second start found others: the warm-up runs a pass
+                result = _trace_step(config, settings, depths, steps, shapes, True, after_op, no_gradient=no_gradient)
+            except StatesNeedABackward as missing:
                 no_gradient = missing.names
                 logging.getLogger(__name__).debug("%s: no gradient for %d parameters (%s, ...); traced again without "
                                                   "their states", config.get("model_type"), len(no_gradient),
-                                                  min(no_gradient))
+                                                  min(no_gradient, default=""))
+                continue
+            if no_gradient != (known or frozenset()):
+                remember_without_gradient(config, settings, no_gradient)
+            return result
     return _trace_step(config, settings, depths, steps, shapes, short_warm_up, after_op, no_gradient=None)
-
-
-def _warm_up_without_a_pass(settings: TrainSettings, shapes) -> bool:
-    """Whether the warm-up can be the optimizer step alone: its states are what it leaves. Not for a run traced as
-    given (no warm-up), nor for optimizers whose step runs inside the backward (layerwise) or projects the
-    gradient (GaLore, APOLLO: the projector is made from the first gradient)."""
-    run_as_given = bool(shapes) and isinstance(shapes[0][0], TrainSettings)
-    return not run_as_given and not settings.optimizer.layerwise and not settings.optimizer.low_rank
 
 
 def _trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], steps: int,
                 shapes: tuple, short_warm_up: bool, after_op, *, no_gradient: frozenset[str] | None) -> TraceResult:
     """`trace_step`. Unless `no_gradient` is None, the warm-up is the optimizer step alone, on zero gradients of
-    the trainable parameters not named there; the first measured backward must then give a gradient to exactly
-    those (else `_StatesNeedABackward`)."""
+    the trainable parameters not named there; the first measured forward and backward must then reach every
+    trainable parameter but those (else `StatesNeedABackward`)."""
     states_only = no_gradient is not None
     run_as_given = bool(shapes) and isinstance(shapes[0][0], TrainSettings)
     if shapes:
@@ -476,8 +457,8 @@ def _trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], 
                 batch = training.make_batch(shaped, config)
                 tracker.phase = "forward"
                 # The warm-up's zero gradients were those the loss reaches: checked before the backward runs. Not
-                # under TiledMLP, whose autograd Function builds its MLP's graph in the backward (`_check_reached`).
-                check = (functools.partial(_check_reached, trainable, no_gradient)
+                # under TiledMLP, whose autograd Function builds its MLP's graph in the backward (`warm_up.check_reached`).
+                check = (functools.partial(check_reached, trainable, no_gradient)
                          if states_only and step_index == 1 and micro == 0 and not settings.tiled_mlp else None)
                 _forward_backward(model, batch, shaped, tracker, step_tag, before_backward=check)
                 del batch
@@ -488,7 +469,7 @@ def _trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], 
                 if states_only and step_index == 1 and micro == 0:  # and after it, by the gradients it gave
                     missing = frozenset(name for name, p in trainable.items() if p.grad is None)
                     if missing != no_gradient:
-                        raise _StatesNeedABackward(missing)
+                        raise StatesNeedABackward(missing)
             tracker.phase = "optimizer"
             tracker.set_region(f"{step_tag()}|opt")
             tracker.markers.append((tracker.clock, f"step {step_index + 1} optimizer"))
@@ -574,27 +555,6 @@ def _forward_backward(model, batch, settings, tracker, step_tag, before_backward
         training.forward_backward(model, batch, settings, device_type="cpu")
     finally:
         torch.Tensor.backward = original_backward
-
-
-def _check_reached(trainable: dict, no_gradient: frozenset, loss) -> None:
-    """Raise `_StatesNeedABackward` unless the parameters the loss's graph reaches are the trainable ones but
-    `no_gradient`: a walk of the autograd graph, so that a restart wastes a forward, not a backward too.
-    It sees the parameters whose graph the forward builds: checkpointing is non-reentrant here
-    (`step.build_model`), so its layers' parameters are in the graph, but TiledMLP's Function runs its MLP's
-    forward again in its backward and only then builds their graph, so there the gradients decide, after it."""
-    reached, seen, stack = set(), set(), [loss.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        variable = getattr(node, "variable", None)  # AccumulateGrad: a leaf's gradient lands here
-        if variable is not None:
-            reached.add(id(variable))
-        stack.extend(following for following, _ in node.next_functions)
-    missing = frozenset(name for name, p in trainable.items() if id(p) not in reached)
-    if missing != no_gradient:
-        raise _StatesNeedABackward(missing)
 
 
 def _quantizable_linear_params(model) -> tuple[int, int]:
