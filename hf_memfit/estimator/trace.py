@@ -365,8 +365,8 @@ def trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], *
                 result = _trace_step(config, settings, depths, steps, shapes, True, after_op, no_gradient=no_gradient)
             except StatesNeedABackward as missing:
                 no_gradient = missing.names
-                logging.getLogger(__name__).debug("%s: no gradient for %d parameters (%s, ...); traced again without "
-                                                  "their states", config.get("model_type"), len(no_gradient),
+                logging.getLogger(__name__).debug("%s: no gradient for %d parameters (%s, ...); starting again",
+                                                  config.get("model_type"), len(no_gradient),
                                                   min(no_gradient, default=""))
                 continue
             if no_gradient != (known or frozenset()):
@@ -457,7 +457,7 @@ def _trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], 
                 batch = training.make_batch(shaped, config)
                 tracker.phase = "forward"
                 # The warm-up's zero gradients were those the loss reaches: checked before the backward runs. Not
-                # under TiledMLP, whose autograd Function builds its MLP's graph in the backward (`warm_up.check_reached`).
+                # under TiledMLP, whose Function builds its MLP's graph in the backward (`warm_up.check_reached`).
                 check = (functools.partial(check_reached, trainable, no_gradient)
                          if states_only and step_index == 1 and micro == 0 and not settings.tiled_mlp else None)
                 _forward_backward(model, batch, shaped, tracker, step_tag, before_backward=check)

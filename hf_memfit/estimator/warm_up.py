@@ -85,8 +85,8 @@ def _key(config: dict, settings: TrainSettings) -> str:
 
 
 def known_without_gradient(config: dict, settings: TrainSettings) -> frozenset[str] | None:
-    """The trainable parameters an earlier trace of this build found without a gradient (None: none traced). A
-    wrong entry costs the restart it would have saved: the graph walk and the gradients still check."""
+    """The trainable parameters an earlier trace of this build found without a gradient (None: no trace found
+    any). A wrong entry costs the restart it would have saved: the graph walk and the gradients still check."""
     found = read_cache(_CACHE_KIND, _key(config, settings))
     return frozenset(found["names"]) if found else None
 
