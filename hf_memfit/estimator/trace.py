@@ -357,7 +357,7 @@ def trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], *
     per optimizer step a tuple of its micro-batches' settings, traced as given, with no warm-up before it.
     `after_op`: the tracker's (`kernel_staging.py`).
     """
-    if short_warm_up and warm_up_without_a_pass(settings, shapes):
+    if short_warm_up and not _runs_as_given(shapes) and warm_up_without_a_pass(settings):
         known = known_without_gradient(config, settings)
         no_gradient = known or frozenset()
         for _ in range(2):  # a second start that finds others again: the warm-up runs a pass (below)
@@ -375,13 +375,18 @@ def trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], *
     return _trace_step(config, settings, depths, steps, shapes, short_warm_up, after_op, no_gradient=None)
 
 
+def _runs_as_given(shapes) -> bool:
+    """Whether `shapes` is a run's steps, traced as given with no warm-up (`trace_step`)."""
+    return bool(shapes) and isinstance(shapes[0][0], TrainSettings)
+
+
 def _trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], steps: int,
                 shapes: tuple, short_warm_up: bool, after_op, *, no_gradient: frozenset[str] | None) -> TraceResult:
     """`trace_step`. Unless `no_gradient` is None, the warm-up is the optimizer step alone, on zero gradients of
     the trainable parameters not named there; the first measured forward and backward must then reach every
     trainable parameter but those (else `StatesNeedABackward`)."""
     states_only = no_gradient is not None
-    run_as_given = bool(shapes) and isinstance(shapes[0][0], TrainSettings)
+    run_as_given = _runs_as_given(shapes)
     if shapes:
         steps = (0 if run_as_given else 1) + len(shapes)
     warm_up = warm_up_settings(settings) if short_warm_up else settings
@@ -473,7 +478,7 @@ def _trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], 
             tracker.phase = "optimizer"
             tracker.set_region(f"{step_tag()}|opt")
             tracker.markers.append((tracker.clock, f"step {step_index + 1} optimizer"))
-            if not micro_settings:  # the warm-up's states alone: the step on zero gradients
+            if states_only and step_index == 0:  # the warm-up's states alone: the step on zero gradients
                 for name, p in trainable.items():
                     if name in no_gradient:
                         continue

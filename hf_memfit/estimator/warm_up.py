@@ -36,12 +36,11 @@ def warm_up_settings(settings: TrainSettings) -> TrainSettings:
     return settings.replace(**short) if short else settings
 
 
-def warm_up_without_a_pass(settings: TrainSettings, shapes) -> bool:
-    """Whether the warm-up can be the optimizer step alone: its states are what it leaves. Not for a run traced as
-    given (no warm-up), nor for optimizers whose step runs inside the backward (layerwise) or projects the
-    gradient (GaLore, APOLLO: the projector is made from the first gradient)."""
-    run_as_given = bool(shapes) and isinstance(shapes[0][0], TrainSettings)
-    return not run_as_given and not settings.optimizer.layerwise and not settings.optimizer.low_rank
+def warm_up_without_a_pass(settings: TrainSettings) -> bool:
+    """Whether the warm-up can be the optimizer step alone: its states are what it leaves. Not for optimizers whose
+    step runs inside the backward (layerwise) or projects the gradient (GaLore, APOLLO: the projector is made from
+    the first gradient)."""
+    return not settings.optimizer.layerwise and not settings.optimizer.low_rank
 
 
 class StatesNeedABackward(Exception):
