@@ -12,9 +12,9 @@ The reduced-depth copies exact mode traces are stepped at batch 1 and at batch 2
 line, and a later micro-batch's constant offset, as in parametric.py), and the base depth also at batch 3 (a
 check of the first micro-batch and the optimizer step, whose miss goes in the notes). A step's first
 micro-batch is the same whether more follow it (byte for byte on ViT, Whisper, wav2vec2, LLaVA and Qwen2.5-VL,
-with and without checkpointing), so batch 2 is traced once for both: five forward and backward passes with the
-warm-up at the base depth and four at the others, where a step of its own at batch 2 and a check at every
-depth made seven. The coefficients are extrapolated to the real depth as exact mode
+with and without checkpointing), so batch 2 is traced once for both: four forward and backward passes at the
+base depth and three at the others (the warm-up is the optimizer step alone, `warm_up.py`), where a step of its
+own at batch 2, a check at every depth and a warm-up pass made seven. The coefficients are extrapolated to the real depth as exact mode
 extrapolates its bytes, and the optimizer is moved by formula as in parametric.py. One calibration per input
 shape, precision and lever serves every micro-batch and accumulation the planner searches.
 """
