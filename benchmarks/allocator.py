@@ -65,14 +65,15 @@ ROWS = [
 ]
 
 
-def measure(name: str, settings: dict) -> dict:
+def measure(name, settings: dict) -> dict:
+    """One row: `name` a catalogue name (or a `ModelSpec`), `settings` TrainSettings fields."""
     from hf_memfit.estimator import trace
     from hf_memfit.estimator.run_of_shapes import needed_capacity, replay
     from hf_memfit.settings import TrainSettings
     from hf_memfit.models.depths import config_with_depths, real_depths
     from hf_memfit.models.spec import resolve_model
 
-    spec = resolve_model(name)
+    spec = resolve_model(name) if isinstance(name, str) else name
     s = TrainSettings(device="cuda", mode="exact", **settings).validate(spec)
     depths = real_depths(spec)
     t0 = time.perf_counter()
@@ -85,7 +86,7 @@ def measure(name: str, settings: dict) -> dict:
     hi = needed_capacity(events, low=allocated, high=free_reserved, precision=2 * MiB)
     at_peak = traced.tracker.breakdown_at(traced.tracker.peak_clock)
     transient = at_peak["activations"] + at_peak["temporary"]
-    return {"model": name, "settings": settings, "allocated": allocated, "transient": transient,
+    return {"model": name if isinstance(name, str) else spec.name, "settings": settings, "allocated": allocated, "transient": transient,
             "free_gap": free_reserved - allocated, "need_gap": hi - allocated,
             "ratio": (hi - allocated) / transient if transient else 0.0,
             "seconds": round(time.perf_counter() - t0, 2)}
