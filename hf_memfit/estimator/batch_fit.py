@@ -14,9 +14,9 @@ check of the first micro-batch and the optimizer step, whose miss goes in the no
 micro-batch is the same whether more follow it (byte for byte on ViT, Whisper, wav2vec2, LLaVA and Qwen2.5-VL,
 with and without checkpointing), so batch 2 is traced once for both: four forward and backward passes at the
 base depth and three at the others (the warm-up is the optimizer step alone, `warm_up.py`), where a step of its
-own at batch 2, a check at every depth and a warm-up pass made seven. The coefficients are extrapolated to the real depth as exact mode
-extrapolates its bytes, and the optimizer is moved by formula as in parametric.py. One calibration per input
-shape, precision and lever serves every micro-batch and accumulation the planner searches.
+own at batch 2, a check at every depth and a warm-up pass made seven. The coefficients are extrapolated to the
+real depth as exact mode extrapolates its bytes, and the optimizer is moved by formula as in parametric.py. One
+calibration per input shape, precision and lever serves every micro-batch and accumulation the planner searches.
 """
 
 from __future__ import annotations
@@ -159,9 +159,9 @@ def calibrate_many(spec, many: list) -> list[dict]:
         points = tuple((b, settings.seq_len, min(m, micro)) for b, _, m in POINTS)
         traced = settings.replace(mode="exact", batch_size=1, gradient_accumulation_steps=micro)
         # The check point at the base depth only: it has every kind of layer, and a grown depth adds one more of a
-        # kind it has (a trace of four passes instead of five). The check only writes a note here; parametric.py's
-        # check decides whether to fit again (by batch regime, or without the sibling precision), and a grown
-        # depth's miss can decide that (Jamba's: 38 traces where 62 were), so it checks every depth.
+        # kind it has (one pass fewer). The check only writes a note here. parametric.py's check decides whether
+        # to fit again (by batch regime, or without the sibling precision), and a grown depth's misfit is
+        # multiplied by its step count in the extrapolation, so there it checks every depth.
         jobs += [(spec, traced, depths, points if i == 0 else points[:2]) for i, depths in enumerate(plan.depth_sets)]
     _import_for_traces(many)
     summaries = run_jobs(_trace_summary, jobs)
