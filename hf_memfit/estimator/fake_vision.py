@@ -25,12 +25,14 @@ or a float one) is the fake mode's. Only the traces of models whose batch carrie
 from __future__ import annotations
 
 import contextlib
+import itertools
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+_DEVICE = torch.ops.prim.device.default
 _INTEGER_DEFAULT = frozenset({"randint", "randint_like", "randperm"})  # integer outputs without a dtype argument
 
 
@@ -54,17 +56,34 @@ def _integral(dtype: torch.dtype | None) -> bool:
     return dtype is not None and (dtype == torch.bool or not (dtype.is_floating_point or dtype.is_complex))
 
 
+def _tensors(values):
+    """The tensors among an op's arguments: aten schemas nest them in lists and tuples only (`cat`'s list, an
+    optional list of indices). `tree_flatten` walked them too, at a fifth of a SmolVLM trace's time."""
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            yield from _tensors(value)
+
+
 class RealIntegerMetadata(TorchDispatchMode):
     """Runs integer factory ops and ops on real tensors only, outside the fake mode (see the module doc)."""
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # nothing is compiled in a trace: no `torch._disable_dynamo` wrapper around every op
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _DEVICE and isinstance(args[0], FakeTensor) and not args[0].fake_mode.in_kernel_invocation:
+            return args[0].fake_device  # as the storage tracker answers it (`trace.py`), one mode sooner
         kwargs = kwargs or {}
-        tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
-        if tensors:
-            real = not any(isinstance(t, FakeTensor) or t.device.type == "meta" for t in tensors)
-        else:  # an `arange` of any dtype is positions or indices (Idefics3's patch buckets are float ones)
-            real = func._schema.name == "aten::arange" or _integral(_factory_dtype(func, args, kwargs))
-        if not real:
+        seen = False
+        for tensor in itertools.chain(_tensors(args), _tensors(kwargs.values())):
+            if isinstance(tensor, FakeTensor) or tensor.device.type == "meta":
+                return func(*args, **kwargs)  # the fake mode's (most ops: activations and weights are fake)
+            seen = True
+        # an `arange` of any dtype is positions or indices (Idefics3's patch buckets are float ones)
+        if not seen and not (func._schema.name == "aten::arange" or _integral(_factory_dtype(func, args, kwargs))):
             return func(*args, **kwargs)
         with unset_fake_temporarily():
             return func(*args, **kwargs)

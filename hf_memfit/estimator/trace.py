@@ -109,6 +109,10 @@ class StorageTracker(TorchDispatchMode):
         # allocator and frees inside the op, which no fake tensor shows (`kernel_staging.py`).
         self.after_op = None
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # nothing is compiled in a trace: no `torch._disable_dynamo` wrapper around every op
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is _DEVICE and isinstance(args[0], FakeTensor) and not args[0].fake_mode.in_kernel_invocation:
             # What the fake mode's own handler answers (fake_tensor._device_handler), without dispatching there:
