@@ -1,5 +1,6 @@
 """Depth axes (`models/depths.py`): a VLM's vision tower is traced at a few layers and extrapolated, per kind
-of layer where an index list names two kinds (Qwen2.5-VL's full-attention blocks among windowed ones)."""
+of layer where an index list names two kinds (Qwen2.5-VL's full-attention blocks among windowed ones); a main
+stack whose per-layer config lists set two kinds with a longer period (Gemma-3's 5 sliding : 1 global) per kind."""
 
 import copy
 
@@ -9,9 +10,10 @@ from transformers import AutoConfig
 from hf_memfit.estimator.assemble import estimate_settings
 from hf_memfit.estimator.measure import measure_cpu_peak
 from hf_memfit.estimator.exact import exact_candidates
-from hf_memfit.models.depths import _kinds_at, config_with_depths, depth_plan, towers
+from hf_memfit.models.depths import _kinds_at, _main_order, config_with_depths, depth_plan, region_period, towers
 from hf_memfit.models.spec import ModelSpec, resolve_model
 from hf_memfit.settings import TrainSettings
+from tests.conftest import TINY_GEMMA3
 from tests.test_vlm import LLAVA, QWEN25VL
 
 
@@ -39,6 +41,34 @@ def test_catalogue_vlms_get_a_tower_axis_and_text_models_none():
     assert [t["key"] for t in towers(llava)] == ["vision_config.num_hidden_layers"]
     assert depth_plan(llava).depth_sets == [(2, 2), (3, 2), (2, 3)]
     assert towers(resolve_model("openai/whisper-small")) == []  # encoder and decoder are its main stacks
+
+
+def test_a_main_stack_by_kinds_keeps_one_of_each_kind_at_both_ends():
+    s, g = ("sliding_attention",), ("full_attention",)
+    gemma3_4b = [s] * 5 + [g] + [s] * 5 + [g] + [s] * 5 + [g] + [s] * 5 + [g] + [s] * 5 + [g] + [s] * 4
+    assert _main_order(gemma3_4b, {s: 2, g: 2}) == [s, g, g, s]
+    assert _main_order(gemma3_4b, {s: 3, g: 2}) == [s, g, s, g, s]  # the grown layer in the middle
+    assert _main_order(gemma3_4b, {s: 2, g: 3}) == [s, g, g, g, s]
+    assert _main_order(gemma3_4b[:12], {s: 2, g: 2}) == [s, g, s, g]  # 12 layers end on a global one
+
+    gemma3 = resolve_model("google/gemma-3-4b-it")
+    plan = depth_plan(gemma3)
+    assert plan.real == (29, 5, 27) and plan.steps == [27, 3, 25]  # sliding, global, vision layers
+    assert max(sum(d[:2]) for d in plan.depth_sets) == 5  # two periods of six and three were 12 and 18 layers
+    assert region_period(gemma3) == 2 and gemma3.layer_period == 6
+    text = config_with_depths(gemma3, plan.depth_sets[1])["text_config"]
+    assert text["num_hidden_layers"] == 5 and text["layer_types"] == [s[0], g[0], s[0], g[0], s[0]]
+    assert "layer_types" not in config_with_depths(gemma3, plan.real)["text_config"]  # the real stack as configured
+    assert region_period(resolve_model("google/gemma-2-9b")) == 2  # a period of 2: by periods, as short
+
+
+def test_a_main_stack_extrapolated_by_kinds_equals_a_full_trace():
+    spec = ModelSpec.from_config("tiny-gemma3", TINY_GEMMA3)  # 8 layers of 2 sliding : 1 global
+    assert depth_plan(spec).depth_sets == [(2, 2), (3, 2)]  # 6 sliding and 2 global layers
+    for changes in ({}, {"gradient_checkpointing": True, "precision": "bf16-mixed", "device": "cuda"}):
+        settings = TrainSettings(batch_size=2, seq_len=64, **changes).validate(spec)
+        extrapolated = exact_candidates(spec, settings).peak_bytes
+        assert extrapolated == exact_candidates(spec, settings, extrapolate=False).peak_bytes
 
 
 def deeper(config: dict, **tower) -> ModelSpec:

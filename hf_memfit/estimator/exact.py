@@ -4,7 +4,7 @@ linearly to the model's real depth; a model without repeated layers, or asked fo
 from hf_memfit.estimator.breakdown import StepMemory
 from hf_memfit.estimator.regions import by_class
 from hf_memfit.estimator.trace import TraceResult, progress, trace_step
-from hf_memfit.models.depths import config_with_depths, depth_plan
+from hf_memfit.models.depths import config_with_depths, depth_plan, region_period
 from hf_memfit.settings import TrainSettings
 
 
@@ -35,7 +35,7 @@ def _exact_candidates(spec, settings: TrainSettings, *, extrapolate: bool = True
         return full_depth_step_memory(trace_step(config_with_depths(spec, real), settings, real), settings,
                                       spec)
 
-    period = getattr(spec, "layer_period", 1) or 1
+    period = region_period(spec)
     # The depths' traces are independent: side by side in forked children where CPUs are idle (`forked.py`), or
     # read from a child `speculate_deepest_trace` started before this was asked for.
     from hf_memfit.estimator.forked import forking_pays, run_side_by_side, speculated

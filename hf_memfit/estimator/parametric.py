@@ -507,13 +507,13 @@ def _calibration_plan(spec, settings, sibling: bool = True, batches: str = "") -
 def _trace_summary(spec, traced, depths, shapes) -> dict:
     """One traced depth, reduced to what the fit reads (small and picklable: it may come from a child)."""
     from hf_memfit.estimator.trace import progress, trace_step
-    from hf_memfit.models.depths import config_with_depths, real_depths
+    from hf_memfit.models.depths import config_with_depths, real_depths, region_period
 
     progress.info("fast mode: tracing %s at depth %s at %d shapes", spec.name, "+".join(map(str, depths)),
                   len(shapes))
     trace = trace_step(config_with_depths(spec, depths), traced, depths, shapes=shapes)
     # A reduced copy stands for the stack by its first and last period; the real depth by every layer
-    period = None if tuple(depths) == real_depths(spec) else getattr(spec, "layer_period", 1) or 1
+    period = None if tuple(depths) == real_depths(spec) else region_period(spec)
     return {"series": _point_series(trace, len(shapes), period), "host_peaks": list(trace.host_peaks),
             "facts": {k: getattr(trace, k) for k in _FACTS}, "trainable_tensors": trace.trainable_tensors}
 

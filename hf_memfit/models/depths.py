@@ -38,10 +38,36 @@ class DepthPlan:
         return len(self.depth_sets) > 1 or self.depth_sets[0] != self.real
 
 
+def main_kinds(spec) -> dict[str, list] | None:
+    """The main stack's per-layer config lists where it is traced by kinds (`generic.layer_kinds`), else None."""
+    return (getattr(spec, "generic", None) or {}).get("layer_kinds")
+
+
+def _kinds(lists: dict[str, list]) -> list[tuple]:
+    """Each layer's kind: its values in the per-layer lists."""
+    return list(zip(*lists.values()))
+
+
+def _distinct(kinds: list[tuple]) -> list[tuple]:
+    return list(dict.fromkeys(kinds))
+
+
+def region_period(spec) -> int:
+    """The layers at each end of the main stack that stand for the real stack's (`estimator/regions.py`): one
+    period, or by kinds one layer of each kind (the traced order keeps one of each at both ends)."""
+    lists = main_kinds(spec)
+    return len(_distinct(_kinds(lists))) if lists else getattr(spec, "layer_period", 1) or 1
+
+
 def _axes(spec) -> list[tuple[int, int]]:
     """(real count, period) per depth axis, main stacks first."""
     period = getattr(spec, "layer_period", 1) or 1
-    axes = [(spec.num_layers, period)]
+    lists = main_kinds(spec)
+    if lists:  # one axis per kind, in the order the real stack first has them
+        kinds = _kinds(lists)
+        axes = [(kinds.count(kind), 1) for kind in _distinct(kinds)]
+    else:
+        axes = [(spec.num_layers, period)]
     if spec.is_encoder_decoder and getattr(spec, "num_decoder_layers", 0):
         axes.append((spec.num_decoder_layers, period))
     for tower in towers(spec):
@@ -59,7 +85,7 @@ def _by_kinds(spec, tower: dict) -> bool:
     """Whether a tower has one axis per kind of layer. Only beside a period-1 main stack: the region classes
     keep a main-stack period of layers at each end (`estimator/regions.py`), and in a by-kinds tower those
     would not be one kind at every traced depth."""
-    return tower["special"] is not None and (getattr(spec, "layer_period", 1) or 1) == 1
+    return tower["special"] is not None and region_period(spec) == 1
 
 
 def towers(spec) -> list[dict]:
@@ -96,11 +122,24 @@ def config_with_depths(spec, depths: tuple[int, ...]) -> dict:
     """The model's config with each depth axis set to `depths` (as `real_depths` orders them)."""
     from hf_memfit.models.spec import _set_path
 
-    main = 2 if spec.is_encoder_decoder and getattr(spec, "num_decoder_layers", 0) else 1
-    config = spec.with_layers(depths[0])
-    for key, depth in zip(spec.layer_count_keys, depths[:main]):
-        _set_path(config, key, depth)
-    at = main
+    lists = main_kinds(spec)
+    if lists:
+        kinds = _kinds(lists)
+        distinct = _distinct(kinds)
+        counts = depths[:len(distinct)]
+        config = spec.with_layers(sum(counts))
+        if list(counts) != [kinds.count(kind) for kind in distinct]:  # else the real stack, as configured
+            order = _main_order(kinds, dict(zip(distinct, counts)))
+            holder = _holder(config, spec.layer_count_keys[0])
+            for i, key in enumerate(lists):
+                holder[key] = [kind[i] for kind in order]
+        at = len(distinct)
+    else:
+        main = 2 if spec.is_encoder_decoder and getattr(spec, "num_decoder_layers", 0) else 1
+        config = spec.with_layers(depths[0])
+        for key, depth in zip(spec.layer_count_keys, depths[:main]):
+            _set_path(config, key, depth)
+        at = main
     for tower in towers(spec):
         holder = _holder(config, tower["key"])
         *_, depth_key = tower["key"].split(".")
@@ -116,6 +155,19 @@ def config_with_depths(spec, depths: tuple[int, ...]) -> dict:
         holder[depth_key] = len(kinds)
         holder[tower["index_key"]] = [i for i, is_special in enumerate(kinds) if is_special]
     return config
+
+
+def _main_order(kinds: list[tuple], counts: dict[tuple, int]) -> list[tuple]:
+    """A main stack with `counts` layers of each kind (two or more each), in an order whose ends stand for the real
+    stack's: one layer of each kind at each end, the real first and last layers' kinds first and last, and the
+    layers past two of a kind in the middle, so a grown copy adds its layer where no region class reads it.
+    Gemma-3 (sliding S, global G; the real stack starts and ends with S): [S, G, G, S], grown [S, G, S, G, S]."""
+    distinct = _distinct(kinds)
+    first, last = kinds[0], kinds[-1]
+    head = [first] + [kind for kind in distinct if kind != first]
+    tail = [kind for kind in reversed(distinct) if kind != last] + [last]
+    middle = [kind for kind in distinct for _ in range(counts[kind] - 2)]
+    return head + middle + tail
 
 
 def _holder(config: dict, dotted: str) -> dict:

@@ -265,6 +265,7 @@ def describe(name: str, config: dict) -> dict:
     fields["sdpa"] = facts["tasks"][_task_key(fields["default_task"], 2)].pop("sdpa")
     facts["ssm_mixers"] = facts["tasks"][_task_key(fields["default_task"], 2)].pop("ssm_mixers")
     facts["towers"] = facts["tasks"][_task_key(fields["default_task"], 2)].pop("towers")
+    facts["layer_kinds"] = facts["tasks"][_task_key(fields["default_task"], 2)].pop("layer_kinds")
     write_cache("specs", key, facts)
     return facts
 
@@ -291,7 +292,9 @@ def _task_facts(config: dict, task: str, num_labels: int, fields: dict) -> dict:
     main = next((n for n, s in stacks if len(s) == depth and n not in {t["stack"] for t in towers}),
                 names[0] if names else "")
     stack = dict(stacks).get(main)
+    lists = _layer_lists(model, depth)
     layer_types = _layer_types(model, depth)
+    period = layer_period(stack, layer_types) if stack is not None else 1
     counts = _parameter_counts(model, names, main, depth)
     if fields["is_encoder_decoder"]:  # Whisper: one layer of each stack (layer 1; layer 0 may differ)
         for stack_name, layers in stacks:
@@ -304,7 +307,8 @@ def _task_facts(config: dict, task: str, num_labels: int, fields: dict) -> dict:
         "freezable": freezable_modules(model, towers),  # what `plan(allow_freeze=True)` may freeze, by task
         "linears": _linear_entries(model, names),
         "counts": counts,
-        "layer_period": layer_period(stack, layer_types) if stack is not None else 1,
+        "layer_period": period,
+        "layer_kinds": None if fields["is_encoder_decoder"] else layer_kinds(stack, lists, period),
         "learned_positions": _has_position_table(model, fields["max_position_embeddings"]),
         "tileable_mlp": bool(stack is not None and dense_mlps(stack)),
         "ssm_mixers": ssm.mixers(model),
@@ -378,14 +382,45 @@ def _has_position_table(model, positions: int | None) -> bool:
                for m in model.modules())
 
 
-def _layer_types(model, depth: int) -> list | None:
-    """Per-layer config values (`layer_types`, SmolLM3's `no_rope_layers`, ...): one tuple per layer."""
+def _layer_lists(model, depth: int) -> dict[str, list]:
+    """The per-layer config lists of the main stack (`layer_types`, SmolLM3's `no_rope_layers`, ...), by key."""
     config = getattr(model, "config", None)
     text = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
-    lists = [value for key, value in vars(text).items()
-             if isinstance(value, (list, tuple)) and len(value) == depth and depth > 1 and "token" not in key
-             and all(isinstance(v, (str, int, bool)) for v in value)] if text is not None else []
-    return [tuple(values[i] for values in lists) for i in range(depth)] if lists else None
+    if text is None or depth <= 1:
+        return {}
+    return {key: list(value) for key, value in vars(text).items()
+            if isinstance(value, (list, tuple)) and len(value) == depth and "token" not in key
+            and all(isinstance(v, (str, int, bool)) for v in value)}
+
+
+def _layer_types(model, depth: int) -> list | None:
+    """Per-layer config values (`layer_types`, SmolLM3's `no_rope_layers`, ...): one tuple per layer."""
+    lists = _layer_lists(model, depth)
+    return [tuple(values[i] for values in lists.values()) for i in range(depth)] if lists else None
+
+
+def layer_kinds(stack, lists: dict[str, list], period: int) -> dict[str, list] | None:
+    """The main stack's per-layer config lists, where they set its layers' kinds and tracing by kinds is shorter
+    than tracing by periods (`models/depths.py`): two layers of each kind against two periods. Gemma-3's 5 sliding
+    : 1 global pattern is 4 layers by kinds and 12 by periods.
+
+    None where the stack repeats with a period under 3 (Gemma-2: 4 layers either way), where a kind has fewer than
+    two layers, or where the lists do not decide a layer's shape: layers of one kind (from layer 1 on; against
+    layer 0 only the attention counts, as in `layer_period`) must have one signature.
+    """
+    if stack is None or not lists or period < 3:
+        return None
+    kinds = [tuple(values[i] for values in lists.values()) for i in range(len(stack))]
+    counts = {kind: kinds.count(kind) for kind in kinds}
+    if not 2 <= len(counts) < period or min(counts.values()) < 2:
+        return None
+    signatures: dict[tuple, tuple] = {}
+    for i in list(range(1, len(stack))) + [0]:
+        signature = _layer_signature(stack[i], kinds[i])
+        seen = signatures.setdefault(kinds[i], signature)
+        if (seen[2:] if i == 0 else seen) != (signature[2:] if i == 0 else signature):
+            return None
+    return lists
 
 
 def task_facts(name: str, config: dict, facts: dict, task: str, num_labels: int) -> dict:
@@ -395,6 +430,7 @@ def task_facts(name: str, config: dict, facts: dict, task: str, num_labels: int)
         found = _task_facts(config, task, num_labels, facts["fields"])
         found.pop("layer_period", None)
         found.pop("towers", None)
+        found.pop("layer_kinds", None)
         found.pop("learned_positions", None)
         found.pop("tileable_mlp", None)
         found.pop("sdpa", None)
