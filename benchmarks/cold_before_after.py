@@ -28,7 +28,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 import cold_catalogue  # noqa: E402 - its rows
 import lazy_grid  # noqa: E402 - its rows
 
-ROWS = {**lazy_grid.ROWS, **cold_catalogue.ROWS}
+# Text models whose layers come in kinds with a long period (Gemma-3's 5 sliding : 1 global, SmolLM3's NoPE layer
+# every fourth): traced by kinds since 2026-11-27 (`models/depths.py`), fitted by parametric.py.
+TEXT_BY_KINDS = {
+    "gemma-3-12b-text": ["google/gemma-3-12b-pt", "--gpu", "a100", "--global-batch-size", "32", "--seq-len", "2048"],
+    "smollm3-3b": ["HuggingFaceTB/SmolLM3-3B", "--gpu", "a10g", "--global-batch-size", "32", "--seq-len", "2048"],
+}
+ROWS = {**lazy_grid.ROWS, **cold_catalogue.ROWS, **TEXT_BY_KINDS}
 RESULTS = Path(__file__).parent / "results" / "cold_before_after.json"
 HERE = Path(__file__).resolve().parent.parent
 

@@ -11,6 +11,18 @@ length a config key sets:
   axes the tower ran at its full depth in every trace: Qwen2.5-VL-7B's 32 vision blocks were 95% of a
   7B VLM's trace time.
 
+A main stack whose per-layer config lists (`layer_types`, SmolLM3's `no_rope_layers`) set its layers' kinds,
+with a period of three or more layers (Gemma-3: five sliding-window layers, then a global one), has one axis
+per kind instead (`generic.layer_kinds`): two periods were 12 layers and three 18, where two of each kind are 4
+and a grown one 5. The traced order keeps one layer of each kind at each end, the real first and last layers'
+kinds outermost, and grows in the middle (`_main_order`), so the region classes keep one layer of each kind at
+each end (`region_period`). The counts of each kind are exact where a fractional period was not (34 layers are
+five periods and four); what is approximate is a class's neighbours: the real stack's last global layer has
+four sliding ones after it, the traced copy's one, and the layers added before it stand for all. Where a global
+layer's backward holds the peak (tiny Gemma-3 stacks with eager attention and checkpointing), that over-reads a
+full-depth trace by those layers' checkpoints: +1.0-1.5% at width 256; on Gemma-3-4B's real shapes the peak
+was the same (docs/benchmarks.md, section 15).
+
 A tower whose layers come in two kinds named by an index list (Qwen2.5-VL's `fullatt_block_indexes`: full
 attention in blocks 7, 15, 23 and 31, windowed attention in the other 28) has two axes, one per kind,
 each extrapolated layer by layer from two layers of its kind to three: four or five traced blocks stand
