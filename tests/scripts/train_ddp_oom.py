@@ -92,6 +92,11 @@ def main() -> None:
     out_dir = sys.argv[1]
     for name in ("clean", "forward", "backward"):
         run(name, out_dir)
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # as train_sequence_parallel.py: gloo's threads end here, not in the exit's teardown
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
