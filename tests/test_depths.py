@@ -62,6 +62,20 @@ def test_a_main_stack_by_kinds_keeps_one_of_each_kind_at_both_ends():
     assert region_period(resolve_model("google/gemma-2-9b")) == 2  # a period of 2: by periods, as short
 
 
+def test_a_config_that_derives_its_layer_lists_is_traced_by_periods(monkeypatch):
+    from types import SimpleNamespace
+
+    from hf_memfit.models import generic
+
+    lists = {"layer_types": ["sliding", "sliding", "full"] * 3}
+    config = {"model_type": "gemma3_text", "num_hidden_layers": 9}
+    # a config class that makes its own pattern whatever it is given: a copy by kinds would not be what it asks
+    monkeypatch.setattr(generic, "hf_config", lambda trial: SimpleNamespace(layer_types=["sliding"] * 4))
+    assert generic._settable(config, "num_hidden_layers", lists) is None
+    monkeypatch.setattr(generic, "hf_config", lambda trial: SimpleNamespace(layer_types=trial["layer_types"]))
+    assert generic._settable(config, "num_hidden_layers", lists) == lists
+
+
 def test_a_main_stack_extrapolated_by_kinds_equals_a_full_trace():
     spec = ModelSpec.from_config("tiny-gemma3", TINY_GEMMA3)  # 8 layers of 2 sliding : 1 global
     assert depth_plan(spec).depth_sets == [(2, 2), (3, 2)]  # 6 sliding and 2 global layers

@@ -308,7 +308,8 @@ def _task_facts(config: dict, task: str, num_labels: int, fields: dict) -> dict:
         "linears": _linear_entries(model, names),
         "counts": counts,
         "layer_period": period,
-        "layer_kinds": None if fields["is_encoder_decoder"] else layer_kinds(stack, lists, period),
+        "layer_kinds": None if fields["is_encoder_decoder"] else _settable(config, fields["layer_count_keys"][0],
+                                                                            layer_kinds(stack, lists, period)),
         "learned_positions": _has_position_table(model, fields["max_position_embeddings"]),
         "tileable_mlp": bool(stack is not None and dense_mlps(stack)),
         "ssm_mixers": ssm.mixers(model),
@@ -391,6 +392,34 @@ def _layer_lists(model, depth: int) -> dict[str, list]:
     return {key: list(value) for key, value in vars(text).items()
             if isinstance(value, (list, tuple)) and len(value) == depth and "token" not in key
             and all(isinstance(v, (str, int, bool)) for v in value)}
+
+
+def _settable(config: dict, depth_key: str, lists: dict[str, list] | None) -> dict[str, list] | None:
+    """`lists` where the config builds a stack of another order from them as given; None where it derives
+    them (from a pattern) instead, which would trace other kinds than the copy asks for. Checked on the base
+    order a trace by kinds uses (`depths._main_order`), in the holder of the depth key."""
+    if not lists:
+        return None
+    import copy
+
+    from hf_memfit.models.depths import _distinct, _kinds, _main_order
+
+    kinds = _kinds(lists)
+    order = _main_order(kinds, {kind: 2 for kind in _distinct(kinds)})
+    trial = copy.deepcopy(config)
+    *parents, key = depth_key.split(".")
+    holder = trial
+    for part in parents:
+        holder = holder[part]
+    holder[key] = len(order)
+    for i, name in enumerate(lists):
+        holder[name] = [kind[i] for kind in order]
+    try:
+        built = hf_config(trial)
+    except MemFitError:
+        return None
+    text = built.get_text_config() if hasattr(built, "get_text_config") else built
+    return lists if all(list(getattr(text, name, ())) == holder[name] for name in lists) else None
 
 
 def _layer_types(model, depth: int) -> list | None:
