@@ -28,8 +28,8 @@ from types import ModuleType
 
 
 # The modules here that are not families (see above).
-_SHARED_MODULES = ("build", "depths", "forward", "freezable", "generic", "inputs", "int8_linear", "spec", "ssm", "tiling",
-                   "vision_language")
+_SHARED_MODULES = ("build", "depths", "forward", "freezable", "generic", "inputs", "int8_linear", "layer_order", "spec",
+                   "ssm", "tiling", "vision_language")
 
 
 @lru_cache(maxsize=1)

@@ -35,6 +35,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hf_memfit.models.layer_order import distinct as _distinct
+from hf_memfit.models.layer_order import kinds as _kinds
+from hf_memfit.models.layer_order import main_order as _main_order
+
 
 @dataclass(frozen=True)
 class DepthPlan:
@@ -53,15 +57,6 @@ class DepthPlan:
 def main_kinds(spec) -> dict[str, list] | None:
     """The main stack's per-layer config lists where it is traced by kinds (`generic.layer_kinds`), else None."""
     return (getattr(spec, "generic", None) or {}).get("layer_kinds")
-
-
-def _kinds(lists: dict[str, list]) -> list[tuple]:
-    """Each layer's kind: its values in the per-layer lists."""
-    return list(zip(*lists.values()))
-
-
-def _distinct(kinds: list[tuple]) -> list[tuple]:
-    return list(dict.fromkeys(kinds))
 
 
 def region_period(spec) -> int:
@@ -167,19 +162,6 @@ def config_with_depths(spec, depths: tuple[int, ...]) -> dict:
         holder[depth_key] = len(kinds)
         holder[tower["index_key"]] = [i for i, is_special in enumerate(kinds) if is_special]
     return config
-
-
-def _main_order(kinds: list[tuple], counts: dict[tuple, int]) -> list[tuple]:
-    """A main stack with `counts` layers of each kind (two or more each), in an order whose ends stand for the real
-    stack's: one layer of each kind at each end, the real first and last layers' kinds first and last, and the
-    layers past two of a kind in the middle, so a grown copy adds its layer where no region class reads it.
-    Gemma-3 (sliding S, global G; the real stack starts and ends with S): [S, G, G, S], grown [S, G, S, G, S]."""
-    distinct = _distinct(kinds)
-    first, last = kinds[0], kinds[-1]
-    head = [first] + [kind for kind in distinct if kind != first]
-    tail = [kind for kind in reversed(distinct) if kind != last] + [last]
-    middle = [kind for kind in distinct for _ in range(counts[kind] - 2)]
-    return head + middle + tail
 
 
 def _holder(config: dict, dotted: str) -> dict:

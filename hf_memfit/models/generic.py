@@ -402,10 +402,10 @@ def _settable(config: dict, depth_key: str, lists: dict[str, list] | None) -> di
         return None
     import copy
 
-    from hf_memfit.models.depths import _distinct, _kinds, _main_order
+    from hf_memfit.models.layer_order import distinct, kinds, main_order
 
-    kinds = _kinds(lists)
-    order = _main_order(kinds, {kind: 2 for kind in _distinct(kinds)})
+    per_layer = kinds(lists)
+    order = main_order(per_layer, {kind: 2 for kind in distinct(per_layer)})
     trial = copy.deepcopy(config)
     *parents, key = depth_key.split(".")
     holder = trial
