@@ -29,10 +29,10 @@ import itertools
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-_DEVICE = torch.ops.prim.device.default
+from hf_memfit.estimator.trace_mode import TraceMode, fake_device
+
 _INTEGER_DEFAULT = frozenset({"randint", "randint_like", "randperm"})  # integer outputs without a dtype argument
 
 
@@ -66,16 +66,13 @@ def _tensors(values):
             yield from _tensors(value)
 
 
-class RealIntegerMetadata(TorchDispatchMode):
+class RealIntegerMetadata(TraceMode):
     """Runs integer factory ops and ops on real tensors only, outside the fake mode (see the module doc)."""
 
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        return False  # nothing is compiled in a trace: no `torch._disable_dynamo` wrapper around every op
-
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is _DEVICE and isinstance(args[0], FakeTensor) and not args[0].fake_mode.in_kernel_invocation:
-            return args[0].fake_device  # as the storage tracker answers it (`trace.py`), one mode sooner
+        device = fake_device(func, args)  # as the storage tracker answers it, one mode sooner
+        if device is not None:
+            return device
         kwargs = kwargs or {}
         seen = False
         for tensor in itertools.chain(_tensors(args), _tensors(kwargs.values())):

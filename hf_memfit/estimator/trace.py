@@ -36,8 +36,7 @@ import weakref
 from dataclasses import dataclass, field
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten
 
 from hf_memfit.estimator import step as training
@@ -46,6 +45,7 @@ from hf_memfit.estimator.fake_ctc import static_ctc_loss
 from hf_memfit.estimator.fake_optimizers import apollo_on_fake_tensors, make_traced_optimizer, optimizer_state_tensors
 from hf_memfit.estimator.fake_vision import real_integer_metadata
 from hf_memfit.estimator.ssm_kernels import cuda_kernel_path
+from hf_memfit.estimator.trace_mode import TraceMode, fake_device
 from hf_memfit.estimator.warm_up import (StatesNeedABackward, check_reached, known_without_gradient,
                                          remember_without_gradient, warm_up_settings, warm_up_without_a_pass)
 from hf_memfit.estimator.fake_patches import (cuda_autocast_policy, cuda_dropout, cuda_softmax_backward,
@@ -78,15 +78,13 @@ class Allocation:
 
 _TO_COPY = torch.ops.aten._to_copy.default
 _ADD, _ADD_IN_PLACE = torch.ops.aten.add.Tensor, torch.ops.aten.add_.Tensor
-# Asked by autograd for every gradient and by fused optimizers for every state: two thirds of a VLM step's ops.
-_DEVICE = torch.ops.prim.device.default
 # A fake tensor held by nothing but the engine's input buffer, as __torch_dispatch__ sees it (the dispatcher's
 # own references included): measured on torch 2.13 (4 uses, 2 on the storage); a gradient still held elsewhere too
 # shows more (7 for one passed to two inputs).
 _SOLE_USE_COUNT, _SOLE_STORAGE_USE_COUNT = 4, 2
 
 
-class StorageTracker(TorchDispatchMode):
+class StorageTracker(TraceMode):
     """Counts live storage bytes op by op, with a clock, regions and per-allocation records."""
 
     def __init__(self, round_to: int = 1):
@@ -109,15 +107,10 @@ class StorageTracker(TorchDispatchMode):
         # allocator and frees inside the op, which no fake tensor shows (`kernel_staging.py`).
         self.after_op = None
 
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        return False  # nothing is compiled in a trace: no `torch._disable_dynamo` wrapper around every op
-
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is _DEVICE and isinstance(args[0], FakeTensor) and not args[0].fake_mode.in_kernel_invocation:
-            # What the fake mode's own handler answers (fake_tensor._device_handler), without dispatching there:
-            # a trace of Gemma-3's step asks 79,029 times, 7% of its time.
-            return args[0].fake_device
+        device = fake_device(func, args)
+        if device is not None:
+            return device
         if func is _ADD and self._engine_sums_in_place(args, kwargs):
             func, args = _ADD_IN_PLACE, args[:2]
         out = func(*args, **(kwargs or {}))
