@@ -13,12 +13,14 @@ transformers.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from hf_memfit.cache import config_key, library_version, read_cache, write_cache
 from hf_memfit.errors import CannotEstimate, MemFitError
 from hf_memfit.models import ssm
 from hf_memfit.models.build import bnb_packed_modules, hf_config, instantiate
+from hf_memfit.models.layer_order import distinct, kinds, main_order
 from hf_memfit.tasks import TASK_TABLE
 
 # --------------------------------------------------------------------------
@@ -293,7 +295,7 @@ def _task_facts(config: dict, task: str, num_labels: int, fields: dict) -> dict:
                 names[0] if names else "")
     stack = dict(stacks).get(main)
     lists = _layer_lists(model, depth)
-    layer_types = _layer_types(model, depth)
+    layer_types = kinds(lists) if lists else None  # one tuple of the lists' values per layer
     period = layer_period(stack, layer_types) if stack is not None else 1
     counts = _parameter_counts(model, names, main, depth)
     if fields["is_encoder_decoder"]:  # Whisper: one layer of each stack (layer 1; layer 0 may differ)
@@ -397,13 +399,9 @@ def _layer_lists(model, depth: int) -> dict[str, list]:
 def _settable(config: dict, depth_key: str, lists: dict[str, list] | None) -> dict[str, list] | None:
     """`lists` where the config builds a stack of another order from them as given; None where it derives
     them (from a pattern) instead, which would trace other kinds than the copy asks for. Checked on the base
-    order a trace by kinds uses (`depths._main_order`), in the holder of the depth key."""
+    order a trace by kinds uses (`layer_order.main_order`), in the holder of the depth key."""
     if not lists:
         return None
-    import copy
-
-    from hf_memfit.models.layer_order import distinct, kinds, main_order
-
     per_layer = kinds(lists)
     order = main_order(per_layer, {kind: 2 for kind in distinct(per_layer)})
     trial = copy.deepcopy(config)
@@ -422,12 +420,6 @@ def _settable(config: dict, depth_key: str, lists: dict[str, list] | None) -> di
     return lists if all(list(getattr(text, name, ())) == holder[name] for name in lists) else None
 
 
-def _layer_types(model, depth: int) -> list | None:
-    """Per-layer config values (`layer_types`, SmolLM3's `no_rope_layers`, ...): one tuple per layer."""
-    lists = _layer_lists(model, depth)
-    return [tuple(values[i] for values in lists.values()) for i in range(depth)] if lists else None
-
-
 def layer_kinds(stack, lists: dict[str, list], period: int) -> dict[str, list] | None:
     """The main stack's per-layer config lists, where they set its layers' kinds and tracing by kinds is shorter
     than tracing by periods (`models/depths.py`): two layers of each kind against two periods. Gemma-3's 5 sliding
@@ -439,14 +431,14 @@ def layer_kinds(stack, lists: dict[str, list], period: int) -> dict[str, list] |
     """
     if stack is None or not lists or period < 3:
         return None
-    kinds = [tuple(values[i] for values in lists.values()) for i in range(len(stack))]
-    counts = {kind: kinds.count(kind) for kind in kinds}
+    per_layer = kinds(lists)
+    counts = {kind: per_layer.count(kind) for kind in per_layer}
     if not 2 <= len(counts) < period or min(counts.values()) < 2:
         return None
     signatures: dict[tuple, tuple] = {}
     for i in list(range(1, len(stack))) + [0]:
-        signature = _layer_signature(stack[i], kinds[i])
-        seen = signatures.setdefault(kinds[i], signature)
+        signature = _layer_signature(stack[i], per_layer[i])
+        seen = signatures.setdefault(per_layer[i], signature)
         if (seen[2:] if i == 0 else seen) != (signature[2:] if i == 0 else signature):
             return None
     return lists
