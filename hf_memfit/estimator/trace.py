@@ -36,7 +36,6 @@ import weakref
 from dataclasses import dataclass, field
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten
 
 from hf_memfit.estimator import step as training
@@ -45,7 +44,7 @@ from hf_memfit.estimator.fake_ctc import static_ctc_loss
 from hf_memfit.estimator.fake_optimizers import apollo_on_fake_tensors, make_traced_optimizer, optimizer_state_tensors
 from hf_memfit.estimator.fake_vision import real_integer_metadata
 from hf_memfit.estimator.ssm_kernels import cuda_kernel_path
-from hf_memfit.estimator.trace_mode import TraceMode, fake_device
+from hf_memfit.estimator.trace_mode import TraceFakeTensorMode, TraceMode, fake_device
 from hf_memfit.estimator.warm_up import (StatesNeedABackward, check_reached, known_without_gradient,
                                          remember_without_gradient, warm_up_settings, warm_up_without_a_pass)
 from hf_memfit.estimator.fake_patches import (cuda_autocast_policy, cuda_dropout, cuda_softmax_backward,
@@ -391,7 +390,7 @@ def _trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], 
     training.import_step_modules(config, settings)  # outside the tracker: see there
     tracker = StorageTracker(round_to=CUDA_BLOCK_BYTES if cuda else 1)  # the caching allocator's blocks
     tracker.after_op = after_op
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fake_mode = TraceFakeTensorMode(allow_non_fake_inputs=True)
     patches = contextlib.ExitStack()
     with fake_mode, tracker, patches:
         patches.enter_context(training.quiet_transformers())  # its forward warns about the configs we build

@@ -1,10 +1,11 @@
-"""What the trace's two dispatch modes share (`trace.StorageTracker`, `fake_vision.RealIntegerMetadata`): both sit
-above the fake tensor mode and see every op of a traced step, so what each does per op is the trace's time."""
+"""The trace's fake tensor mode, and what its two dispatch modes share (`trace.StorageTracker`,
+`fake_vision.RealIntegerMetadata`): all three see every op of a traced step, so what each does per op is the
+trace's time."""
 
 from __future__ import annotations
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, _BypassDispatchCache
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # Asked by autograd for every gradient and by fused optimizers for every state: two thirds of a VLM step's ops.
@@ -27,3 +28,59 @@ def fake_device(func, args) -> torch.device | None:
     if func is DEVICE and isinstance(args[0], FakeTensor) and not args[0].fake_mode.in_kernel_invocation:
         return args[0].fake_device
     return None
+
+
+# Argument types whose value is their whole cache key (with the type: 1, 1.0 and True hash alike but make
+# different dtypes), as `FakeTensorMode._prep_args_for_hash` keys them.
+_SCALARS = frozenset({int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format})
+_OWN_KEY = object()  # in each tensor key made here: no key of torch's own format can equal one of these
+
+
+class TraceFakeTensorMode(FakeTensorMode):
+    """`FakeTensorMode` with a cheaper key for its dispatch cache, which answers almost every op of a trace
+    (53,672 of 57,374 in a cold SmolVLM plan's traces). torch's key of a fake tensor argument builds a
+    `TensorMetadata` dataclass and flattens its 17 fields one by one, with its sparse, symbolic and memory-format
+    checks; under cProfile that was a third of a VLM trace's dispatch time.
+
+    A dense fake tensor of this mode with concrete sizes is keyed here by a tuple of what the output can depend
+    on: dtype, shape, stride, device, storage offset and size, requires_grad, and the conj / neg / inference /
+    quantized bits. torch's `memory_format` field is left out because shape and stride determine it. Every other
+    argument (a symbolic size, a sparse or foreign tensor, a callable) is keyed by torch's own code, which also
+    raises the same cache bypasses. A key is compared only with keys of the same op (the op leads it), so
+    these keys are as discriminating as torch's, and an op's output is unchanged: cached or computed, it is the
+    same tensor (`benchmarks/trace_identity.py`)."""
+
+    def _prep_args_for_hash(self, result, args, state, id_hashed_objects) -> None:
+        kind = type(args)
+        if kind is dict:
+            result.append(dict)
+            result.append(len(args))
+            self._prep_args_for_hash(result, tuple(args), state, id_hashed_objects)
+            self._prep_args_for_hash(result, tuple(args.values()), state, id_hashed_objects)
+            return
+        if kind is list or kind is tuple:
+            result.append(kind)
+            result.append(len(args))
+        for arg in args:
+            arg_type = type(arg)
+            if arg_type in _SCALARS:
+                result.append(arg_type)
+                result.append(arg)
+            elif arg_type is FakeTensor and (key := self._tensor_key(arg)) is not None:
+                result.append(key)
+            elif arg_type is list or arg_type is tuple:
+                self._prep_args_for_hash(result, arg, state, id_hashed_objects)
+            else:
+                super()._prep_args_for_hash(result, (arg,), state, id_hashed_objects)
+
+    def _tensor_key(self, tensor: FakeTensor) -> tuple | None:
+        """The cache key of a dense fake tensor of this mode with concrete sizes; None: torch's key instead."""
+        if tensor.fake_mode is not self:
+            raise _BypassDispatchCache("not our fake")
+        if tensor.constant is not None:
+            raise _BypassDispatchCache("constant attribute")
+        if tensor.layout is not torch.strided or tensor._has_symbolic_sizes_strides:
+            return None
+        return (_OWN_KEY, tensor.dtype, tuple(tensor.shape), tensor.stride(), tensor.device, tensor.storage_offset(),
+                tensor.untyped_storage().nbytes(), tensor.requires_grad, tensor.is_conj(), tensor.is_neg(),
+                tensor.is_inference(), tensor.is_quantized)

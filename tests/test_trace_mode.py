@@ -1,0 +1,71 @@
+"""The trace's fake tensor mode keys its dispatch cache its own way (`estimator/trace_mode.py`): the keys must tell
+apart every argument that can change an op's output, and a cached output must be the one a fresh dispatch makes."""
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode, _CacheKeyState
+from transformers import AutoConfig
+
+from hf_memfit.estimator.exact import trace_step
+from hf_memfit.estimator.trace_mode import TraceFakeTensorMode
+from hf_memfit.models.depths import config_with_depths, real_depths
+from hf_memfit.models.spec import ModelSpec
+from hf_memfit.settings import TrainSettings
+
+from conftest import TINY_LLAMA
+from test_vlm import QWEN25VL
+
+
+def _key(mode, func, *args, **kwargs):
+    return mode._cache_key(_CacheKeyState(mode.shape_env), func, args, kwargs)
+
+
+def test_tensor_keys_differ_wherever_the_output_can():
+    mode = TraceFakeTensorMode()
+    with mode:
+        base = torch.empty(6, 6)
+        add = torch.ops.aten.add.Tensor
+        same = _key(mode, add, base, torch.empty(6, 6))
+        assert same == _key(mode, add, torch.empty(6, 6), torch.empty(6, 6))  # a cache hit
+        different = {
+            "stride": _key(mode, add, base.t(), base),
+            "storage offset": _key(mode, add, torch.empty(7, 6)[1:], base),
+            "storage size": _key(mode, add, torch.empty(7, 6)[:6], base),
+            "dtype": _key(mode, add, base.to(torch.bfloat16), base),
+            "requires_grad": _key(mode, add, torch.empty(6, 6, requires_grad=True), base),
+            "device": _key(mode, add, torch.empty(6, 6, device="cuda"), base),
+            "scalar type": _key(mode, torch.ops.aten.add.Scalar, base, 1.0),
+        }
+        complex_ = torch.empty(6, 6, dtype=torch.complex64)
+        conj = _key(mode, torch.ops.aten.add.Tensor, complex_.conj(), complex_)
+    assert _key_differs(same, different.values())
+    assert _key(mode, torch.ops.aten.add.Scalar, base, 1) != different["scalar type"]  # 1 and 1.0 hash alike
+    with mode:
+        assert conj != _key(mode, torch.ops.aten.add.Tensor, complex_, complex_)
+
+
+def _key_differs(reference, others) -> bool:
+    keys = [reference, *others]
+    return len(set(keys)) == len(keys)
+
+
+@pytest.mark.parametrize("name,config,changes", [
+    ("llama", TINY_LLAMA, dict(precision="bf16-mixed", gradient_checkpointing=True, lora_r=4)),
+    ("qwen2.5-vl", AutoConfig.for_model(**QWEN25VL).to_dict(),
+     dict(task="image-text-to-text", image_size=112, gradient_accumulation_steps=2)),
+])
+def test_every_cached_output_is_the_one_a_fresh_dispatch_makes(monkeypatch, tmp_path, name, config, changes):
+    """torch's own cross-check: each cache hit is dispatched again without the cache and compared (a key that
+    matched a different op's arguments would return a tensor of the wrong shape, stride or dtype, and raise)."""
+    monkeypatch.setenv("HF_MEMFIT_CACHE", str(tmp_path))
+    spec = ModelSpec.from_config(f"tiny-{name}", config)
+    settings = TrainSettings(batch_size=2, seq_len=16, device="cuda", gpu="A100", mode="exact",
+                             **changes).validate(spec)
+    depths = real_depths(spec)
+    config = config_with_depths(spec, depths)
+    plain = trace_step(config, settings, depths)
+    hits = FakeTensorMode.cache_hits
+    with torch._dynamo.config.patch(fake_tensor_cache_crosscheck_enabled=True):
+        checked = trace_step(config, settings, depths)
+    assert FakeTensorMode.cache_hits - hits > 1000
+    assert checked.peak_bytes == plain.peak_bytes
