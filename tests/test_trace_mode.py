@@ -69,3 +69,28 @@ def test_every_cached_output_is_the_one_a_fresh_dispatch_makes(monkeypatch, tmp_
         checked = trace_step(config, settings, depths)
     assert FakeTensorMode.cache_hits - hits > 1000
     assert checked.peak_bytes == plain.peak_bytes
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_an_output_made_on_a_cache_hit_is_the_tensor_torch_makes(device):
+    from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
+
+    mode = TraceFakeTensorMode()
+    with mode:
+        made_by_torch_device = torch.empty(2, 3, device=device).device
+    with in_kernel_invocation_manager(mode):
+        elem = torch.empty_strided((2, 3), (1, 2), dtype=torch.bfloat16, device="meta", requires_grad=True)
+    fast = mode.fake_tensor(elem, made_by_torch_device)
+    torchs = FakeTensor(mode, elem, made_by_torch_device)
+    assert fast.__dict__ == torchs.__dict__
+    assert torch._C._dispatch_keys(fast) == torch._C._dispatch_keys(torchs)
+    assert (fast.shape, fast.stride(), fast.dtype, fast.requires_grad, fast.device) == \
+        (torchs.shape, torchs.stride(), torchs.dtype, torchs.requires_grad, torchs.device)
+    assert _data_ptr(fast) == _data_ptr(torchs)  # the same guard on a fake tensor's (absent) data
+
+
+def _data_ptr(tensor):
+    try:
+        return tensor.data_ptr()
+    except RuntimeError as error:
+        return type(error)

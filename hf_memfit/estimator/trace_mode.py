@@ -5,7 +5,7 @@ trace's time."""
 from __future__ import annotations
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, _BypassDispatchCache
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, _BypassDispatchCache, in_kernel_invocation_manager
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # Asked by autograd for every gradient and by fused optimizers for every state: two thirds of a VLM step's ops.
@@ -38,9 +38,11 @@ _OWN_KEY = object()  # in each tensor key made here: no key of torch's own forma
 
 class TraceFakeTensorMode(FakeTensorMode):
     """`FakeTensorMode` with a cheaper key for its dispatch cache, which answers almost every op of a trace
-    (53,672 of 57,374 in a cold SmolVLM plan's traces). torch's key of a fake tensor argument builds a
-    `TensorMetadata` dataclass and flattens its 17 fields one by one, with its sparse, symbolic and memory-format
-    checks; under cProfile that was a third of a VLM trace's dispatch time.
+    (53,672 of 57,374 in a cold SmolVLM plan's traces), and a cheaper output on a hit.
+
+    The key. torch's key of a fake tensor argument builds a `TensorMetadata` dataclass and flattens its 17 fields
+    one by one, with its sparse, symbolic and memory-format checks; under cProfile that was a third of a VLM
+    trace's dispatch time.
 
     A dense fake tensor of this mode with concrete sizes is keyed here by a tuple of what the output can depend
     on: dtype, shape, stride, device, storage offset and size, requires_grad, and the conj / neg / inference /
@@ -48,7 +50,52 @@ class TraceFakeTensorMode(FakeTensorMode):
     argument (a symbolic size, a sparse or foreign tensor, a callable) is keyed by torch's own code, which also
     raises the same cache bypasses. A key is compared only with keys of the same op (the op leads it), so
     these keys are as discriminating as torch's, and an op's output is unchanged: cached or computed, it is the
-    same tensor (`benchmarks/trace_identity.py`)."""
+    same tensor (`benchmarks/trace_identity.py`).
+
+    The output. On a hit torch makes the output tensor through `FakeTensor.__new__`, which checks its arguments,
+    normalizes the device and sets 20 attributes one by one, five of them through memo descriptors (three
+    attributes each); with the key above that was the largest part of a Qwen2.5-VL trace's dispatch. Here a
+    fresh (not in-place) output with concrete sizes is made as `__new__` makes it, `_make_subclass` with the
+    fake device's dispatch keys and the mutable-data-pointer guard, and its attributes are copied from a fake
+    tensor torch's own constructor made on that device (`_attribute_template`), so they are exactly torch's.
+    `tests/test_trace_mode.py` compares the two, attributes and dispatch keys."""
+
+    def _get_output_tensor_from_cache_entry(self, state, entry, key, func, args):
+        metadata = entry.metadata
+        if metadata is None or entry.inplace_idx is not None or self.shape_env is not None:
+            return super()._get_output_tensor_from_cache_entry(state, entry, key, func, args)
+        with in_kernel_invocation_manager(self):
+            empty = torch.empty_strided(metadata.shape, metadata.stride, dtype=metadata.dtype,
+                                        layout=metadata.layout, device="meta", requires_grad=metadata.requires_grad)
+            if metadata.is_conj:
+                torch._C._set_conj(empty, True)
+            if metadata.is_neg:
+                torch._C._set_neg(empty, True)
+            if isinstance(func, torch._ops.OpOverload) and func.is_view:  # the output shares its input's storage
+                empty.set_(args[entry.view_idx].untyped_storage(), metadata.storage_offset, metadata.shape,
+                           metadata.stride)
+        return self.fake_tensor(empty, metadata.device)
+
+    def fake_tensor(self, elem: torch.Tensor, device: torch.device) -> FakeTensor:
+        """`FakeTensor(self, elem, device)` for a meta `elem`, without `__new__`'s checks (see the class doc)."""
+        template = self._attribute_template(device)
+        tensor = torch.Tensor._make_subclass(FakeTensor, elem, elem.requires_grad, dispatch_device=True,
+                                             device_for_backend_keys=template["_fake_device"])
+        if self._allow_unsafe_data_ptr_access:
+            torch._C._set_warn_deprecated_on_mutable_data_ptr(tensor)
+        else:
+            torch._C._set_throw_on_mutable_data_ptr(tensor)
+        tensor.__dict__.update(template)
+        return tensor
+
+    def _attribute_template(self, device: torch.device) -> dict:
+        """The attributes `FakeTensor.__new__` gives a fresh fake tensor of this mode on `device`."""
+        templates = self.__dict__.setdefault("_attribute_templates", {})
+        if device not in templates:
+            with in_kernel_invocation_manager(self):
+                elem = torch.empty(0, device="meta")
+            templates[device] = dict(FakeTensor(self, elem, device).__dict__)
+        return templates[device]
 
     def _prep_args_for_hash(self, result, args, state, id_hashed_objects) -> None:
         kind = type(args)
