@@ -456,6 +456,7 @@ def run() -> None:
     memory the OS takes back at once. The exit handlers libraries registered (logging's flush, file locks,
     temporary directories, multiprocessing) still run first; the output is flushed.
     """
+    _keep_freed_memory()
     code = main()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
@@ -464,6 +465,34 @@ def run() -> None:
         except (BrokenPipeError, ValueError):  # the reader went away, or the stream is closed
             pass
     os._exit(code if isinstance(code, int) else (0 if code is None else 1))
+
+
+# glibc's `mallopt` parameters (malloc.h); values in bytes.
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_KEEP_BYTES = 1 << 30
+
+
+def _keep_freed_memory() -> None:
+    """Let this process's malloc keep and reuse large blocks it frees, up to 1 GiB, instead of handing each back
+    to the OS and faulting it in again on the next allocation.
+
+    A trace's real tensors are the values a model reads (a VLM's pixels; `estimator/fake_vision.py`). SmolVLM's
+    step reads its images' pixels, 30 MB an image at 17 tiles, and copies, compares and selects them, and glibc
+    maps a block over its dynamic threshold (at most 32 MiB) with `mmap` and unmaps it on free: 150,000 page
+    faults a trace, a third of its time in the kernel (measured 2026-11-27, `benchmarks/cold_before_after.py`).
+    Only the command's own process (and the children it forks for traces) is set; a library caller's process is
+    left as it is. Where malloc is not glibc's, nothing changes."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # not glibc (macOS's libc has no mallopt)
+        return
+    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    mallopt(_M_MMAP_THRESHOLD, _KEEP_BYTES)
+    mallopt(_M_TRIM_THRESHOLD, _KEEP_BYTES)
 
 
 if __name__ == "__main__":
