@@ -60,6 +60,17 @@ class TraceFakeTensorMode(FakeTensorMode):
     tensor torch's own constructor made on that device (`_attribute_template`), so they are exactly torch's.
     `tests/test_trace_mode.py` compares the two, attributes and dispatch keys."""
 
+    # torch wraps `FakeTensorMode.__torch_dispatch__` in `torch._disable_dynamo` (see `TraceMode`): a switch of the
+    # frame evaluator on every op. This mode takes the function inside the wrapper (still counted by torch's
+    # `@count`) and opts out, as the trace's other modes do.
+    if FakeTensorMode._should_skip_dynamo():
+        __torch_dispatch__ = getattr(FakeTensorMode.__torch_dispatch__, "__wrapped__",
+                                     FakeTensorMode.__torch_dispatch__)
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
+
     def _get_output_tensor_from_cache_entry(self, state, entry, key, func, args):
         metadata = entry.metadata
         if metadata is None or entry.inplace_idx is not None or self.shape_env is not None:
