@@ -75,7 +75,9 @@ class TraceFakeTensorMode(FakeTensorMode):
         metadata = entry.metadata
         if metadata is None or entry.inplace_idx is not None or self.shape_env is not None:
             return super()._get_output_tensor_from_cache_entry(state, entry, key, func, args)
-        with in_kernel_invocation_manager(self):
+        # A meta tensor made with the trace's modes off: torch enters its kernel-invocation context here (the meta
+        # dispatch key included, for kernels on fake tensors), which a tensor made on the meta device does not need.
+        with torch._C._DisableTorchDispatch():
             empty = torch.empty_strided(metadata.shape, metadata.stride, dtype=metadata.dtype,
                                         layout=metadata.layout, device="meta", requires_grad=metadata.requires_grad)
             if metadata.is_conj:
