@@ -66,24 +66,35 @@ def _tensors(values):
             yield from _tensors(value)
 
 
+def runs_for_real(func, args, kwargs) -> bool:
+    """Whether `func` runs outside the fake mode (see the module doc): an integer factory op, an `arange`, or an op
+    whose tensor arguments are all real."""
+    seen = False
+    for tensor in itertools.chain(_tensors(args), _tensors(kwargs.values())):
+        if isinstance(tensor, FakeTensor) or tensor.device.type == "meta":
+            return False  # the fake mode's (most ops: activations and weights are fake)
+        seen = True
+    # an `arange` of any dtype is positions or indices (Idefics3's patch buckets are float ones)
+    return seen or func._schema.name == "aten::arange" or _integral(_factory_dtype(func, args, kwargs))
+
+
+def run_op(func, args, kwargs: dict):
+    """`func(*args, **kwargs)` where `runs_for_real` says, from a mode above the fake one."""
+    if runs_for_real(func, args, kwargs):
+        with unset_fake_temporarily():
+            return func(*args, **kwargs)
+    return func(*args, **kwargs)
+
+
 class RealIntegerMetadata(TraceMode):
-    """Runs integer factory ops and ops on real tensors only, outside the fake mode (see the module doc)."""
+    """Runs integer factory ops and ops on real tensors only, outside the fake mode (see the module doc). A trace
+    does this in its storage tracker instead (`StorageTracker.real_integers`), one mode fewer on every op."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         device = fake_device(func, args)  # as the storage tracker answers it, one mode sooner
         if device is not None:
             return device
-        kwargs = kwargs or {}
-        seen = False
-        for tensor in itertools.chain(_tensors(args), _tensors(kwargs.values())):
-            if isinstance(tensor, FakeTensor) or tensor.device.type == "meta":
-                return func(*args, **kwargs)  # the fake mode's (most ops: activations and weights are fake)
-            seen = True
-        # an `arange` of any dtype is positions or indices (Idefics3's patch buckets are float ones)
-        if not seen and not (func._schema.name == "aten::arange" or _integral(_factory_dtype(func, args, kwargs))):
-            return func(*args, **kwargs)
-        with unset_fake_temporarily():
-            return func(*args, **kwargs)
+        return run_op(func, args, kwargs or {})
 
 
 def needs_real_metadata(batch_keys) -> bool:

@@ -42,7 +42,7 @@ from hf_memfit.estimator import step as training
 from hf_memfit.estimator.breakdown import CATEGORIES
 from hf_memfit.estimator.fake_ctc import static_ctc_loss
 from hf_memfit.estimator.fake_optimizers import apollo_on_fake_tensors, make_traced_optimizer, optimizer_state_tensors
-from hf_memfit.estimator.fake_vision import real_integer_metadata
+from hf_memfit.estimator.fake_vision import run_op
 from hf_memfit.estimator.ssm_kernels import cuda_kernel_path
 from hf_memfit.estimator.trace_mode import TraceFakeTensorMode, TraceMode, fake_device
 from hf_memfit.estimator.warm_up import (StatesNeedABackward, check_reached, known_without_gradient,
@@ -105,6 +105,9 @@ class StorageTracker(TraceMode):
         # (tracker, func, args, kwargs) after each op that made a tensor, for blocks a kernel takes from the
         # allocator and frees inside the op, which no fake tensor shows (`kernel_staging.py`).
         self.after_op = None
+        # Ops on the values a model reads (a VLM's image grid) run for real, as `fake_vision.RealIntegerMetadata`
+        # would run them from a mode above this one: here, that is one mode fewer on every op of the step.
+        self.real_integers = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         device = fake_device(func, args)
@@ -112,7 +115,7 @@ class StorageTracker(TraceMode):
             return device
         if func is _ADD and self._engine_sums_in_place(args, kwargs):
             func, args = _ADD_IN_PLACE, args[:2]
-        out = func(*args, **(kwargs or {}))
+        out = run_op(func, args, kwargs or {}) if self.real_integers else func(*args, **(kwargs or {}))
         # Most ops seen here return one tensor, or none (`prim.device`, asked by autograd for every gradient,
         # is over half of a TiledMLP step's ops): those skip the pytree walk.
         if isinstance(out, torch.Tensor):
@@ -411,7 +414,9 @@ def _trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], 
             patches.enter_context(cuda_kernel_path(model))
         spec_augment_off(model)  # see there (fake_patches)
         # Qwen2-VL's image grid, Idefics3's pixels: the values the model reads run as real tensors (see there)
-        patches.enter_context(real_integer_metadata(settings.task == "image-text-to-text" and reads_batch_values(config)))
+        if settings.task == "image-text-to-text" and reads_batch_values(config):
+            tracker.real_integers = True
+            patches.callback(setattr, tracker, "real_integers", False)
         # A VLM checks that its image tokens match its image features (`torch_compilable_check`, a value fake
         # tensors do not have); transformers' documented switch turns the checks off while the trace runs.
         patches.enter_context(environment("TRANSFORMERS_DISABLE_TORCH_CHECK", "1"))
