@@ -7,7 +7,8 @@ Their step reads the image grid's values (`image_grid_thw`): per-image sequence 
 `.tolist()`, `nonzero()`, loops)"). Fake tensors have shapes but no values, so these calls fail.
 
 The values are small integers computed from the batch's ids and grid, never from the weights or the
-activations. Under `real_integer_metadata()` they are real tensors and the real code runs on them:
+activations. Under `real_integer_metadata()`, or in a trace whose storage tracker has `real_integers` set
+(`run_op`, the same rules), they are real tensors and the real code runs on them:
 
 - a factory op that makes integers or bools (`randint`, `zeros(dtype=long)`, ...) or an `arange` runs for real;
 - an op whose tensor arguments are all real tensors runs for real (`grid.prod(-1)`, `cu[1:] - cu[:-1]`,
@@ -19,7 +20,8 @@ activations. Under `real_integer_metadata()` they are real tensors and the real 
 Everything still passes through the storage tracker beneath the fake mode, real or fake, so each tensor is
 counted once at its size, as on the GPU (where these tensors are on the device too). Float activations,
 weights, gradients and optimizer states stay fake: a float factory op (`empty`, `zeros`, `randn`, no dtype
-or a float one) is the fake mode's. Only the traces of models whose batch carries an image grid enter it.
+or a float one) is the fake mode's. Only the traces of models whose batch carries values the model reads
+(`vision_language.reads_batch_values`) run their ops so.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""The trace's fake tensor mode, and what its two dispatch modes share (`trace.StorageTracker`,
-`fake_vision.RealIntegerMetadata`): all three see every op of a traced step, so what each does per op is the
-trace's time."""
+"""The trace's fake tensor mode, and what the dispatch modes above it share (`trace.StorageTracker`, and
+`fake_vision.RealIntegerMetadata` where it runs alone): each sees every op of a traced step, so what each does per
+op is the trace's time."""
 
 from __future__ import annotations
 
