@@ -80,11 +80,14 @@ def test_a_vlm_fit_moves_the_optimizer_by_formula_over_the_parameters_it_steps(t
 
 
 def test_real_metadata_mode_keeps_floats_fake_and_integers_real():
-    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    from torch._subclasses.fake_tensor import FakeTensor
 
-    from hf_memfit.estimator.fake_vision import real_integer_metadata
+    from hf_memfit.estimator.trace import StorageTracker
+    from hf_memfit.estimator.trace_mode import TraceFakeTensorMode
 
-    with FakeTensorMode(allow_non_fake_inputs=True), real_integer_metadata():
+    tracker = StorageTracker()
+    tracker.real_integers = True  # as a trace of a VLM that reads its batch sets it
+    with TraceFakeTensorMode(allow_non_fake_inputs=True), tracker:
         grid = torch.tensor([[1, 4, 6]])
         lengths = (grid[:, 1] * grid[:, 2]).tolist()  # a value the vision code reads
         index = torch.arange(24).reshape(4, 6)

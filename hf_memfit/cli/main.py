@@ -479,7 +479,7 @@ def _keep_freed_memory() -> None:
     A trace's real tensors are the values a model reads (a VLM's pixels; `estimator/fake_vision.py`). SmolVLM's
     step reads its images' pixels, 30 MB an image at 17 tiles, and copies, compares and selects them, and glibc
     maps a block over its dynamic threshold (at most 32 MiB) with `mmap` and unmaps it on free: 150,000 page
-    faults a trace, a third of its time in the kernel (measured 2026-11-27, `benchmarks/cold_before_after.py`).
+    faults a trace, a third of its time in the kernel (docs/benchmarks.md, section 15, seventh session).
     Only the command's own process (and the children it forks for traces) is set; a library caller's process is
     left as it is. Where malloc is not glibc's, nothing changes."""
     import ctypes

@@ -7,8 +7,8 @@ Their step reads the image grid's values (`image_grid_thw`): per-image sequence 
 `.tolist()`, `nonzero()`, loops)"). Fake tensors have shapes but no values, so these calls fail.
 
 The values are small integers computed from the batch's ids and grid, never from the weights or the
-activations. Under `real_integer_metadata()`, or in a trace whose storage tracker has `real_integers` set
-(`run_op`, the same rules), they are real tensors and the real code runs on them:
+activations. In a trace whose storage tracker has `real_integers` set (`trace.StorageTracker`, which calls
+`run_op` for every op) they are real tensors and the real code runs on them:
 
 - a factory op that makes integers or bools (`randint`, `zeros(dtype=long)`, ...) or an `arange` runs for real;
 - an op whose tensor arguments are all real tensors runs for real (`grid.prod(-1)`, `cu[1:] - cu[:-1]`,
@@ -26,14 +26,11 @@ or a float one) is the fake mode's. Only the traces of models whose batch carrie
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.utils._pytree import tree_flatten
-
-from hf_memfit.estimator.trace_mode import TraceMode, fake_device
 
 _INTEGER_DEFAULT = frozenset({"randint", "randint_like", "randperm"})  # integer outputs without a dtype argument
 
@@ -81,34 +78,8 @@ def runs_for_real(func, args, kwargs) -> bool:
 
 
 def run_op(func, args, kwargs: dict):
-    """`func(*args, **kwargs)` where `runs_for_real` says, from a mode above the fake one."""
+    """`func(*args, **kwargs)`, outside the fake mode where `runs_for_real` says, from a dispatch mode above it."""
     if runs_for_real(func, args, kwargs):
         with unset_fake_temporarily():
             return func(*args, **kwargs)
     return func(*args, **kwargs)
-
-
-class RealIntegerMetadata(TraceMode):
-    """Runs integer factory ops and ops on real tensors only, outside the fake mode (see the module doc). A trace
-    does this in its storage tracker instead (`StorageTracker.real_integers`), one mode fewer on every op."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        device = fake_device(func, args)  # as the storage tracker answers it, one mode sooner
-        if device is not None:
-            return device
-        return run_op(func, args, kwargs or {})
-
-
-def needs_real_metadata(batch_keys) -> bool:
-    """Whether a trace's batch carries values the model's code reads (an image grid)."""
-    return any(key.endswith("grid_thw") for key in batch_keys)
-
-
-@contextlib.contextmanager
-def real_integer_metadata(enabled: bool = True):
-    """Enter `RealIntegerMetadata` above the storage tracker (it must be entered after the fake mode and the tracker)."""
-    if not enabled:
-        yield
-        return
-    with RealIntegerMetadata():
-        yield

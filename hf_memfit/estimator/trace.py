@@ -105,8 +105,8 @@ class StorageTracker(TraceMode):
         # (tracker, func, args, kwargs) after each op that made a tensor, for blocks a kernel takes from the
         # allocator and frees inside the op, which no fake tensor shows (`kernel_staging.py`).
         self.after_op = None
-        # Ops on the values a model reads (a VLM's image grid) run for real, as `fake_vision.RealIntegerMetadata`
-        # would run them from a mode above this one: here, that is one mode fewer on every op of the step.
+        # Ops on the values a model reads (a VLM's image grid) run for real (`fake_vision.run_op`). This mode applies
+        # those rules itself: a mode of their own above it cost every op of such a step another Python dispatch.
         self.real_integers = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

@@ -1,11 +1,10 @@
-"""The trace's fake tensor mode, and what the dispatch modes above it share (`trace.StorageTracker`, and
-`fake_vision.RealIntegerMetadata` where it runs alone): each sees every op of a traced step, so what each does per
-op is the trace's time."""
+"""The trace's fake tensor mode, and the base of the dispatch mode above it (`trace.StorageTracker`): both see every op
+of a traced step, so what each does per op is the trace's time."""
 
 from __future__ import annotations
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, _BypassDispatchCache, in_kernel_invocation_manager
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, _BypassDispatchCache
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # Asked by autograd for every gradient and by fused optimizers for every state: two thirds of a VLM step's ops.
@@ -13,7 +12,7 @@ DEVICE = torch.ops.prim.device.default
 
 
 class TraceMode(TorchDispatchMode):
-    """A dispatch mode of the trace. torch wraps every mode's `__torch_dispatch__` in `torch._disable_dynamo`, a
+    """A dispatch mode of the trace (the storage tracker). torch wraps every mode's `__torch_dispatch__` in `torch._disable_dynamo`, a
     switch of the frame evaluator on every op, unless the mode opts out; nothing is compiled in a trace."""
 
     @classmethod
@@ -71,6 +70,10 @@ class TraceFakeTensorMode(FakeTensorMode):
     def _should_skip_dynamo(cls) -> bool:
         return False
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._attribute_templates: dict[torch.device, dict] = {}  # `_attribute_template`'s, by device
+
     def _get_output_tensor_from_cache_entry(self, state, entry, key, func, args):
         metadata = entry.metadata
         if metadata is None or entry.inplace_idx is not None or self.shape_env is not None:
@@ -103,12 +106,11 @@ class TraceFakeTensorMode(FakeTensorMode):
 
     def _attribute_template(self, device: torch.device) -> dict:
         """The attributes `FakeTensor.__new__` gives a fresh fake tensor of this mode on `device`."""
-        templates = self.__dict__.setdefault("_attribute_templates", {})
-        if device not in templates:
-            with in_kernel_invocation_manager(self):
+        if device not in self._attribute_templates:
+            with torch._C._DisableTorchDispatch():
                 elem = torch.empty(0, device="meta")
-            templates[device] = dict(FakeTensor(self, elem, device).__dict__)
-        return templates[device]
+            self._attribute_templates[device] = dict(FakeTensor(self, elem, device).__dict__)
+        return self._attribute_templates[device]
 
     def _prep_args_for_hash(self, result, args, state, id_hashed_objects) -> None:
         kind = type(args)
