@@ -4,7 +4,7 @@ of a traced step, so what each does per op is the trace's time."""
 from __future__ import annotations
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, _BypassDispatchCache
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorConfig, FakeTensorMode, _BypassDispatchCache
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # Asked by autograd for every gradient and by fused optimizers for every state: two thirds of a VLM step's ops.
@@ -12,8 +12,9 @@ DEVICE = torch.ops.prim.device.default
 
 
 class TraceMode(TorchDispatchMode):
-    """A dispatch mode of the trace (the storage tracker). torch wraps every mode's `__torch_dispatch__` in `torch._disable_dynamo`, a
-    switch of the frame evaluator on every op, unless the mode opts out; nothing is compiled in a trace."""
+    """A dispatch mode of the trace (the storage tracker). torch wraps every mode's `__torch_dispatch__` in
+    `torch._disable_dynamo`, a switch of the frame evaluator on every op, unless the mode opts out; nothing is
+    compiled in a trace."""
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -76,7 +77,9 @@ class TraceFakeTensorMode(FakeTensorMode):
 
     def _get_output_tensor_from_cache_entry(self, state, entry, key, func, args):
         metadata = entry.metadata
-        if metadata is None or entry.inplace_idx is not None or self.shape_env is not None:
+        if metadata is None or entry.inplace_idx is not None or self.shape_env is not None or FakeTensorConfig.debug:
+            # torch's own: an in-place op's output is its argument; symbolic sizes; TORCH_FAKE_TENSOR_DEBUG's
+            # construction tracebacks
             return super()._get_output_tensor_from_cache_entry(state, entry, key, func, args)
         # A meta tensor made with the trace's modes off: torch enters its kernel-invocation context here (the meta
         # dispatch key included, for kernels on fake tensors), which a tensor made on the meta device does not need.
