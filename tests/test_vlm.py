@@ -98,6 +98,26 @@ def test_real_metadata_mode_keeps_floats_fake_and_integers_real():
     assert isinstance(hidden, FakeTensor) and isinstance(gathered, FakeTensor) and gathered.shape == (12, 8)
 
 
+def test_a_vlm_trace_that_reads_its_batch_sums_gradients_in_place_as_any_trace(monkeypatch):
+    """Autograd's engine sums two gradients of one tensor in place when its buffer holds the only reference
+    (`StorageTracker._engine_sums_in_place`, by reference counts). A dispatch mode of its own for the real-integer
+    rules held one more reference to every argument, so in such a trace no sum was ever taken as in place."""
+    from hf_memfit.estimator import trace
+    from hf_memfit.estimator.exact import trace_step
+    from hf_memfit.models.depths import config_with_depths, real_depths
+
+    taken = []
+    original = trace.StorageTracker._engine_sums_in_place
+    monkeypatch.setattr(trace.StorageTracker, "_engine_sums_in_place",
+                        lambda self, args, kwargs: taken.append(original(self, args, kwargs)) or taken[-1])
+    spec = qwen_spec()
+    settings = TrainSettings(batch_size=2, seq_len=16, task="image-text-to-text", device="cuda", gpu="A100",
+                             mode="exact", image_size=112).validate(spec)
+    depths = real_depths(spec)
+    trace_step(config_with_depths(spec, depths), settings, depths)
+    assert sum(taken) >= 10  # 38 of its 84 gradient additions are the engine's sums in place (none before)
+
+
 # --- TRL's SFTTrainer with its vision collator ---------------------------------------------------------
 
 LLAVA = dict(model_type="llava", image_token_index=511, image_seq_length=16,
