@@ -485,11 +485,9 @@ def _keep_freed_memory() -> None:
     adds to its resident memory, and `hf-memfit check` trains for real (a GPT-2 check: 4.47 GB at most without
     this, 4.58 GB with it, 5.07 GB at 1 GiB)."""
     import ctypes
-    import ctypes.util
 
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
+    try:  # the process's own symbols, libc's among them: no library search (`find_library` runs ldconfig)
+        mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):  # not glibc (macOS's libc has no mallopt)
         return
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from hf_memfit.models.layer_order import distinct as _distinct
 from hf_memfit.models.layer_order import kinds as _kinds
 from hf_memfit.models.layer_order import main_order as _main_order
+from hf_memfit.models.layer_order import write_order
 
 
 @dataclass(frozen=True)
@@ -136,10 +137,7 @@ def config_with_depths(spec, depths: tuple[int, ...]) -> dict:
         counts = depths[:len(distinct)]
         config = spec.with_layers(sum(counts))
         if list(counts) != [kinds.count(kind) for kind in distinct]:  # else the real stack, as configured
-            order = _main_order(kinds, dict(zip(distinct, counts)))
-            holder = _holder(config, spec.layer_count_keys[0])
-            for i, key in enumerate(lists):
-                holder[key] = [kind[i] for kind in order]
+            write_order(config, spec.layer_count_keys[0], lists, _main_order(kinds, dict(zip(distinct, counts))))
         at = len(distinct)
     else:
         main = 2 if spec.is_encoder_decoder and getattr(spec, "num_decoder_layers", 0) else 1

@@ -20,7 +20,7 @@ from hf_memfit.cache import config_key, library_version, read_cache, write_cache
 from hf_memfit.errors import CannotEstimate, MemFitError
 from hf_memfit.models import ssm
 from hf_memfit.models.build import bnb_packed_modules, hf_config, instantiate
-from hf_memfit.models.layer_order import distinct, kinds, main_order
+from hf_memfit.models.layer_order import distinct, kinds, main_order, write_order
 from hf_memfit.tasks import TASK_TABLE
 
 # --------------------------------------------------------------------------
@@ -405,13 +405,8 @@ def _settable(config: dict, depth_key: str, lists: dict[str, list] | None) -> di
     per_layer = kinds(lists)
     order = main_order(per_layer, {kind: 2 for kind in distinct(per_layer)})
     trial = copy.deepcopy(config)
-    *parents, key = depth_key.split(".")
-    holder = trial
-    for part in parents:
-        holder = holder[part]
-    holder[key] = len(order)
-    for i, name in enumerate(lists):
-        holder[name] = [kind[i] for kind in order]
+    holder = write_order(trial, depth_key, lists, order)
+    holder[depth_key.rsplit(".", 1)[-1]] = len(order)
     try:
         built = hf_config(trial)
     except MemFitError:

@@ -1,6 +1,6 @@
 """The order of a main stack traced by kinds (`models/depths.py`): each layer's kind from its per-layer config
-lists, and the traced copy's order. Apart from depths.py so that `generic.py`, which checks that a config
-builds such an order as given, needs nothing that imports the spec."""
+lists, the traced copy's order, and that order written into a config. Apart from depths.py so that
+`generic.py`, which checks that a config builds such an order as given, needs nothing that imports the spec."""
 
 from __future__ import annotations
 
@@ -26,3 +26,15 @@ def main_order(kinds: list[tuple], counts: dict[tuple, int]) -> list[tuple]:
     tail = [kind for kind in reversed(order) if kind != last] + [last]
     middle = [kind for kind in order for _ in range(counts[kind] - 2)]
     return head + middle + tail
+
+
+def write_order(config: dict, depth_key: str, lists: dict[str, list] | list[str], order: list[tuple]) -> dict:
+    """Set each per-layer list named in `lists` to its values in `order`, in the dict that holds the stack's depth
+    key (`text_config.num_hidden_layers`: the text config); returns that dict."""
+    *parents, _ = depth_key.split(".")
+    holder = config
+    for part in parents:
+        holder = holder[part]
+    for i, name in enumerate(lists):
+        holder[name] = [kind[i] for kind in order]
+    return holder
