@@ -414,9 +414,7 @@ def _trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], 
             patches.enter_context(cuda_kernel_path(model))
         spec_augment_off(model)  # see there (fake_patches)
         # Qwen2-VL's image grid, Idefics3's pixels: the values the model reads run as real tensors (see there)
-        if settings.task == "image-text-to-text" and reads_batch_values(config):
-            tracker.real_integers = True
-            patches.callback(setattr, tracker, "real_integers", False)
+        tracker.real_integers = settings.task == "image-text-to-text" and reads_batch_values(config)
         # A VLM checks that its image tokens match its image features (`torch_compilable_check`, a value fake
         # tensors do not have); transformers' documented switch turns the checks off while the trace runs.
         patches.enter_context(environment("TRANSFORMERS_DISABLE_TORCH_CHECK", "1"))
