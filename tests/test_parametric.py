@@ -143,6 +143,26 @@ def test_both_autocast_dtypes_share_a_fit_their_check_confirms(tmp_path, monkeyp
     assert parametric._settings_key(spec, settings, False)["precision"] == "bf16-mixed"
 
 
+def test_fsdp_layouts_read_the_fit_of_the_step_they_trace(tmp_path, monkeypatch):
+    """FSDP runs the configured autocast step and only lays out its states (`sharding._fsdp`), so every FSDP layout
+    reads the fit of the plain data-parallel step: one calibration, whose traces are byte for byte those an FSDP
+    layout's settings make, and fast mode still agrees with exact mode under each layout."""
+    monkeypatch.setenv("HF_MEMFIT_CACHE", str(tmp_path))
+    spec = ModelSpec.from_config("qwen3", TINY_QWEN3)
+    calls = []
+    original = parametric.calibrate_many
+    monkeypatch.setattr(parametric, "calibrate_many", lambda *a, **k: calls.append(a) or original(*a, **k))
+    base = dict(batch_size=3, seq_len=320, device="cuda", precision="bf16-mixed", gpu="H100", num_gpus=2)
+    layouts = [{}, dict(fsdp="full_shard"), dict(fsdp="shard_grad_op"), dict(fsdp="full_shard", fsdp_offload=True),
+               dict(fsdp="no_shard", fsdp_version=1)]
+    for layout in layouts:
+        assert _error(spec, **base, **layout) < 0.01, layout
+    assert len(calls) == 1
+    plain, sharded = (parametric.calibrate(spec, parametric_settings(spec, **base, **layout))
+                      for layout in (layouts[0], layouts[3]))
+    assert json.dumps(plain, sort_keys=True) == json.dumps(sharded, sort_keys=True)
+
+
 def test_a_sibling_that_disagrees_is_calibrated_on_its_own(tmp_path, monkeypatch):
     """When the fit misses the check point traced at the other autocast dtype, it is made again with its own
     check and serves only its own precision; the other one then gets a fit of its own."""

@@ -96,7 +96,11 @@ CHECK_TOLERANCE = 0.01
 _SIBLING_PRECISION = {"bf16-mixed": "fp16-mixed", "fp16-mixed": "bf16-mixed"}
 
 # Settings that do not change the single-device step (sharding.shard and the planner apply them afterwards).
+# FSDP's step is the configured autocast step (`assemble.traced_settings`), laid out by `sharding._fsdp`: no trace
+# reads the FSDP fields, and the 4-bit preparation they decide is resolved into the key first. Jamba's plan on
+# 8 GPUs traced six FSDP fits that were the plain mixed-precision ones again.
 _LAYOUT_FIELDS = ("batch_size", "mode", "num_gpus", "num_nodes", "zero_stage", "offload_optimizer", "offload_param",
+                  "fsdp", "fsdp_version", "fsdp_offload",
                   "expandable_segments", "gpu")  # the GPU: by what the step reads of it (`_gpu_key`)
 # What the fit serves without a new calibration.
 _FITTED_FIELDS = ("seq_len", "gradient_accumulation_steps")
