@@ -279,3 +279,23 @@ def test_torch_adamw_without_the_trainer_table_is_the_trainer_s(optim):
     assert trainer_optimizer_class(settings) == expected
     assert needs_trainer_table(settings.replace(optim_args="foo=1")) and needs_trainer_table(
         settings.replace(optim="adamw_bnb_8bit"))
+
+
+@pytest.mark.parametrize("optim", ["adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit",
+                                   "adamw_torch_8bit", "adamw_torch_4bit", "adafactor", "sgd"])
+def test_the_optimizer_table_read_from_its_own_module_is_the_trainer_s(optim):
+    """The table is read from `transformers.trainer_optimizer`, without `transformers.trainer`'s other imports: the
+    class and kwargs are what `Trainer.get_optimizer_cls_and_kwargs` gives, with and without `optim_args`."""
+    import tempfile
+
+    from transformers import Trainer, TrainingArguments
+
+    from hf_memfit.estimator.step import OPTIMIZER_TABLE_MODULE, trainer_optimizer_class
+
+    assert OPTIMIZER_TABLE_MODULE == "transformers.trainer_optimizer"  # transformers 5, as installed by .ci/run
+    for optim_args in (None, "bf16_stochastic_round=True" if optim.startswith("adamw_torch_") else None):
+        settings = TrainSettings(batch_size=1, seq_len=8, optim=optim, optim_args=optim_args)
+        with tempfile.TemporaryDirectory() as tmp:
+            args = TrainingArguments(output_dir=tmp, optim=optim, optim_args=optim_args, report_to=[])
+            expected = Trainer.get_optimizer_cls_and_kwargs(args)
+        assert trainer_optimizer_class(settings) == expected

@@ -22,6 +22,7 @@ without grad). The whole `compute_loss` runs under the Trainer's autocast.
 """
 
 import contextlib
+import importlib.util
 import tempfile
 
 import torch
@@ -305,7 +306,7 @@ def make_batch(settings: TrainSettings, config: dict, device: str = "cpu") -> di
 
 # PyTorch's AdamW as the Trainer's table gives it (transformers 5.24 trainer_optimizer.py `_get_adamw_torch`:
 # TrainingArguments' lr, betas and eps, plus `fused=True` for adamw_torch_fused), without importing the table:
-# `transformers.trainer` imports peft, bitsandbytes and torchao on its way, 2-3 s of a cold plan whose optimizer
+# the table's module imports peft, bitsandbytes and torchao on its way, seconds of a cold plan whose optimizer
 # is neither. tests/test_optimizers.py holds these against `Trainer.get_optimizer_cls_and_kwargs`.
 TORCH_ADAMW_DEFAULTS = {"lr": 5e-05, "betas": (0.9, 0.999), "eps": 1e-08}
 TORCH_ADAMW = {"adamw_torch": {}, "adamw_torch_fused": {"fused": True}}
@@ -321,7 +322,7 @@ def heavy_step_imports(settings: TrainSettings) -> list[str]:
     (bitsandbytes' 4-bit code tables, peft's LoHa default scale): imported ahead of a trace, outside its
     tracker, and in a parent before it forks traces."""
     return [name for name, wanted in (
-        ("transformers.trainer", needs_trainer_table(settings)),  # the optimizer table: peft, bitsandbytes, torchao
+        (OPTIMIZER_TABLE_MODULE, needs_trainer_table(settings)),  # the optimizer table: peft, bitsandbytes, torchao
         ("peft", settings.uses_lora),
         ("bitsandbytes", settings.load_in_kbit or settings.optimizer.package == "bitsandbytes")) if wanted]
 
@@ -353,7 +354,7 @@ def trainer_optimizer_class(settings: TrainSettings, model=None):
     """
     if not needs_trainer_table(settings):
         return torch.optim.AdamW, dict(TORCH_ADAMW_DEFAULTS, **TORCH_ADAMW[settings.optim])
-    from transformers import Trainer, TrainingArguments
+    from transformers import TrainingArguments
 
     targets = settings.optim_target_modules
     if targets == ("all-linear",):
@@ -362,7 +363,32 @@ def trainer_optimizer_class(settings: TrainSettings, model=None):
         args = TrainingArguments(output_dir=tmp, optim=settings.optim, optim_args=settings.optim_args,
                                  optim_target_modules=list(targets) if isinstance(targets, tuple) else targets,
                                  gradient_accumulation_steps=settings.gradient_accumulation_steps, report_to=[])
+        return _get_optimizer_cls_and_kwargs(args, model)
+
+
+# transformers 5 keeps the Trainer's optimizer table in its own module, and `Trainer.get_optimizer_cls_and_kwargs`
+# only wraps the arguments for it (5.24 trainer.py): read from there, a trace skips `transformers.trainer`'s other
+# imports (datasets among them: 0.5 s of its 1.4 s here, paid by each process of a plan that takes a low-bit
+# AdamW). tests/test_optimizers.py holds the two to the same class and kwargs. Older releases: the Trainer's.
+OPTIMIZER_TABLE_MODULE = ("transformers.trainer_optimizer" if importlib.util.find_spec("transformers.trainer_optimizer")
+                          else "transformers.trainer")
+
+
+def _get_optimizer_cls_and_kwargs(args, model):
+    """`Trainer.get_optimizer_cls_and_kwargs(args, model)`, from the table's own module where there is one."""
+    if OPTIMIZER_TABLE_MODULE == "transformers.trainer":
+        from transformers import Trainer
+
         return Trainer.get_optimizer_cls_and_kwargs(args, model)
+    from transformers.trainer_optimizer import _OPTIMIZER_HANDLERS, OptimizerContext, _parse_optim_args
+
+    context = OptimizerContext(args=args, model=model, optimizer_kwargs={"lr": args.learning_rate},
+                               adam_kwargs={"betas": (args.adam_beta1, args.adam_beta2), "eps": args.adam_epsilon},
+                               optim_args=_parse_optim_args(args.optim_args))
+    handler = _OPTIMIZER_HANDLERS.get(args.optim)
+    if handler is None:
+        raise ValueError(f"Trainer cannot instantiate unsupported optimizer: {args.optim}")
+    return handler(context)
 
 
 def param_groups(model) -> list[dict]:

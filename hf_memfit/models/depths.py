@@ -112,7 +112,14 @@ def depth_plan(spec, extrapolate: bool = True) -> DepthPlan:
 
     The first layer of a stack can differ from the rest (T5's relative position bias lives in layer 0),
     so an axis is extrapolated from 2p to 3p layers, where the first and the last layer are distinct and
-    only ordinary layers are added."""
+    only ordinary layers are added.
+
+    Axes that grow by the same number of periods share one grown set. The real depth is the base plus each
+    step times what its grown set adds, and a period's bytes add to the step's whatever the other axes' depths
+    (the linear model every extrapolation here rests on), so one trace growing both axes adds the sum of what
+    two traces would: Qwen2.5-VL's language model and the window blocks of its vision tower (28 and 28 layers)
+    take 3 traces where they took 4, and Whisper's encoder and decoder 2 where they took 3, with the same fits
+    (`benchmarks/trace_identity.py`)."""
     axes = _axes(spec)
     real = tuple(count for count, _ in axes)
     if not extrapolate or all(count <= 3 * period for count, period in axes):
@@ -121,8 +128,12 @@ def depth_plan(spec, extrapolate: bool = True) -> DepthPlan:
     depth_sets, steps = [base], []
     for i, (count, period) in enumerate(axes):
         if count > base[i]:
-            depth_sets.append(base[:i] + (3 * period,) + base[i + 1:])
-            steps.append((count - base[i]) / period)
+            step = (count - base[i]) / period
+            if step not in steps:
+                depth_sets.append(base)
+                steps.append(step)
+            at = steps.index(step) + 1
+            depth_sets[at] = depth_sets[at][:i] + (3 * period,) + depth_sets[at][i + 1:]
     return DepthPlan(real, depth_sets, steps)
 
 
