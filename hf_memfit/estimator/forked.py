@@ -125,7 +125,7 @@ def run_jobs(function, jobs: list, workers: int | None = None) -> list:
     if first:
         # The other CPUs start jobs at once while the first runs here, each of those children paying its own first
         # use, rather than stay idle through the first job; the jobs left after it start in children that
-        # inherit it (a Qwen2.5-VL fit's four depths: two rounds, where the first job alone, then two, then the
+        # inherit it (a Gemma-3 fit's four depths: two rounds, where the first job alone, then two, then the
         # last alone made three).
         def beside():
             results[0] = function(*jobs[0])
