@@ -32,15 +32,18 @@ def test_catalogue_vlms_get_a_tower_axis_and_text_models_none():
                                                                    [7, 15, 23, 31])
     plan = depth_plan(qwen)
     assert plan.real == (28, 28, 4)  # language layers, windowed blocks, full-attention blocks
-    assert plan.steps == [26, 26, 2]
-    grown_windowed = config_with_depths(qwen, plan.depth_sets[2])["vision_config"]
+    # the language layers and the windowed blocks grow by 26 periods each: one trace grows both (`depth_plan`)
+    assert plan.depth_sets == [(2, 2, 2), (3, 3, 2), (2, 2, 3)] and plan.steps == [26, 2]
+    grown_windowed = config_with_depths(qwen, plan.depth_sets[1])["vision_config"]
     assert (grown_windowed["depth"], grown_windowed["fullatt_block_indexes"]) == (5, [2, 4])
     assert config_with_depths(qwen, plan.real)["vision_config"] == qwen.config["vision_config"]
 
     llava = resolve_model("llava-hf/llava-1.5-7b-hf")
     assert [t["key"] for t in towers(llava)] == ["vision_config.num_hidden_layers"]
     assert depth_plan(llava).depth_sets == [(2, 2), (3, 2), (2, 3)]
-    assert towers(resolve_model("openai/whisper-small")) == []  # encoder and decoder are its main stacks
+    whisper = resolve_model("openai/whisper-small")
+    assert towers(whisper) == []  # encoder and decoder are its main stacks, 12 layers each: grown in one trace
+    assert depth_plan(whisper).depth_sets == [(2, 2), (3, 3)] and depth_plan(whisper).steps == [10]
 
 
 def test_a_main_stack_by_kinds_keeps_one_of_each_kind_at_both_ends():
