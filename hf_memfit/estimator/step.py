@@ -310,11 +310,27 @@ def make_batch(settings: TrainSettings, config: dict, device: str = "cpu") -> di
 # is neither. tests/test_optimizers.py holds these against `Trainer.get_optimizer_cls_and_kwargs`.
 TORCH_ADAMW_DEFAULTS = {"lr": 5e-05, "betas": (0.9, 0.999), "eps": 1e-08}
 TORCH_ADAMW = {"adamw_torch": {}, "adamw_torch_fused": {"fused": True}}
+# torchao's low-bit AdamW likewise (5.24 `_get_torchao_optimizer`): lr, then `block_size` (256, or the `optim_args`
+# string as given) and `bf16_stochastic_round` (its `strtobool`), then betas and eps. The pure-bf16 plans and the
+# plans near a budget take these; the table's module cost each process of their exact confirmation 0.9 s.
+TORCHAO_ADAMW = {"adamw_torch_8bit": "AdamW8bit", "adamw_torch_4bit": "AdamW4bit"}
+TORCHAO_OPTIM_ARGS = {"block_size", "bf16_stochastic_round"}
 
 
 def needs_trainer_table(settings: TrainSettings) -> bool:
     """Whether the optimizer comes from the Trainer's table (`trainer_optimizer_class`) rather than the above."""
+    if settings.optim in TORCHAO_ADAMW and importlib.util.find_spec("torchao.optim") is not None:
+        given = _optim_args(settings.optim_args)
+        return given is None or not set(given) <= TORCHAO_OPTIM_ARGS
     return settings.optim not in TORCH_ADAMW or bool(settings.optim_args)
+
+
+def _optim_args(text: str | None) -> dict | None:
+    """`optim_args` as the Trainer parses them (`_parse_optim_args`: values stay strings); None if it cannot."""
+    try:
+        return dict(pair.split("=") for pair in text.replace(" ", "").split(",")) if text else {}
+    except ValueError:  # not key=value pairs: the table raises its own error
+        return None
 
 
 def heavy_step_imports(settings: TrainSettings) -> list[str]:
@@ -352,8 +368,17 @@ def trainer_optimizer_class(settings: TrainSettings, model=None):
     GaLore / APOLLO need the model: their kwargs then carry `params`, the Trainer's
     own groups (projected targets and the rest).
     """
-    if not needs_trainer_table(settings):
+    if not needs_trainer_table(settings) and settings.optim in TORCH_ADAMW:
         return torch.optim.AdamW, dict(TORCH_ADAMW_DEFAULTS, **TORCH_ADAMW[settings.optim])
+    if not needs_trainer_table(settings):
+        import torchao.optim
+        from transformers.utils import strtobool
+
+        given = _optim_args(settings.optim_args)
+        return getattr(torchao.optim, TORCHAO_ADAMW[settings.optim]), {
+            "lr": TORCH_ADAMW_DEFAULTS["lr"], "block_size": given.get("block_size", 256),
+            "bf16_stochastic_round": strtobool(given.get("bf16_stochastic_round", "False")),
+            "betas": TORCH_ADAMW_DEFAULTS["betas"], "eps": TORCH_ADAMW_DEFAULTS["eps"]}
     from transformers import TrainingArguments
 
     targets = settings.optim_target_modules
