@@ -248,6 +248,7 @@ def test_idle_cpus_are_what_the_kernel_counts_idle_now_beside_this_process(monke
     monkeypatch.setattr(forked, "_cpu_times", lambda: next(readings))
     monkeypatch.setattr(forked.time, "sleep", lambda seconds: None)
     monkeypatch.setattr(forked, "_idle_sample", None)
+    monkeypatch.setattr(forked, "_last_reading", None)  # no earlier reading: a sample over a sleep
     assert forked.idle_cpus() == 0.0 and forked.slots() == 1  # the other CPU is taken: nothing runs beside
     assert forked.idle_cpus() == 0.0  # the same sample, not read again at once
     monkeypatch.setattr(forked, "_idle_sample", (forked.time.monotonic() - 2 * forked.IDLE_SAMPLE_REUSE_S, 0.0))
@@ -255,10 +256,31 @@ def test_idle_cpus_are_what_the_kernel_counts_idle_now_beside_this_process(monke
     # one tick of something else on an idle machine (9 of 10 idle on CPU 0) is still a whole CPU beside this one
     readings = iter([{0: (300, 3000), 1: (700, 3000)}, {0: (309, 3010), 1: (710, 3010)}])
     monkeypatch.setattr(forked, "_idle_sample", None)
+    monkeypatch.setattr(forked, "_last_reading", None)
     assert forked.idle_cpus() == 1.0 and forked.slots() == 2
     monkeypatch.undo()
     times = forked._cpu_times()  # this machine's, for the CPUs this process may run on
     assert set(times) == os.sched_getaffinity(0) and all(0 <= idle <= total for idle, total in times.values())
+
+
+def test_idle_cpus_since_the_last_reading_count_this_process_s_own_work_as_idle(monkeypatch):
+    """Where an earlier reading is a few seconds old, idle CPUs are read over the time since, without a sleep:
+    what this process and its finished children ran then is theirs, free once they wait; anyone else's is not."""
+    from hf_memfit.estimator import forked
+
+    slept = []
+    monkeypatch.setattr(forked.time, "sleep", slept.append)
+    start = (100.0, {0: (1000, 5000), 1: (1000, 5000)}, 0.0)
+    # 3 s later: CPU 0 ran 300 ticks of this process's traces, CPU 1 300 ticks of another process
+    readings = iter([(103.0, {0: (1000, 5300), 1: (1000, 5300)}, 300.0),
+                     # 3 s later again: both CPUs ran this process's traces
+                     (106.0, {0: (1000, 5600), 1: (1000, 5600)}, 900.0)])
+    monkeypatch.setattr(forked, "_reading", lambda: next(readings))
+    monkeypatch.setattr(forked, "_last_reading", start)
+    monkeypatch.setattr(forked, "_idle_sample", None)
+    assert forked.idle_cpus() == 0.0  # the other process holds a CPU: nothing runs beside this one
+    monkeypatch.setattr(forked, "_idle_sample", None)
+    assert forked.idle_cpus() == 1.0 and not slept
 
 
 def test_a_plan_makes_the_fits_it_needs_before_it_reads_them(tmp_path, monkeypatch):

@@ -457,6 +457,9 @@ def run() -> None:
     temporary directories, multiprocessing) still run first; the output is flushed.
     """
     _keep_freed_memory()
+    from hf_memfit.estimator.forked import mark_idle_baseline  # the standard library only
+
+    mark_idle_baseline()  # the first count of idle CPUs reads them over this command's start, without a sleep
     code = main()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):

@@ -42,9 +42,12 @@ def cpus() -> int:
 def idle_cpus() -> float:
     """CPUs idle beside this process now, where there are none, children would only take turns.
 
-    Sampled from the kernel's per-CPU idle time over a tenth of a second (`/proc/stat`, the CPUs this process
-    may run on) while this process sleeps, less the one this process will use; read again at most every
-    `IDLE_SAMPLE_REUSE_S`. Not the load average: its minute-long memory still counts a process that finished
+    From the kernel's per-CPU idle time (`/proc/stat`, the CPUs this process may run on), less the one this
+    process will use; read again at most every `IDLE_SAMPLE_REUSE_S`. Over the time since the last reading, where
+    that is between `IDLE_SAMPLE_S` and `IDLE_WINDOW_S`, with the CPU time this process and its finished children
+    used in it counted as idle (it is this process's own work, done by the time they are asked for); else over a
+    tenth of a second while this process sleeps. A plan asks once per step of its search: the sleeps were 0.3 s
+    of a cold VLM plan. Not the load average: its minute-long memory still counts a process that finished
     seconds ago (a plan run right after another saw a busy machine on an idle one and traced one fit at a time).
     Where `/proc/stat` cannot be read (not Linux), the load average it is.
     """
@@ -57,28 +60,53 @@ def idle_cpus() -> float:
 
 IDLE_SAMPLE_S = 0.1
 IDLE_SAMPLE_REUSE_S = 2.0
+IDLE_WINDOW_S = 10.0  # a longer time since the last reading says little about now: a fresh sample instead
 _idle_sample: tuple[float, float] | None = None  # (when, idle CPUs beside this process)
+_last_reading: tuple | None = None  # `_reading()` when idle CPUs were last read
+
+
+def mark_idle_baseline() -> None:
+    """Read the CPUs' times now, so that the first `idle_cpus` reads them over the time since (a command calls
+    this as it starts: its imports are its own work), without a sample's sleep."""
+    global _last_reading
+    try:
+        _last_reading = _reading()
+    except (OSError, ValueError):
+        pass
+
+
+def _reading() -> tuple[float, dict, float]:
+    """(monotonic time, `_cpu_times()`, ticks this process and its finished children have run)."""
+    own = os.times()
+    ticks = (own.user + own.system + own.children_user + own.children_system) * os.sysconf("SC_CLK_TCK")
+    return time.monotonic(), _cpu_times(), ticks
 
 
 def _sample_idle_cpus() -> float:
+    global _last_reading
     try:
-        before = _cpu_times()
-        time.sleep(IDLE_SAMPLE_S)
-        after = _cpu_times()
+        before, after = _last_reading, _reading()
+        if before is None or not IDLE_SAMPLE_S <= after[0] - before[0] <= IDLE_WINDOW_S:
+            before = after
+            time.sleep(IDLE_SAMPLE_S)
+            after = _reading()
+        _last_reading = after
     except (OSError, ValueError):
         try:
             return cpus() - os.getloadavg()[0]
         except OSError:
             return 0.0
-    idle = sum(after[c][0] - before[c][0] for c in after if c in before)
-    total = sum(after[c][1] - before[c][1] for c in after if c in before)
+    (_, first, own_first), (_, last, own_last) = before, after
+    idle = sum(last[c][0] - first[c][0] for c in last if c in first)
+    total = sum(last[c][1] - first[c][1] for c in last if c in first)
     if total <= 0:
         return 0.0
+    idle = min(total, idle + max(0.0, own_last - own_first))  # this process's own work: free when it waits
     # To the nearest whole CPU: the kernel counts in ticks (1/100 s), about ten per CPU in a sample, and one tick
     # of anything (a kernel thread, the sample's own reads) read an idle 2-CPU machine as 0.9 idle CPUs beside
     # this process (1 sample in 40 on an idle machine here), and that step's fits were traced one at a time
-    # (Qwen2.5-VL-7B's last step: 8 traces in a row). Less this process, which slept through the sample and will run.
-    return float(math.floor(len(after) * idle / total - 1 + 0.5))
+    # (Qwen2.5-VL-7B's last step: 8 traces in a row). Less this process, which will run.
+    return float(math.floor(len(last) * idle / total - 1 + 0.5))
 
 
 def _cpu_times() -> dict[int, tuple[int, int]]:
