@@ -34,7 +34,14 @@ TEXT_BY_KINDS = {
     "gemma-3-12b-text": ["google/gemma-3-12b-pt", "--gpu", "a100", "--global-batch-size", "32", "--seq-len", "2048"],
     "smollm3-3b": ["HuggingFaceTB/SmolLM3-3B", "--gpu", "a10g", "--global-batch-size", "32", "--seq-len", "2048"],
 }
-ROWS = {**lazy_grid.ROWS, **cold_catalogue.ROWS, **TEXT_BY_KINDS}
+# VLM plans on several GPUs, whose grids add FSDP layouts (which read the plain step's fits since 2026-11-27).
+MULTI_GPU = {
+    "smolvlm-2xa10g": ["HuggingFaceTB/SmolVLM-Instruct", "--gpu", "a10g", "--num-gpus", "2", "--global-batch-size",
+                       "32", "--task", "image-text-to-text", "--seq-len", "512"],
+    "qwen2.5-vl-7b-4xa100": ["Qwen/Qwen2.5-VL-7B-Instruct", "--gpu", "a100", "--num-gpus", "4", "--global-batch-size",
+                             "32", "--task", "image-text-to-text", "--seq-len", "512"],
+}
+ROWS = {**lazy_grid.ROWS, **cold_catalogue.ROWS, **TEXT_BY_KINDS, **MULTI_GPU}
 RESULTS = Path(__file__).parent / "results" / "cold_before_after.json"
 HERE = Path(__file__).resolve().parent.parent
 
