@@ -265,7 +265,8 @@ def test_planner_picks_layerwise_only_at_accumulation_1_on_one_gpu():
 @pytest.mark.parametrize("optim, optim_args", [
     ("adamw_torch", None), ("adamw_torch_fused", None),
     ("adamw_torch_8bit", None), ("adamw_torch_4bit", None),
-    ("adamw_torch_4bit", "bf16_stochastic_round=True"), ("adamw_torch_8bit", "block_size=128, bf16_stochastic_round=no"),
+    ("adamw_torch_4bit", "bf16_stochastic_round=True"),
+    ("adamw_torch_8bit", "block_size=128, bf16_stochastic_round=no"),
 ])
 def test_adamw_without_the_trainer_table_is_the_trainer_s(optim, optim_args):
     """PyTorch's AdamW and torchao's low-bit AdamW are built without importing the Trainer's optimizer table (its
