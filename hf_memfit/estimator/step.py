@@ -22,6 +22,8 @@ without grad). The whole `compute_loss` runs under the Trainer's autocast.
 """
 
 import contextlib
+import functools
+import importlib.metadata
 import importlib.util
 import tempfile
 
@@ -319,10 +321,20 @@ TORCHAO_OPTIM_ARGS = {"block_size", "bf16_stochastic_round"}
 
 def needs_trainer_table(settings: TrainSettings) -> bool:
     """Whether the optimizer comes from the Trainer's table (`trainer_optimizer_class`) rather than the above."""
-    if settings.optim in TORCHAO_ADAMW and importlib.util.find_spec("torchao.optim") is not None:
+    if settings.optim in TORCHAO_ADAMW and _torchao_optim():
         given = _optim_args(settings.optim_args)
         return given is None or not set(given) <= TORCHAO_OPTIM_ARGS
     return settings.optim not in TORCH_ADAMW or bool(settings.optim_args)
+
+
+@functools.cache
+def _torchao_optim() -> bool:
+    """Whether torchao is installed with `torchao.optim`, where the table takes its AdamW from (0.11 and later)."""
+    if importlib.util.find_spec("torchao") is None:
+        return False
+    from packaging.version import Version
+
+    return Version(importlib.metadata.version("torchao")) >= Version("0.11.0")
 
 
 def _optim_args(text: str | None) -> dict | None:
@@ -368,9 +380,9 @@ def trainer_optimizer_class(settings: TrainSettings, model=None):
     GaLore / APOLLO need the model: their kwargs then carry `params`, the Trainer's
     own groups (projected targets and the rest).
     """
-    if not needs_trainer_table(settings) and settings.optim in TORCH_ADAMW:
-        return torch.optim.AdamW, dict(TORCH_ADAMW_DEFAULTS, **TORCH_ADAMW[settings.optim])
     if not needs_trainer_table(settings):
+        if settings.optim in TORCH_ADAMW:
+            return torch.optim.AdamW, dict(TORCH_ADAMW_DEFAULTS, **TORCH_ADAMW[settings.optim])
         import torchao.optim
         from transformers.utils import strtobool
 
@@ -393,8 +405,8 @@ def trainer_optimizer_class(settings: TrainSettings, model=None):
 
 # transformers 5 keeps the Trainer's optimizer table in its own module, and `Trainer.get_optimizer_cls_and_kwargs`
 # only wraps the arguments for it (5.24 trainer.py): read from there, a trace skips `transformers.trainer`'s other
-# imports (datasets among them: 0.5 s of its 1.4 s here, paid by each process of a plan that takes a low-bit
-# AdamW). tests/test_optimizers.py holds the two to the same class and kwargs. Older releases: the Trainer's.
+# imports (datasets among them: 0.5 s of its 1.4 s here, paid by each process of a plan that takes bitsandbytes'
+# 8-bit AdamW). tests/test_optimizers.py holds the two to the same class and kwargs. Older releases: the Trainer's.
 OPTIMIZER_TABLE_MODULE = ("transformers.trainer_optimizer" if importlib.util.find_spec("transformers.trainer_optimizer")
                           else "transformers.trainer")
 
