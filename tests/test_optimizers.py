@@ -272,18 +272,11 @@ def test_adamw_without_the_trainer_table_is_the_trainer_s(optim, optim_args):
     """PyTorch's AdamW and torchao's low-bit AdamW are built without importing the Trainer's optimizer table (its
     module imports peft and bitsandbytes: a second of each process that traces them); class and kwargs must be
     exactly what `Trainer.get_optimizer_cls_and_kwargs` gives, `optim_args` included."""
-    import tempfile
-
-    from transformers import Trainer, TrainingArguments
-
     from hf_memfit.estimator.step import needs_trainer_table, trainer_optimizer_class
 
     settings = TrainSettings(batch_size=1, seq_len=8, optim=optim, optim_args=optim_args)
     assert not needs_trainer_table(settings)
-    with tempfile.TemporaryDirectory() as tmp:
-        expected = Trainer.get_optimizer_cls_and_kwargs(TrainingArguments(output_dir=tmp, optim=optim,
-                                                                          optim_args=optim_args, report_to=[]))
-    assert trainer_optimizer_class(settings) == expected
+    assert trainer_optimizer_class(settings) == _the_trainer_s(optim, optim_args)
     # what only the table knows: other arguments, other optimizers
     assert needs_trainer_table(settings.replace(optim_args="foo=1")) and needs_trainer_table(
         settings.replace(optim="adamw_bnb_8bit"))
@@ -295,16 +288,20 @@ def test_the_optimizer_table_read_from_its_own_module_is_the_trainer_s(optim):
     """The table is read from `transformers.trainer_optimizer`, without `transformers.trainer`'s other imports: the
     class and kwargs are what `Trainer.get_optimizer_cls_and_kwargs` gives, with and without `optim_args` (torchao's
     low-bit AdamW with an argument only the table knows, `foo`)."""
-    import tempfile
-
-    from transformers import Trainer, TrainingArguments
-
     from hf_memfit.estimator.step import OPTIMIZER_TABLE_MODULE, trainer_optimizer_class
 
     assert OPTIMIZER_TABLE_MODULE == "transformers.trainer_optimizer"  # transformers 5, as installed by .ci/run
     for optim_args in (None, "bf16_stochastic_round=True,foo=1" if optim.startswith("adamw_torch_") else None):
         settings = TrainSettings(batch_size=1, seq_len=8, optim=optim, optim_args=optim_args)
-        with tempfile.TemporaryDirectory() as tmp:
-            args = TrainingArguments(output_dir=tmp, optim=optim, optim_args=optim_args, report_to=[])
-            expected = Trainer.get_optimizer_cls_and_kwargs(args)
-        assert trainer_optimizer_class(settings) == expected
+        assert trainer_optimizer_class(settings) == _the_trainer_s(optim, optim_args)
+
+
+def _the_trainer_s(optim: str, optim_args: str | None):
+    """The class and kwargs `Trainer.get_optimizer_cls_and_kwargs` gives for `optim` (no model)."""
+    import tempfile
+
+    from transformers import Trainer, TrainingArguments
+
+    with tempfile.TemporaryDirectory() as tmp:
+        return Trainer.get_optimizer_cls_and_kwargs(TrainingArguments(output_dir=tmp, optim=optim,
+                                                                      optim_args=optim_args, report_to=[]))
