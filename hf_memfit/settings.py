@@ -289,6 +289,9 @@ class TrainSettings:
                             "tile (a mixture of experts, or no `mlp` module): drop `--tiled-mlp`")
         if self.use_liger_kernel and self.task not in (None, "causal-lm"):
             problems.append("`--use-liger-kernel` fuses the causal-LM head and loss: it needs `--task causal-lm`")
+        if self.optim_args is not None and parse_optim_args(self.optim_args) is None:
+            problems.append("`--optim-args` is comma-separated key=value pairs, as TrainingArguments.optim_args "
+                            f"(e.g. 'bf16_stochastic_round=True'); got {self.optim_args!r}")
         if self.zero_stage not in (0, 1, 2, 3):
             problems.append(f"`--zero-stage` must be 0, 1, 2 or 3; got {self.zero_stage!r}")
         if self.lora_r is not None and (not isinstance(self.lora_r, int) or self.lora_r <= 0):
@@ -445,6 +448,15 @@ class TrainSettings:
             problems.append(f"sharded 4-bit weights need `--bnb-4bit-quant-storage {self.compute_dtype}` "
                             "(the compute dtype), not uint8")
         return problems
+
+
+def parse_optim_args(text: str | None) -> dict[str, str] | None:
+    """`optim_args` as the Trainer parses them (transformers' `_parse_optim_args`: spaces dropped, comma-separated
+    key=value pairs, the values left as strings); None where they are not such pairs."""
+    try:
+        return dict(pair.split("=") for pair in text.replace(" ", "").split(",")) if text else {}
+    except ValueError:
+        return None
 
 
 def _gpu_problems(settings: TrainSettings) -> list[str]:

@@ -56,6 +56,9 @@ BAD_INPUTS = [
     (["estimate", "gpt2-xxl", "--batch-size", "1", "--seq-len", "8"], "gpt2-xl"),  # unknown model: suggests close names
     (["estimate", "gpt2", "--batch-size", "1", "--seq-len", "4096"], "--seq-len"),
     (["estimate", "gpt2", "--batch-size", "1", "--seq-len", "8", "--optim", "adamw_magic"], "--optim"),
+    # not key=value pairs: the Trainer's own parse fails on it (a traceback from inside a trace before)
+    (["estimate", "gpt2", "--batch-size", "1", "--seq-len", "8", "--optim", "adamw_torch_4bit", "--optim-args",
+      "bf16_stochastic_round"], "--optim-args"),
     (["estimate", "gpt2", "--batch-size", "1", "--seq-len", "8", "--lora-r", "8", "--lora-target-modules", "q_proj"],
      "--lora-target-modules"),
     (["estimate", "gpt2", "--batch-size", "0", "--seq-len", "8"], "--batch-size"),

@@ -33,7 +33,7 @@ from hf_memfit.models.build import bnb_packed_modules, instantiate
 from hf_memfit.estimator.int8_matmul import like_linear8bit
 from hf_memfit.estimator.step_levers import (TrlOffloadedActivations, liger_causal_lm_forward,
                                              liger_in_place_accumulation, offload_checkpoint_inputs, tile_mlps)
-from hf_memfit.settings import TrainSettings
+from hf_memfit.settings import TrainSettings, parse_optim_args
 from hf_memfit.tasks import TASK_TABLE
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -322,7 +322,7 @@ TORCHAO_OPTIM_ARGS = {"block_size", "bf16_stochastic_round"}
 def needs_trainer_table(settings: TrainSettings) -> bool:
     """Whether the optimizer comes from the Trainer's table (`trainer_optimizer_class`) rather than the above."""
     if settings.optim in TORCHAO_ADAMW and _torchao_optim():
-        given = _optim_args(settings.optim_args)
+        given = parse_optim_args(settings.optim_args)
         return given is None or not set(given) <= TORCHAO_OPTIM_ARGS
     return settings.optim not in TORCH_ADAMW or bool(settings.optim_args)
 
@@ -335,14 +335,6 @@ def _torchao_optim() -> bool:
     from packaging.version import Version
 
     return Version(importlib.metadata.version("torchao")) >= Version("0.11.0")
-
-
-def _optim_args(text: str | None) -> dict | None:
-    """`optim_args` as the Trainer parses them (`_parse_optim_args`: values stay strings); None if it cannot."""
-    try:
-        return dict(pair.split("=") for pair in text.replace(" ", "").split(",")) if text else {}
-    except ValueError:  # not key=value pairs: the table raises its own error
-        return None
 
 
 def heavy_step_imports(settings: TrainSettings) -> list[str]:
@@ -386,7 +378,7 @@ def trainer_optimizer_class(settings: TrainSettings, model=None):
         import torchao.optim
         from transformers.utils import strtobool
 
-        given = _optim_args(settings.optim_args)
+        given = parse_optim_args(settings.optim_args)
         return getattr(torchao.optim, TORCHAO_ADAMW[settings.optim]), {
             "lr": TORCH_ADAMW_DEFAULTS["lr"], "block_size": given.get("block_size", 256),
             "bf16_stochastic_round": strtobool(given.get("bf16_stochastic_round", "False")),
