@@ -79,6 +79,28 @@ def test_a_vlm_fit_moves_the_optimizer_by_formula_over_the_parameters_it_steps(t
     assert not calls
 
 
+def test_a_line_whose_check_point_is_traced_apart_is_the_same_line(monkeypatch):
+    """Three depth sets on two CPUs: the base depth's check point is traced in a build of its own (`check_apart`),
+    so a fit's four jobs pair up. The line is the same, region by region, as with the check inside the base trace,
+    and so is the check it reports (each traced step starts from the warm-up's state)."""
+    from hf_memfit.estimator import batch_fit
+    from hf_memfit.models.depths import depth_plan
+
+    config = AutoConfig.for_model(**dict(LLAVA, text_config=dict(LLAVA["text_config"], num_hidden_layers=6),
+                                         vision_config=dict(LLAVA["vision_config"], num_hidden_layers=7))).to_dict()
+    spec = ModelSpec.from_config("tiny-llava-6", config)
+    assert len(depth_plan(spec).depth_sets) == 3
+    settings = TrainSettings(batch_size=1, seq_len=32, task="image-text-to-text", device="cuda", gpu="A100",
+                             precision="bf16-mixed", gradient_checkpointing=True).validate(spec)
+    fits = {}
+    for apart in (False, True):
+        monkeypatch.setattr(batch_fit, "check_apart", lambda depth_sets, apart=apart: apart)
+        (fits[apart],) = batch_fit.calibrate_many(spec, [settings])
+    assert fits[True]["candidates"] == fits[False]["candidates"] and fits[True]["host"] == fits[False]["host"]
+    assert fits[True]["check_miss"] == pytest.approx(fits[False]["check_miss"], abs=1e-6)
+    assert fits[True]["check_region"] == fits[False]["check_region"]
+
+
 def test_real_metadata_mode_keeps_floats_fake_and_integers_real():
     from torch._subclasses.fake_tensor import FakeTensor
 

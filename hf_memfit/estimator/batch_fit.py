@@ -153,6 +153,7 @@ def calibrate_many(spec, many: list) -> list[dict]:
     from hf_memfit.models.depths import depth_plan
 
     plan = depth_plan(spec)  # the model's, whatever the settings
+    apart = check_apart(len(plan.depth_sets))
     jobs = []
     for settings in many:
         micro = 1 if settings.optimizer.layerwise else 2  # layerwise optimizers step inside backward: no accumulation
@@ -162,11 +163,33 @@ def calibrate_many(spec, many: list) -> list[dict]:
         # kind it has (one pass fewer). The check only writes a note here. parametric.py's check decides whether
         # to fit again (by batch regime, or without the sibling precision), and a grown depth's misfit is
         # multiplied by its step count in the extrapolation, so there it checks every depth.
-        jobs += [(spec, traced, depths, points if i == 0 else points[:2]) for i, depths in enumerate(plan.depth_sets)]
+        jobs += [(spec, traced, depths, points if i == 0 and not apart else points[:2])
+                 for i, depths in enumerate(plan.depth_sets)]
+        if apart:  # the check point's step in a build of its own (`check_apart`)
+            jobs.append((spec, traced, plan.depth_sets[0], points[2:]))
     _import_for_traces(many)
     summaries = run_jobs(_trace_summary, jobs)
-    count = len(plan.depth_sets)
-    return [_fit(settings, plan, summaries[at:at + count]) for settings, at in zip(many, range(0, len(jobs), count))]
+    count = len(plan.depth_sets) + apart
+    fits = []
+    for settings, at in zip(many, range(0, len(jobs), count)):
+        traced_depths = summaries[at:at + count]
+        if apart:  # the base depth's summary, its check point's step after its own two
+            base, check = traced_depths[0], traced_depths[-1]
+            traced_depths = [dict(base, series=base["series"] + check["series"],
+                                  host_peaks=base["host_peaks"] + check["host_peaks"][1:])] + traced_depths[1:-1]
+        fits.append(_fit(settings, plan, traced_depths))
+    return fits
+
+
+def check_apart(depth_sets: int) -> bool:
+    """Whether the base depth's check point is traced in a build of its own, a fit's jobs then one more than its
+    depth sets: where that makes whole rounds on the CPUs that trace them (3 depth sets on 2 CPUs). Inside the
+    base trace, the check point's step makes that trace the longest, and the last round waits for it while a CPU
+    is idle. The step is the same in its own build: each traced step starts from the warm-up's state (`trace.py`)."""
+    from hf_memfit.estimator.forked import slots
+
+    cpus = slots()
+    return cpus > 1 and depth_sets % cpus != 0 and (depth_sets + 1) % cpus == 0
 
 
 def _fit(settings, plan, summaries: list[dict]) -> dict:

@@ -39,6 +39,7 @@ from hf_memfit.estimator.assemble import fit_group, prepare
 from hf_memfit.planner.candidates import Candidate, Candidates, MAX_EXACT_CONFIRMATIONS, fitting_last_resort_last
 from hf_memfit.planner.explain import RUNNERS_UP, runner_up_picks
 from hf_memfit.planner.speed import step_seconds
+from hf_memfit.tasks import MEDIA_TASKS
 
 #: False estimates every candidate (the exhaustive search this one must agree with; tests compare the two).
 LAZY = True
@@ -86,7 +87,7 @@ def search_grid(spec, grid: list, found: Candidates, *, gpu_info, uncertain) -> 
     compute = [step_seconds(spec, s, _NO_PARAMETERS, gpu_info) for s in grid]
     order = sorted(range(len(grid)), key=compute.__getitem__)
     fitted = any(group(i) is not None for i in order)  # formulas need no fits (nor a look at the idle CPUs)
-    first_groups, groups_per_step = _fit_groups_per_step(spec) if fitted else (0, 1)
+    first_groups, groups_per_step = _fit_groups_per_step(spec, grid[0].task in MEDIA_TASKS) if fitted else (0, 1)
     firsts = _next_groups([i for i in order if i in on_device or last_resort], set(), group, compute, first_groups,
                           ties=False)
     prepare(spec, [grid[i] for i in firsts])
@@ -155,7 +156,7 @@ def _next_groups(indices, made: set, group, times, count: int, ties: bool = True
 AT_LEAST_GROUPS = 2
 
 
-def _fit_groups_per_step(spec) -> tuple[int, int]:
+def _fit_groups_per_step(spec, media: bool) -> tuple[int, int]:
     """How many fit groups a step makes: (the first step, each later step), from the CPUs that trace side by side
     (`forked.slots`) and the reduced depths each fit traces (`depths.depth_plan`: 2-4).
 
@@ -167,14 +168,17 @@ def _fit_groups_per_step(spec) -> tuple[int, int]:
 
     A later step makes `AT_LEAST_GROUPS` where one fit's traces leave a CPU idle in their last round (3 traces on
     two CPUs), else one. A second fit made beside one that fills the CPUs costs a round of its own, and may not be
-    needed: Gemma-3's fits are 4 traces (sliding and global layers beside its tower). Qwen2.5-VL's are 3 (its language
-    model and its tower's window blocks grow in one trace, `depths.depth_plan`), made in pairs: its plan needs 4 of
-    the 5 fits that pairs of them made (with one fit a step it made 4, and was no faster: 11.3-11.5 s).
+    needed: Gemma-3's fits are 4 traces (sliding and global layers beside its tower). A line of image, audio or VLM
+    inputs over 3 depth sets takes 4 jobs on two CPUs, its check point traced apart (`batch_fit.check_apart`): in
+    pairs of 3-trace fits Qwen2.5-VL's plan made 5 fits and read 4 (12.6-12.9 s), with 4 jobs a fit it makes the 4
+    it reads (10.3-10.4 s).
     """
+    from hf_memfit.estimator.batch_fit import check_apart
     from hf_memfit.estimator.forked import slots
     from hf_memfit.models.depths import depth_plan
 
     cpus, traces = slots(), len(depth_plan(spec).depth_sets)
+    traces += media and check_apart(traces)  # a line's check point in a trace of its own
     return max(1, cpus // traces), (AT_LEAST_GROUPS if traces % max(1, cpus) else 1)
 
 
