@@ -183,7 +183,7 @@ def calibrate_many(spec, many: list) -> list[dict]:
 
 def check_apart(depth_sets: int) -> bool:
     """Whether the base depth's check point is traced in a build of its own, a fit's jobs then one more than its
-    depth sets: where that makes whole rounds on the CPUs that trace them (3 depth sets on 2 CPUs). Inside the
+    depth sets: where that makes whole rounds on the CPUs that trace them (1 or 3 depth sets on 2 CPUs). Inside the
     base trace, the check point's step makes that trace the longest, and the last round waits for it while a CPU
     is idle. The step is the same in its own build: each traced step starts from the warm-up's state (`trace.py`)."""
     from hf_memfit.estimator.forked import slots
