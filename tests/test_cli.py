@@ -59,6 +59,9 @@ BAD_INPUTS = [
     # not key=value pairs: the Trainer's own parse fails on it (a traceback from inside a trace before)
     (["estimate", "gpt2", "--batch-size", "1", "--seq-len", "8", "--optim", "adamw_torch_4bit", "--optim-args",
       "bf16_stochastic_round"], "--optim-args"),
+    # pairs the Trainer passes on as strings, which torchao's AdamW fails on at its first step, in the real run too
+    (["estimate", "gpt2", "--batch-size", "1", "--seq-len", "8", "--optim", "adamw_torch_4bit", "--optim-args",
+      "block_size=128", "--mode", "exact", "--precision", "bf16"], "--optim-args"),
     (["estimate", "gpt2", "--batch-size", "1", "--seq-len", "8", "--lora-r", "8", "--lora-target-modules", "q_proj"],
      "--lora-target-modules"),
     (["estimate", "gpt2", "--batch-size", "0", "--seq-len", "8"], "--batch-size"),

@@ -33,6 +33,7 @@ from hf_memfit.models.build import bnb_packed_modules, instantiate
 from hf_memfit.estimator.int8_matmul import like_linear8bit
 from hf_memfit.estimator.step_levers import (TrlOffloadedActivations, liger_causal_lm_forward,
                                              liger_in_place_accumulation, offload_checkpoint_inputs, tile_mlps)
+from hf_memfit.errors import MemFitError
 from hf_memfit.settings import TrainSettings, parse_optim_args
 from hf_memfit.tasks import TASK_TABLE
 
@@ -585,6 +586,21 @@ def cuda_synchronize_without_cuda():
         yield
     finally:
         torch.cuda.synchronize = original
+
+
+@contextlib.contextmanager
+def optim_args_named(settings: TrainSettings):
+    """An optimizer whose step fails on the `optim_args` it was given, as one line naming them: the Trainer passes
+    their values as strings (`--optim-args block_size=128` reaches torchao's AdamW as '128'), and its run would fail
+    at the same step."""
+    try:
+        yield
+    except (TypeError, ValueError) as error:
+        if not settings.optim_args:
+            raise
+        raise MemFitError(f"`--optim {settings.optim} --optim-args {settings.optim_args!r}`: the optimizer the Trainer "
+                          f"builds from them fails at its step ({type(error).__name__}: {error}); the Trainer's run "
+                          "would fail there too") from error
 
 
 def optimizer_step(model, optimizer, *, cuda_semantics: bool = False) -> None:

@@ -483,7 +483,8 @@ def _trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], 
                         continue
                     p.grad = torch.zeros_like(p)
                     tracker.mark(p.grad, "gradients")
-            training.optimizer_step(model, optimizer, cuda_semantics=cuda)
+            with training.optim_args_named(settings):
+                training.optimizer_step(model, optimizer, cuda_semantics=cuda)
             for p in model.parameters():  # GaLore 8-bit's step gives each target a new storage (`p.saved_data`)
                 tracker.mark(p, "weights")
             for value in optimizer_state_tensors(optimizer):
