@@ -135,24 +135,22 @@ def get(name: str) -> Optimizer:
         raise MemFitError(f"`--optim` {name!r} is not modelled; use one of {', '.join(OPTIMIZERS)}") from None
 
 
-def parse_optim_args(optim_args: str | None) -> dict[str, str]:
-    """`TrainingArguments.optim_args` ("rank=64,bf16_stochastic_round=True") as a dict, as the Trainer parses it."""
-    if not optim_args:
-        return {}
-    out = {}
-    for item in optim_args.replace(" ", "").split(","):
-        if item:
-            key, _, value = item.partition("=")
-            out[key] = value
-    return out
+def parse_optim_args(optim_args: str | None) -> dict[str, str] | None:
+    """`TrainingArguments.optim_args` ("rank=64,bf16_stochastic_round=True") as a dict, as the Trainer parses it
+    (transformers' `_parse_optim_args`: spaces dropped, comma-separated key=value pairs, the values left as strings);
+    None where they are not such pairs, which the Trainer refuses (`TrainSettings.validate` names them)."""
+    try:
+        return dict(pair.split("=") for pair in optim_args.replace(" ", "").split(",")) if optim_args else {}
+    except ValueError:
+        return None
 
 
 def low_rank_rank(optim_args: str | None) -> int:
-    return int(parse_optim_args(optim_args).get("rank", LOW_RANK_DEFAULT_RANK))
+    return int((parse_optim_args(optim_args) or {}).get("rank", LOW_RANK_DEFAULT_RANK))
 
 
 def torchao_block_size(optim_args: str | None) -> int:
-    return int(parse_optim_args(optim_args).get("block_size", TORCHAO_BLOCK))
+    return int((parse_optim_args(optim_args) or {}).get("block_size", TORCHAO_BLOCK))
 
 
 # --- state --------------------------------------------------------------------------

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from hf_memfit.errors import MemFitError, check_all
 from hf_memfit.tasks import MEDIA_TASKS, TASKS
-from hf_memfit.optimizers import OPTIMIZERS  # the one optimizer model: every optim name we plan
+from hf_memfit.optimizers import OPTIMIZERS, parse_optim_args  # the one optimizer model: every optim name we plan
 
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16", "fp16")
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2")
@@ -448,15 +448,6 @@ class TrainSettings:
             problems.append(f"sharded 4-bit weights need `--bnb-4bit-quant-storage {self.compute_dtype}` "
                             "(the compute dtype), not uint8")
         return problems
-
-
-def parse_optim_args(text: str | None) -> dict[str, str] | None:
-    """`optim_args` as the Trainer parses them (transformers' `_parse_optim_args`: spaces dropped, comma-separated
-    key=value pairs, the values left as strings); None where they are not such pairs."""
-    try:
-        return dict(pair.split("=") for pair in text.replace(" ", "").split(",")) if text else {}
-    except ValueError:
-        return None
 
 
 def _gpu_problems(settings: TrainSettings) -> list[str]:

@@ -34,7 +34,8 @@ from hf_memfit.estimator.int8_matmul import like_linear8bit
 from hf_memfit.estimator.step_levers import (TrlOffloadedActivations, liger_causal_lm_forward,
                                              liger_in_place_accumulation, offload_checkpoint_inputs, tile_mlps)
 from hf_memfit.errors import MemFitError
-from hf_memfit.settings import TrainSettings, parse_optim_args
+from hf_memfit.optimizers import parse_optim_args
+from hf_memfit.settings import TrainSettings
 from hf_memfit.tasks import TASK_TABLE
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
