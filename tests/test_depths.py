@@ -14,6 +14,7 @@ from hf_memfit.models.depths import _kinds_at, _main_order, config_with_depths, 
 from hf_memfit.models.spec import ModelSpec, resolve_model
 from hf_memfit.settings import TrainSettings
 from tests.conftest import TINY_GEMMA3
+from tests.test_ssm import TINY_JAMBA
 from tests.test_vlm import LLAVA, QWEN25VL
 
 
@@ -86,6 +87,32 @@ def test_a_main_stack_extrapolated_by_kinds_equals_a_full_trace():
         settings = TrainSettings(batch_size=2, seq_len=64, **changes).validate(spec)
         extrapolated = exact_candidates(spec, settings).peak_bytes
         assert extrapolated == exact_candidates(spec, settings, extrapolate=False).peak_bytes
+
+
+# Jamba-v0.1's pattern (attention every 8th layer from 4, experts every 2nd from 1) on 16 tiny layers
+JAMBA_PATTERN = dict(TINY_JAMBA, num_hidden_layers=16, attn_layer_period=8, attn_layer_offset=4, num_experts=4,
+                     num_experts_per_tok=2)
+
+
+def test_a_stack_whose_config_derives_its_kinds_is_traced_by_kinds():
+    """Jamba's config derives `layers_block_type` and `layers_num_experts` from periods and offsets (properties no
+    config dict sets), so its stack was traced by periods: 16 and 24 of Jamba-v0.1's 32 layers. `build.hf_config`
+    now takes such lists as given where a traced copy writes them, and the stack is traced by kinds: two layers of
+    each of its three (Mamba, Mamba with experts, attention), the same peak as the full stack."""
+    from hf_memfit.models.build import hf_config
+
+    spec = ModelSpec.from_config("tiny-jamba", JAMBA_PATTERN)
+    plan = depth_plan(spec)
+    assert plan.real == (6, 8, 2) and plan.depth_sets == [(2, 2, 2), (3, 2, 2), (2, 3, 2)]
+    built = hf_config(config_with_depths(spec, plan.depth_sets[1]))
+    assert built.layers_block_type == ["mamba", "mamba", "attention", "mamba", "attention", "mamba", "mamba"]
+    assert built.layers_num_experts == [1, 4, 1, 1, 1, 1, 4]
+    assert type(built).__name__ == "JambaConfig" and "layers_block_type" not in built.to_dict()
+    assert hf_config(config_with_depths(spec, plan.real)).layers_block_type == hf_config(spec.config).layers_block_type
+    for changes in ({}, {"gradient_checkpointing": True, "precision": "bf16-mixed", "device": "cuda", "gpu": "h100"}):
+        settings = TrainSettings(batch_size=2, seq_len=64, **changes).validate(spec)
+        assert exact_candidates(spec, settings).peak_bytes == exact_candidates(spec, settings,
+                                                                               extrapolate=False).peak_bytes
 
 
 def deeper(config: dict, **tower) -> ModelSpec:

@@ -22,7 +22,15 @@ def hf_config(config: dict, name: str = ""):
         # `rope_scaling` gains `rope_theta` and `rope_type`), and the spec's config keys every cached fit and
         # trace: a spec described in this process hashed other than the same spec read back from the cache, so
         # a second cold-cache plan traced every fit again.
-        return transformers.AutoConfig.for_model(**copy.deepcopy(config))
+        given = copy.deepcopy(config)
+        if model_type not in transformers.CONFIG_MAPPING:
+            return transformers.AutoConfig.for_model(**given)  # its ValueError names the model types it knows
+        config_class = transformers.CONFIG_MAPPING[model_type]
+        derived = {key: given.pop(key) for key in derived_attributes(config_class) if isinstance(given.get(key), list)}
+        if derived:
+            config_class = _with_layer_lists(config_class, derived)
+        given.pop("model_type")
+        return config_class(**given)
     except (ValueError, KeyError) as exc:
         remote = " (its config names remote code in `auto_map`, which hf-memfit does not run)" \
             if "auto_map" in config else ""
@@ -30,6 +38,22 @@ def hf_config(config: dict, name: str = ""):
         raise CannotEstimate(f"`model` {shown}has model_type `{model_type}`, which transformers {version} cannot "
                           f"build{remote}; upgrade transformers or pass a config of a model type it "
                           f"knows ({str(exc).split('. ')[0][:120]})") from None
+
+
+def derived_attributes(config_class) -> list[str]:
+    """The public read-only properties of a config class: what it derives from its fields (Jamba's
+    `layers_block_type`), which a config dict cannot set."""
+    return [name for name in dir(config_class) if not name.startswith("_")
+            and isinstance(getattr(config_class, name), property) and getattr(config_class, name).fset is None]
+
+
+def _with_layer_lists(config_class, lists: dict[str, list]):
+    """`config_class` with the per-layer lists it derives from a pattern (Jamba's `layers_block_type` and
+    `layers_num_experts`: attention every 8th layer from 4, experts every 2nd from 1) taken as given instead.
+    A trace by kinds (`models/depths.py`) asks for an order no period and offset give: two layers of each kind.
+    The subclass keeps the class's name, which is what transformers' auto classes look a model class up by."""
+    overrides = {name: property(lambda self, values=tuple(values): list(values)) for name, values in lists.items()}
+    return type(config_class.__name__, (config_class,), {**overrides, "__module__": config_class.__module__})
 
 
 def auto_model_class(task: str):

@@ -19,7 +19,7 @@ from typing import Any
 from hf_memfit.cache import config_key, library_version, read_cache, write_cache
 from hf_memfit.errors import CannotEstimate, MemFitError
 from hf_memfit.models import ssm
-from hf_memfit.models.build import bnb_packed_modules, hf_config, instantiate
+from hf_memfit.models.build import bnb_packed_modules, derived_attributes, hf_config, instantiate
 from hf_memfit.models.layer_order import distinct, kinds, main_order, write_order
 from hf_memfit.tasks import TASK_TABLE
 
@@ -391,7 +391,15 @@ def _layer_lists(model, depth: int) -> dict[str, list]:
     text = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
     if text is None or depth <= 1:
         return {}
-    return {key: list(value) for key, value in vars(text).items()
+    # Lists the config derives from a pattern (Jamba's `layers_block_type` from a period and an offset) are
+    # properties of its class, not in vars(); `build.hf_config` takes them as given where a traced copy sets them.
+    derived = {}
+    for name in derived_attributes(type(text)):
+        try:
+            derived[name] = getattr(text, name)
+        except Exception:  # noqa: BLE001 - a property this config cannot answer is no per-layer list
+            continue
+    return {key: list(value) for key, value in {**vars(text), **derived}.items()
             if isinstance(value, (list, tuple)) and len(value) == depth and "token" not in key
             and all(isinstance(v, (str, int, bool)) for v in value)}
 
