@@ -7,7 +7,7 @@ shapes, accumulation and optimizers it never traced, against exact mode.
 import json
 
 import pytest
-from conftest import TINY_GEMMA3, TINY_OLMO2, TINY_QWEN3
+from conftest import TINY_GEMMA3, TINY_OLMO2, TINY_QWEN3, TINY_QWEN3_MOE
 
 from hf_memfit.estimator import parametric, parametric_fit
 from hf_memfit.estimator.assemble import estimate
@@ -343,3 +343,43 @@ def test_a_later_micro_batch_is_matched_to_the_first_one_op_by_op():
     later = live([+8, +4, +2, -2, -4, +16, -8])  # a temporary of its own after the second op
     assert parametric_fit._matching_clocks(later, first) == [0, 1, 2, 2, 2, 3, 4, 5]
     assert parametric_fit._matching_clocks(live([+1, +3]), live([+5])) is None
+
+
+@pytest.mark.parametrize("config, settings", [
+    (TINY_QWEN3, dict(device="cpu")),
+    (TINY_QWEN3, dict(device="cuda", precision="bf16", optim="adamw_torch_4bit", gradient_accumulation_steps=3)),
+    (TINY_QWEN3_MOE, dict(device="cuda", precision="bf16-mixed", optim="adamw_bnb_8bit", lora_r=4,
+                         lora_target_modules=("all-linear",))),
+])
+def test_later_shapes_copy_the_first_shape_s_optimizer_step_byte_for_byte(config, settings, monkeypatch):
+    """A fit traces one optimizer step, at its first shape; every later shape's is that one, moved by what else was
+    live (`trace._step_repeats`, `parametric_fit._copy_repeated_optimizer_steps`). The series are those of running
+    the step at every shape (no checkpointing here: with it, transformers frees autocast's cached copies in an
+    order that differs from one run to the next, and the two runs would differ in that order only)."""
+    from hf_memfit.estimator import trace
+
+    spec = ModelSpec.from_config("tiny", config)
+    plan = parametric._calibration_plan(spec, parametric_settings(spec, batch_size=2, seq_len=192, **settings))
+    depths = plan["depth_sets"][0]
+    copied = parametric._trace_summary(spec, plan["traced"], depths, plan["shapes"])
+    monkeypatch.setattr(trace, "_step_repeats", lambda settings: False)
+    stepped = parametric._trace_summary(spec, plan["traced"], depths, plan["shapes"])
+    assert len(copied["series"]) == len(stepped["series"]) == len(plan["shapes"]) > 2
+    for point, (a, b) in enumerate(zip(copied["series"], stepped["series"])):
+        assert a.keys() == b.keys(), point
+        for region in a:
+            assert (a[region] == b[region]).all(), (point, region)
+    assert copied["host_peaks"] == stepped["host_peaks"]
+
+
+def test_only_the_first_shape_runs_the_optimizer_step(monkeypatch):
+    from hf_memfit.estimator import step, trace
+
+    spec = ModelSpec.from_config("tiny", TINY_QWEN3)
+    plan = parametric._calibration_plan(spec, parametric_settings(spec, batch_size=2, seq_len=192, device="cpu"))
+    steps = []
+    original = step.optimizer_step
+    monkeypatch.setattr(step, "optimizer_step", lambda *a, **k: steps.append(1) or original(*a, **k))
+    result = trace.trace_step(spec.with_layers(2), plan["traced"], (2,), shapes=plan["shapes"])
+    assert len(steps) == 2  # the warm-up's and the first shape's
+    assert result.repeated_optimizer_steps == list(range(2, len(plan["shapes"]) + 1))

@@ -234,6 +234,7 @@ def _point_series(trace, count: int, period: int | None = None) -> list[dict]:
             e += 1
             if keep:
                 out.append(tuple(totals))
+    _copy_repeated_optimizer_steps(rows, trace.repeated_optimizer_steps)
     points = [{} for _ in range(count)]
     for region, values in rows.items():
         step, rest = region.split(".", 1)
@@ -242,3 +243,17 @@ def _point_series(trace, count: int, period: int | None = None) -> list[dict]:
         for cls in region_class(name, depth_of(stack, trace.stack_depths or trace.depths), period):
             points[int(step) - 1][cls] = np.array(values, dtype=float)
     return points
+
+
+def _copy_repeated_optimizer_steps(rows: dict[str, list], repeated: list[int]) -> None:
+    """The optimizer step of each step in `repeated` (not run: `trace._step_repeats`) as the first shape's, each
+    clock moved by what was live at the step's start beyond what was at the first one's (by category)."""
+    if not repeated:
+        return
+    step_of = {region.split(".", 1)[0]: region for region in rows if region.endswith("|opt")}
+    first = rows[step_of["1"]]
+    for step in repeated:
+        region = step_of[str(step)]
+        moved = [now - then for now, then in zip(rows[region][0], first[0])]
+        rows[region] = [tuple(value + by for value, by in zip(row, moved)) for row in first]
+

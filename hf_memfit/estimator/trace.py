@@ -276,6 +276,9 @@ class TraceResult:
     # as (shape, element size, in the weight-decay group, an nn.Embedding weight), in parameters() order.
     host_peaks: list[int] = field(default_factory=list)
     trainable_tensors: list[tuple] = field(default_factory=list)
+    # The steps whose optimizer step was not run but is the first shape's, moved by what else was live
+    # (`_step_repeats`, `parametric_fit._point_series`).
+    repeated_optimizer_steps: list[int] = field(default_factory=list)
 
 
 def _install_region_hooks(tracker: StorageTracker, stacks, step_tag) -> list:
@@ -438,6 +441,10 @@ def _trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], 
                                                                      "memfit_host_stash", None)
         host_peaks = []  # the pinned host memory each step held at most (offloaded activations)
         got_gradient: set = set()  # ids of the parameters a backward gave a gradient (the optimizer steps only those)
+        # A fit's later shapes copy the first shape's optimizer step (`repeated_optimizer_steps`): the gradients it
+        # steps are those this set was at the first shape.
+        first_stepped = None if run_as_given or not shapes or not _step_repeats(settings) else frozenset()
+        repeated: list[int] = []
         for step_index in range(steps):
             position["step"] = step_index
             if stash is not None:
@@ -483,13 +490,22 @@ def _trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], 
                         continue
                     p.grad = torch.zeros_like(p)
                     tracker.mark(p.grad, "gradients")
-            with training.optim_args_named(settings):
-                training.optimizer_step(model, optimizer, cuda_semantics=cuda)
+            with_gradient = frozenset(id(p) for p in model.parameters() if p.grad is not None)
+            if first_stepped is not None and step_index >= 2 and with_gradient == first_stepped:
+                model.zero_grad(set_to_none=True)  # the step itself is the first shape's (`_point_series`)
+                repeated.append(step_index)
+            else:
+                with training.optim_args_named(settings):
+                    training.optimizer_step(model, optimizer, cuda_semantics=cuda)
+                if first_stepped is not None and step_index == 1:
+                    first_stepped = with_gradient
             for p in model.parameters():  # GaLore 8-bit's step gives each target a new storage (`p.saved_data`)
                 tracker.mark(p, "weights")
             for value in optimizer_state_tensors(optimizer):
                 tracker.mark(value, "optimizer")
             host_peaks.append(stash.peak if stash is not None else 0)
+        if shapes and not run_as_given:  # the teardown's frees below are no step's: the last step's region ends as
+            tracker.set_region("end")    # the others do, and its clocks line up with theirs
         tracker.markers.append((tracker.clock, "end"))
         for h in handles:
             h.remove()
@@ -511,6 +527,7 @@ def _trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], 
         result.host_bytes = max(host_peaks, default=0)
         if shapes:  # what `parametric.py` needs to move the optimizer by formula
             result.host_peaks = host_peaks
+            result.repeated_optimizer_steps = repeated
             decay = {id(p) for p in training.param_groups(model)[0]["params"]}
             embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
             # The tensors the optimizer holds states for: those a backward gave a gradient. A trainable parameter
@@ -531,6 +548,17 @@ def _trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], 
             result.region_peaks[region] = live
             result.region_breakdowns[region] = tracker.breakdown_at(clock)
     return result
+
+
+def _step_repeats(settings: TrainSettings) -> bool:
+    """Whether one shape's optimizer step stands for every shape's in a multi-shape trace: the step reads the
+    parameters, their gradients and its states, whose shapes no batch or length changes, so its allocations
+    are the same at every shape; only what else is live differs (the same at every point where the backward
+    freed the activations). Not for optimizers whose step changes from one step to the next or runs inside
+    the backward: GaLore / APOLLO recompute their projections every `update_proj_gap` steps, and the
+    layerwise variants step in backward hooks. The step was 5-20% of a fit's trace time (Jamba's, with a
+    state per expert tensor, the most)."""
+    return not settings.optimizer.low_rank and not settings.optimizer.layerwise
 
 
 def _micro_label(micro: int, settings: TrainSettings) -> str:
