@@ -75,6 +75,7 @@ from hf_memfit.estimator.parametric_fit import (
     _solve_all,
     _value,
 )
+from hf_memfit.estimator.traced_shapes import TracedShapes
 from hf_memfit.models.generic import moe_note
 
 #: Bumped whenever what a cached fit means changes (part of the cache key, beside generic.CACHE_VERSION).
@@ -435,7 +436,9 @@ def calibrate_many(spec, many: list, shared: list | None = None) -> list[dict]:
     step's ops differ between batch 1 and larger batches (`parametric_fit._batch_regimes_differ`: most
     steps differ in a region or two and still fit) is made again as two fits, one per batch regime
     (`_points`), before that; the fit of batches of 2 or more holds the batch-1 one (`batch_1`). Each round
-    traces every calibration still to be made side by side.
+    traces every calibration still to be made side by side, and only the shapes no earlier round traced of the
+    same step at the same depths (`traced_shapes.py`): a fit made again by regime keeps two of its batch-1 lengths
+    and its first batch-2 shape, and one made again at its own precision all but its check point.
     """
     from hf_memfit.estimator.forked import run_jobs
 
@@ -444,15 +447,16 @@ def calibrate_many(spec, many: list, shared: list | None = None) -> list[dict]:
     how = [(sibling, False) for sibling in (shared or [True] * len(many))]
     fits: list = [None] * len(many)
     pending = list(range(len(many)))
+    traced = TracedShapes()
     while pending:
         plans = {i: [_calibration_plan(spec, many[i], how[i][0], batches)
                      for batches in (("1", "2+") if how[i][1] else ("",))] for i in pending}
-        jobs = [(spec, plan["traced"], depths, plan["shapes"])
-                for i in pending for plan in plans[i] for depths in plan["depth_sets"]]
-        summaries = iter(run_jobs(_trace_summary, jobs))
+        jobs, keys = traced.jobs(spec, [plan for i in pending for plan in plans[i]])
+        traced.add(jobs, keys, run_jobs(_trace_summary, jobs))
         again = []
         for i in pending:
-            parts = [_fit(many[i], plan, [next(summaries) for _ in plan["depth_sets"]]) for plan in plans[i]]
+            parts = [_fit(many[i], plan, [traced.summary(plan, depths) for depths in plan["depth_sets"]])
+                     for plan in plans[i]]
             fits[i] = parts[0] if len(parts) == 1 else _by_batch_regime(*parts)
             sibling, by_regime = how[i]
             if max(p["check_miss"] for p in parts) <= CHECK_TOLERANCE:
