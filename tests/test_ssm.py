@@ -230,3 +230,30 @@ def test_jamba_is_fitted_apart_at_batch_1_and_at_larger_batches(tmp_path, monkey
     (cached,) = [json.loads(p.read_text())["value"] for p in (tmp_path / "parametric").glob("*.json")]
     assert {p[0] for p in cached["points"]} == {2, 4, 8} and {p[0] for p in cached["batch_1"]["points"]} == {1}
     assert cached["precisions"] == ["bf16-mixed", "fp16-mixed"] and parametric.CHECK_TOLERANCE > cached["check_miss"]
+
+
+def test_a_fit_made_again_by_regime_reuses_the_shapes_it_traced(tmp_path, monkeypatch):
+    """The split fit reads the mixed fit's batch-1 lengths and first batch-2 shape (`traced_shapes.py`): fewer shapes
+    traced, and the same fit as one whose every round traces afresh."""
+    from hf_memfit.estimator import parametric, traced_shapes
+
+    monkeypatch.setenv("HF_MEMFIT_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_MEMFIT_NO_FORK", "1")  # the traces in this process, where they are counted
+    spec = _spec("jamba", dict(TINY_JAMBA, num_hidden_layers=8, hidden_size=128, intermediate_size=256))
+    settings = TrainSettings(batch_size=4, seq_len=4096, device="cuda", precision="bf16-mixed", gpu="h100",
+                             mode="fast").validate(spec)
+    traced = []
+    original = parametric._trace_summary
+    monkeypatch.setattr(parametric, "_trace_summary", lambda *job: traced.append(len(job[3])) or original(*job))
+    kept = parametric.calibrate(spec, settings)
+
+    class Forgetting(traced_shapes.TracedShapes):
+        def jobs(self, spec, plans):
+            self.shapes, self.run = {}, {}
+            return super().jobs(spec, plans)
+
+    kept_count, traced[:] = sum(traced), []
+    monkeypatch.setattr(parametric, "TracedShapes", Forgetting)
+    afresh = parametric.calibrate(spec, settings)
+    assert "batch_1" in kept and json.dumps(kept, sort_keys=True) == json.dumps(afresh, sort_keys=True)
+    assert kept_count == sum(traced) - 3 * 2 == 26  # at each of its two depths: (1, s), (1, m), (2, s) again
