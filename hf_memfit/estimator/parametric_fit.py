@@ -256,4 +256,3 @@ def _copy_repeated_optimizer_steps(rows: dict[str, list], repeated: list[int]) -
         region = step_of[str(step)]
         moved = [now - then for now, then in zip(rows[region][0], first[0])]
         rows[region] = [tuple(value + by for value, by in zip(row, moved)) for row in first]
-

@@ -17,7 +17,8 @@ from hf_memfit.estimator.warm_up import warm_up_without_a_pass
 class TracedShapes:
     """Every shape a calibration traced, by traced step and depths: what a fit made again reads instead of tracing
     it again. A shape's series do not depend on the shapes traced before it on the same model: each starts from the
-    same states, with the activations of the one before freed (`benchmarks/trace_identity.py` gives the same fits)."""
+    same states, with the activations of the one before freed (the fits are those of rounds that trace afresh:
+    `tests/test_ssm.py`)."""
 
     def __init__(self):
         self.shapes: dict[tuple, dict] = {}  # (step, depths) -> {shape: (series, host peak)}

@@ -11,7 +11,8 @@ length a config key sets:
   axes the tower ran at its full depth in every trace: Qwen2.5-VL-7B's 32 vision blocks were 95% of a
   7B VLM's trace time.
 
-A main stack whose per-layer config lists (`layer_types`, SmolLM3's `no_rope_layers`) set its layers' kinds,
+A main stack whose per-layer config lists (`layer_types`, SmolLM3's `no_rope_layers`, or lists its config derives
+from a pattern and `build.hf_config` takes as given in a traced copy: Jamba's `layers_block_type`) set its kinds,
 with a period of three or more layers (Gemma-3: five sliding-window layers, then a global one), has one axis
 per kind instead (`generic.layer_kinds`): two periods were 12 layers and three 18, where two of each kind are 4
 and a grown one 5. The traced order keeps one layer of each kind at each end, the real first and last layers'
