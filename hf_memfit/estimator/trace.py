@@ -490,7 +490,8 @@ def _trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], 
                         continue
                     p.grad = torch.zeros_like(p)
                     tracker.mark(p.grad, "gradients")
-            with_gradient = frozenset(id(p) for p in model.parameters() if p.grad is not None)
+            with_gradient = None if first_stepped is None else frozenset(
+                id(p) for p in model.parameters() if p.grad is not None)
             if first_stepped is not None and step_index >= 2 and with_gradient == first_stepped:
                 model.zero_grad(set_to_none=True)  # the step itself is the first shape's (`_point_series`)
                 repeated.append(step_index)
