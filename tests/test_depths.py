@@ -115,6 +115,18 @@ def test_a_stack_whose_config_derives_its_kinds_is_traced_by_kinds():
                                                                                extrapolate=False).peak_bytes
 
 
+def test_recurrent_gemma_by_kinds_equals_a_full_trace():
+    """RecurrentGemma derives `layers_block_type` (recurrent, recurrent, attention, ...) from `block_types` too. By
+    periods, 14 layers (four periods and two) were extrapolated from 6 and 9 by a fractional period: -2.2%."""
+    config = dict(model_type="recurrent_gemma", num_hidden_layers=14, hidden_size=64, intermediate_size=128,
+                  num_attention_heads=4, num_key_value_heads=1, head_dim=16, vocab_size=256, lru_width=64,
+                  attention_window_size=32, conv1d_width=4)
+    spec = ModelSpec.from_config("tiny-recurrent-gemma", config)
+    assert depth_plan(spec).depth_sets == [(2, 2), (3, 2), (2, 3)]  # 10 recurrent and 4 attention layers
+    settings = TrainSettings(batch_size=2, seq_len=64).validate(spec)
+    assert exact_candidates(spec, settings).peak_bytes == exact_candidates(spec, settings, extrapolate=False).peak_bytes
+
+
 def deeper(config: dict, **tower) -> ModelSpec:
     config = copy.deepcopy(config)
     config["vision_config"].update(tower)

@@ -41,9 +41,12 @@ def hf_config(config: dict, name: str = ""):
 
 
 def derived_attributes(config_class) -> list[str]:
-    """The public read-only properties of a config class: what it derives from its fields (Jamba's
-    `layers_block_type`), which a config dict cannot set."""
-    return [name for name in dir(config_class) if not name.startswith("_")
+    """The public read-only properties a model's config class adds: what it derives from its fields (Jamba's
+    `layers_block_type`), which a config dict cannot set. Not the base class's (`use_return_dict`, ...)."""
+    from transformers import PretrainedConfig
+
+    base = set(dir(PretrainedConfig))
+    return [name for name in dir(config_class) if not name.startswith("_") and name not in base
             and isinstance(getattr(config_class, name), property) and getattr(config_class, name).fset is None]
 
 
