@@ -28,8 +28,9 @@ from hf_memfit.estimator.breakdown import CATEGORIES, StepMemory
 from hf_memfit.estimator.parametric import (_FACTS, _LAYOUT_FIELDS, _OPTIMIZER_FIELDS, _extrapolate,
                                             _move_optimizer, _optimizer_formula_exact, _optimizer_of, _swappable)
 from hf_memfit.estimator.parametric_fit import later_micro_batch
+from hf_memfit.estimator.pinned_host import fit_offloaded_tensors, offloaded_bytes
 
-BATCH_FIT_VERSION = 6
+BATCH_FIT_VERSION = 7
 CACHE_KIND = "batch-fit"
 #: (batch, seq placeholder, micro-batches): the line's first point; its second with a later micro-batch; the check.
 POINTS = ((1, 0, 1), (2, 0, 2), (3, 0, 1))
@@ -105,7 +106,9 @@ def evaluate(fit: dict, settings) -> StepMemory:
     if _optimizer_of(settings) != fit["optimizer"]:
         _move_optimizer(candidates, fit, settings)
     step = StepMemory(candidates, **fit["facts"])
-    if fit["host"]:
+    if fit["host_tensors"] is not None:
+        step.host_bytes = offloaded_bytes(fit["host_tensors"], lambda c: int(round(c[0] + c[1] * b)))
+    elif fit["host"]:
         step.host_bytes = max(0, int(round(fit["host"][0] + fit["host"][1] * b)))
     if fit["check_miss"] > CHECK_TOLERANCE:
         step.notes.append(f"batch fit: at its check point it missed the trace by {100 * fit['check_miss']:.1f}% of "
@@ -176,7 +179,8 @@ def calibrate_many(spec, many: list) -> list[dict]:
         if apart:  # the base depth's summary, its check point's step after its own two
             base, check = traced_depths[0], traced_depths[-1]
             traced_depths = [dict(base, series=base["series"] + check["series"],
-                                  host_peaks=base["host_peaks"] + check["host_peaks"][1:])] + traced_depths[1:-1]
+                                  host_peaks=base["host_peaks"] + check["host_peaks"][1:],
+                                  host_held=base["host_held"] + check["host_held"][1:])] + traced_depths[1:-1]
         fits.append(_fit(settings, plan, traced_depths))
     return fits
 
@@ -205,19 +209,22 @@ def _fit(settings, plan, summaries: list[dict]) -> dict:
         real_depth = per_depth[0] + sum(step * (grown - per_depth[0]) for step, grown in zip(steps, per_depth[1:]))
         candidates[region] = _prune(real_depth)
     check_miss, check_region = _check(series, fitted)
-    host = None
-    if any(any(t["host_peaks"]) for t in summaries):
+    host = host_tensors = None
+    if any(any(t["host_peaks"]) for t in summaries):  # offloaded activations: each tensor's size on a line
         import numpy as np
 
+        host_tensors = fit_offloaded_tensors([t["host_held"][1:3] for t in summaries], steps,
+                                             lambda sizes: [2 * sizes[0] - sizes[1], sizes[1] - sizes[0]])
         lines = [np.array([2 * t["host_peaks"][1] - t["host_peaks"][2], t["host_peaks"][2] - t["host_peaks"][1]],
-                          dtype=float) for t in summaries]
+                          dtype=float) for t in summaries]  # their sum, where the points differ in the tensors
         host = [float(c) for c in _extrapolate(lines, steps)]
     facts = {k: int(round(_extrapolate([t["facts"][k] for t in summaries], steps))) for k in _FACTS}
     facts["largest_param_numel"] = summaries[0]["facts"]["largest_param_numel"]
     facts["largest_linear_numel"] = summaries[0]["facts"]["largest_linear_numel"]
     tensors = {"lists": [t["trainable_tensors"] for t in summaries], "steps": steps}
     return {"version": BATCH_FIT_VERSION, "depths": ", ".join("+".join(map(str, d)) for d in depth_sets),
-            "traces": len(summaries), "candidates": candidates, "host": host, "facts": facts,
+            "traces": len(summaries), "candidates": candidates, "host": host, "host_tensors": host_tensors,
+            "facts": facts,
             "optimizer": _optimizer_of(settings), "tensors": tensors, "check_miss": check_miss,
             "check_region": check_region,
             "optimizer_formula_exact": _optimizer_formula_exact(series, tensors, settings)}

@@ -41,6 +41,7 @@ from hf_memfit.estimator.breakdown import StepMemory
 from hf_memfit.estimator.fast_heads import HeadMemory, head_memory
 from hf_memfit.estimator.fast_params import (ParamGroup, family_of, lora_targets, optimizer_tensors, param_bytes,
                                              parameters, quantizable, unpacked_4bit)
+from hf_memfit.estimator.pinned_host import pinned_host_bytes
 from hf_memfit.models.forward import DTYPE_BYTES, DTYPE_TAG, ForwardTape, StepContext, SymTensor
 from hf_memfit.optimizers import allocated_bytes
 
@@ -613,8 +614,3 @@ def _offloaded_checkpoint_bytes(acts: _Activations, settings) -> int:
         return 0
     return sum(st.depth * pinned_host_bytes(st.carry) for st in acts.stacks)
 
-
-def pinned_host_bytes(nbytes: int) -> int:
-    """What a pinned host allocation takes: CachingHostAllocator rounds it up to a power of two
-    (ATen/core/CachingHostAllocator.h, `PowerOf2Ceil`, below `pinned_max_round_threshold`, unlimited by default)."""
-    return 1 << max(0, (nbytes - 1).bit_length()) if nbytes > 0 else 0

@@ -75,11 +75,12 @@ from hf_memfit.estimator.parametric_fit import (
     _solve_all,
     _value,
 )
+from hf_memfit.estimator.pinned_host import fit_offloaded_tensors, offloaded_bytes
 from hf_memfit.estimator.traced_shapes import TracedShapes
 from hf_memfit.models.generic import moe_note
 
 #: Bumped whenever what a cached fit means changes (part of the cache key, beside generic.CACHE_VERSION).
-PARAMETRIC_VERSION = 5
+PARAMETRIC_VERSION = 6
 CACHE_KIND = "parametric"
 
 #: The shortest sequence the fit is traced at, for models with room for it. Long enough that per-token
@@ -351,7 +352,7 @@ def _read(key: str) -> dict | None:
         return _read_fits[memo]
     fit = read_cache(CACHE_KIND, key)
     needed = ("version", "points", "precisions", "candidates", "facts", "optimizer", "optimizer_formula_exact", "tensors",
-              "host", "check_miss", "check_region", "traces", "depths")
+              "host", "host_tensors", "check_miss", "check_region", "traces", "depths")
     if not isinstance(fit, dict) or fit.get("version") != PARAMETRIC_VERSION or any(k not in fit for k in needed):
         return None
     _read_fits[memo] = fit
@@ -378,7 +379,9 @@ def evaluate(fit: dict, settings) -> StepMemory:
     if _optimizer_of(settings) != fit["optimizer"]:
         _move_optimizer(candidates, fit, settings)
     step = StepMemory(candidates, **fit["facts"])
-    if fit["host"]:
+    if fit["host_tensors"] is not None:
+        step.host_bytes = offloaded_bytes(fit["host_tensors"], lambda c: _value(c, b, s))
+    elif fit["host"]:
         step.host_bytes = _value(fit["host"], b, s)
     if fit["check_miss"] > CHECK_TOLERANCE:
         step.notes.append(f"parametric fit: at its check point it missed the trace by {100 * fit['check_miss']:.1f}% "
@@ -523,6 +526,7 @@ def _trace_summary(spec, traced, depths, shapes) -> dict:
     # A reduced copy stands for the stack by its first and last period; the real depth by every layer
     period = None if tuple(depths) == real_depths(spec) else region_period(spec)
     return {"series": _point_series(trace, len(shapes), period), "host_peaks": list(trace.host_peaks),
+            "host_held": list(trace.host_peak_tensors),
             "facts": {k: getattr(trace, k) for k in _FACTS}, "trainable_tensors": trace.trainable_tensors}
 
 
@@ -542,10 +546,13 @@ def _fit(settings, plan: dict, summaries: list[dict]) -> dict:
         real_depth = per_depth[0] + sum(step * (grown - per_depth[0]) for step, grown in zip(steps, per_depth[1:]))
         candidates[region] = _prune(real_depth)
     check_miss, check_region = _check(series, fitted, points)
-    host = None
-    if any(any(t["host_peaks"]) for t in summaries):  # offloaded activations: fitted as the region bytes are
+    host = host_tensors = None
+    if any(any(t["host_peaks"]) for t in summaries):  # offloaded activations: each tensor's size fitted as the
+        host_tensors = fit_offloaded_tensors(   # region bytes are, rounded by the host allocator when evaluated
+            [t["host_held"][1:n + 1] for t in summaries], steps,
+            lambda sizes: [float(c) for c in _solve_all(points, np.array(sizes, dtype=float), terms)])
         host_coefficients = [_solve_all(points, np.array(t["host_peaks"][1:n + 1], dtype=float), terms)
-                             for t in summaries]
+                             for t in summaries]  # their sum, where the points do not offload the same tensors
         host = [float(c) for c in _extrapolate(host_coefficients, steps)]
     facts = {k: int(round(_extrapolate([t["facts"][k] for t in summaries], steps))) for k in _FACTS}
     facts["largest_param_numel"] = summaries[0]["facts"]["largest_param_numel"]
@@ -559,6 +566,7 @@ def _fit(settings, plan: dict, summaries: list[dict]) -> dict:
         "traces": len(summaries),
         "candidates": candidates,
         "host": host,
+        "host_tensors": host_tensors,
         "facts": facts,
         "optimizer": _optimizer_of(settings),
         "optimizer_formula_exact": _optimizer_formula_exact(series, tensors, settings),

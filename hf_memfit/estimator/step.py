@@ -345,6 +345,7 @@ def heavy_step_imports(settings: TrainSettings) -> list[str]:
     tracker, and in a parent before it forks traces."""
     return [name for name, wanted in (
         (OPTIMIZER_TABLE_MODULE, needs_trainer_table(settings)),  # the optimizer table: peft, bitsandbytes, torchao
+        ("trl.trainer.utils", settings.trainer != "trainer"),  # TRL's fused head (`_add_trl_head`): peft, bitsandbytes
         ("peft", settings.uses_lora),
         ("bitsandbytes", settings.load_in_kbit or settings.optimizer.package == "bitsandbytes")) if wanted]
 

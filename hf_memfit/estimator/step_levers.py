@@ -7,16 +7,10 @@ import weakref
 
 import torch
 
+from hf_memfit.estimator.pinned_host import HostStash
 from hf_memfit.settings import TrainSettings
 
 # --- activation checkpoints offloaded to the host -------------------------------------------
-
-class HostStash:
-    """Pinned host memory held by offloaded checkpoint inputs: live bytes and their peak."""
-
-    def __init__(self):
-        self.live = self.peak = 0
-
 
 def offload_checkpoint_inputs(model) -> None:
     """transformers' `activation_checkpointing_enable(offload=True)`, with the copies emulated for the trace.
@@ -27,24 +21,22 @@ def offload_checkpoint_inputs(model) -> None:
     the rotary tables stay referenced as they are), are copied to pinned host memory
     in the forward and back to the device when backward recomputes the layer. Here the
     pack hook counts the host copy in `model.memfit_host_stash` and keeps no device
-    tensor; the unpack hook allocates the device copy, as `tensor.to(device)` does.
+    tensor; the unpack hook allocates the device copy, as `tensor.to(device)` does. A
+    copy no backward unpacks (a layer whose output nothing reads: LLaVA's last CLIP
+    layer) is freed with the graph that holds it, as the host tensor is.
     """
     from torch.autograd.graph import saved_tensors_hooks
-
-    from hf_memfit.estimator.fast import pinned_host_bytes
 
     stash = HostStash()
     model.memfit_host_stash = stash
 
     def pack(tensor):
-        nbytes = pinned_host_bytes(tensor.untyped_storage().nbytes())
-        stash.live += nbytes
-        stash.peak = max(stash.peak, stash.live)
-        return tensor.size(), tensor.stride(), tensor.dtype, tensor.requires_grad, nbytes
+        return _HostCopy(stash, stash.add(tensor.untyped_storage().nbytes()),
+                         (tensor.size(), tensor.stride(), tensor.dtype, tensor.requires_grad))
 
-    def unpack(packed):
-        size, stride, dtype, requires_grad, nbytes = packed
-        stash.live -= nbytes
+    def unpack(copy):
+        size, stride, dtype, requires_grad = copy.layout
+        copy.free()
         return torch.empty_strided(size, stride, dtype=dtype).requires_grad_(requires_grad)
 
     for module in model.modules():
@@ -57,6 +49,23 @@ def offload_checkpoint_inputs(model) -> None:
                 return _checkpoint(function, *args, **kwargs)
 
         module._gradient_checkpointing_func = offloaded
+
+
+class _HostCopy:
+    """An offloaded tensor's host copy, as the autograd graph holds it: freed when unpacked, or with the graph."""
+
+    __slots__ = ("stash", "token", "layout")
+
+    def __init__(self, stash: HostStash, token: int, layout: tuple):
+        self.stash, self.token, self.layout = stash, token, layout
+
+    def free(self) -> None:
+        if self.token is not None:
+            self.stash.remove(self.token)
+            self.token = None
+
+    def __del__(self):
+        self.free()
 
 
 # --- TRL's activation offloading -------------------------------------------------------------
@@ -94,7 +103,8 @@ class TrlOffloadedActivations(torch.autograd.graph.saved_tensors_hooks):
     def __init__(self, model):
         self.host = HostStash()
         self.param_storages = {p.untyped_storage()._cdata for p in model.parameters()}
-        self.tracker: dict[int, tuple] = {}  # id -> (device tensor kept, None) | (host layout, host bytes)
+        # id -> (device tensor kept, its `host` token or None, False) | (host layout, its `host` token, True)
+        self.tracker: dict[int, tuple] = {}
         self.storage_to_id: dict[tuple, int] = {}
         self.key_of_id: dict[int, tuple] = {}
         self.storage_of_id: dict[int, "weakref.ref"] = {}  # the storage a key was made from
@@ -155,38 +165,39 @@ class TrlOffloadedActivations(torch.autograd.graph.saved_tensors_hooks):
         storage = activation.untyped_storage()
         key = (storage._cdata, activation.storage_offset(), activation.dtype)
         if self._offloaded_before(key, storage):  # already offloaded and still stashed: kept on the GPU
-            self.tracker[tensor_id] = (activation, None)
+            self.tracker[tensor_id] = (activation, None, False)
             self._track(key, tensor_id, storage)
             return tensor_id
-        if (activation.element_size() * activation.nelement() < self.MIN_OFFLOAD_BYTES
-                or isinstance(activation, torch.nn.Parameter) or storage._cdata in self.param_storages):
-            self.tracker[tensor_id] = (activation, None)
+        if isinstance(activation, torch.nn.Parameter) or storage._cdata in self.param_storages:
+            self.tracker[tensor_id] = (activation, None, False)
             return tensor_id
         broadcast = 0 in activation.stride()
+        host_numel = storage.nbytes() // activation.element_size() if broadcast else activation.numel()
+        nbytes = activation.element_size() * activation.nelement()
+        if nbytes < self.MIN_OFFLOAD_BYTES:  # kept on the GPU; held at no host bytes, for the fits to see it grow
+            self.tracker[tensor_id] = (activation, self.host.add(host_numel * activation.element_size(), nbytes,
+                                                                 self.MIN_OFFLOAD_BYTES), False)
+            return tensor_id
         if not broadcast and (not activation.is_contiguous() or activation.storage_offset() != 0):
             activation = (activation.clone(memory_format=torch.contiguous_format) if activation.storage_offset()
                           else activation.contiguous())
         for old in [i for i in self.fwd_stash if i <= tensor_id - self.FORWARD_STASH]:
             del self.fwd_stash[old]
             self._release(old)
-        from hf_memfit.estimator.fast import pinned_host_bytes
-
-        host_numel = storage.nbytes() // activation.element_size() if broadcast else activation.numel()
-        host = pinned_host_bytes(host_numel * activation.element_size())
-        self.host.live += host
-        self.host.peak = max(self.host.peak, self.host.live)
+        host = self.host.add(host_numel * activation.element_size(), nbytes, self.MIN_OFFLOAD_BYTES)
         layout = (activation.size(), activation.stride(), activation.storage_offset(), activation.dtype, host_numel)
-        self.tracker[tensor_id] = (layout, host)
+        self.tracker[tensor_id] = (layout, host, True)
         self.fwd_stash[tensor_id] = activation
         self._track(key, tensor_id, storage)
         return tensor_id
 
     def _unpack(self, tensor_id: int) -> torch.Tensor:
-        value, host = self.tracker.pop(tensor_id)
+        value, host, offloaded = self.tracker.pop(tensor_id)
         self._release(tensor_id)
-        if host is None:
+        if host is not None:
+            self.host.remove(host)
+        if not offloaded:
             return value
-        self.host.live -= host
         node = torch._C._current_autograd_node()
         previous = []
         if node is not self.current_node:  # a new node: the previous node's tensors go once it has run
@@ -211,7 +222,9 @@ class TrlOffloadedActivations(torch.autograd.graph.saved_tensors_hooks):
 
     def __enter__(self):
         # TRL drops what a previous step left (tensors saved but never unpacked) when the next one starts.
-        self.host.live -= sum(host for _, host in self.tracker.values() if host)
+        for _, host, _ in self.tracker.values():
+            if host is not None:
+                self.host.remove(host)
         self.tracker.clear()
         self.storage_to_id.clear()
         self.key_of_id.clear()

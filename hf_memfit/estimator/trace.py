@@ -275,6 +275,7 @@ class TraceResult:
     # Multi-shape traces only (`trace_step(shapes=...)`): each step's host peak, and the trainable tensors
     # as (shape, element size, in the weight-decay group, an nn.Embedding weight), in parameters() order.
     host_peaks: list[int] = field(default_factory=list)
+    host_peak_tensors: list[list[tuple]] = field(default_factory=list)  # and the tensors held then
     trainable_tensors: list[tuple] = field(default_factory=list)
     # The steps whose optimizer step was not run but is the first shape's, moved by what else was live
     # (`_step_repeats`, `parametric_fit._point_series`).
@@ -440,6 +441,7 @@ def _trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], 
         stash = getattr(model, "memfit_host_stash", None) or getattr(getattr(model, "base_model", None),
                                                                      "memfit_host_stash", None)
         host_peaks = []  # the pinned host memory each step held at most (offloaded activations)
+        host_peak_tensors = []  # and the tensors it held then (`pinned_host.fit_offloaded_tensors`)
         got_gradient: set = set()  # ids of the parameters a backward gave a gradient (the optimizer steps only those)
         # A fit's later shapes copy the first shape's optimizer step (`repeated_optimizer_steps`): the gradients it
         # steps are those this set was at the first shape.
@@ -448,7 +450,7 @@ def _trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], 
         for step_index in range(steps):
             position["step"] = step_index
             if stash is not None:
-                stash.peak = stash.live
+                stash.restart_peak()
             if run_as_given:  # a run's steps as given, its first standing for the warm-up (`run_of_shapes.py`)
                 micro_settings = shapes[step_index]
                 progress.info("tracing optimizer step %d of %d", step_index + 1, len(shapes))
@@ -505,6 +507,7 @@ def _trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], 
             for value in optimizer_state_tensors(optimizer):
                 tracker.mark(value, "optimizer")
             host_peaks.append(stash.peak if stash is not None else 0)
+            host_peak_tensors.append(stash.peak_tensors if stash is not None else [])
         if shapes and not run_as_given:  # the teardown's frees below are no step's: the last step's region ends as
             tracker.set_region("end")    # the others do, and its clocks line up with theirs
         tracker.markers.append((tracker.clock, "end"))
@@ -528,6 +531,7 @@ def _trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], 
         result.host_bytes = max(host_peaks, default=0)
         if shapes:  # what `parametric.py` needs to move the optimizer by formula
             result.host_peaks = host_peaks
+            result.host_peak_tensors = host_peak_tensors
             result.repeated_optimizer_steps = repeated
             decay = {id(p) for p in training.param_groups(model)[0]["params"]}
             embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}

@@ -21,7 +21,7 @@ class TracedShapes:
     `tests/test_ssm.py`)."""
 
     def __init__(self):
-        self.shapes: dict[tuple, dict] = {}  # (step, depths) -> {shape: (series, host peak)}
+        self.shapes: dict[tuple, dict] = {}  # (step, depths) -> {shape: (series, host peak, tensors held at it)}
         self.run: dict[tuple, dict] = {}  # (step, depths) -> the warm-up's host peak, facts and tensors
 
     @staticmethod
@@ -46,9 +46,11 @@ class TracedShapes:
 
     def add(self, jobs: list[tuple], keys: list[tuple], summaries: list[dict]) -> None:
         for (_, _, _, shapes), key, summary in zip(jobs, keys, summaries):
-            self.run.setdefault(key, {"warm_up_host": summary["host_peaks"][0], "facts": summary["facts"],
+            self.run.setdefault(key, {"warm_up_host": summary["host_peaks"][0],
+                                      "warm_up_host_held": summary["host_held"][0], "facts": summary["facts"],
                                       "trainable_tensors": summary["trainable_tensors"]})
-            self.shapes.setdefault(key, {}).update(zip(shapes, zip(summary["series"], summary["host_peaks"][1:])))
+            self.shapes.setdefault(key, {}).update(zip(shapes, zip(summary["series"], summary["host_peaks"][1:],
+                                                                   summary["host_held"][1:])))
 
     def summary(self, plan: dict, depths) -> dict:
         """`_trace_summary` of the plan's shapes at `depths`, in the plan's order."""
@@ -56,4 +58,5 @@ class TracedShapes:
         run, shapes = self.run[key], self.shapes[key]
         return {"series": [shapes[s][0] for s in plan["shapes"]],
                 "host_peaks": [run["warm_up_host"]] + [shapes[s][1] for s in plan["shapes"]],
+                "host_held": [run["warm_up_host_held"]] + [shapes[s][2] for s in plan["shapes"]],
                 "facts": run["facts"], "trainable_tensors": run["trainable_tensors"]}
