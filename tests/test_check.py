@@ -73,6 +73,7 @@ def test_grid_writes_a_report_with_the_machine_and_every_row(tmp_path, capsys):
             for r in rows} == {(b, c, lora) for b in (1, 2) for c in (False, True) for lora in (None, 8)}
     for key in ("torch", "transformers", "device_name", "python"):
         assert report["machine"][key]
+    assert report["machine"]["cpu_capability"] and report["machine"]["measured_on_threads"] == 1
     for row in rows:
         assert row["measured"]["peak_allocated_bytes"] > 0 and "fast" in row["predicted"]
         assert abs(row["error_percent"]["fast"]["peak_allocated"]) <= 10.0, row["label"]  # fast's every-row target

@@ -391,8 +391,10 @@ def machine_info(device: str) -> dict:
 
     info = {"hf_memfit": __version__, "python": platform.python_version(), "platform": platform.platform(),
             "cpu": _cpu_name(), "cpu_count": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(), "ram_bytes": int(psutil.virtual_memory().total),
-            "device": device}
+            "torch_threads": torch.get_num_threads(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "ram_bytes": int(psutil.virtual_memory().total), "device": device}
+    if device == "cpu":  # without CPU kernels' per-thread scratch: `measure.one_intra_op_thread`
+        info["measured_on_threads"] = 1
     for package in ("torch", "transformers", "peft", "accelerate", "bitsandbytes", "trl"):
         try:
             info[package] = importlib.metadata.version(package)

@@ -28,7 +28,7 @@ import time
 import torch
 
 from hf_memfit.estimator import step as training
-from hf_memfit.estimator.measure import bitsandbytes_build, measure_cpu_peak
+from hf_memfit.estimator.measure import bitsandbytes_build, measure_cpu_peak, one_intra_op_thread
 from hf_memfit.settings import TrainSettings
 
 # The profiler's categories (torch/profiler/_memory_profiler.py `Category`) as the estimate's breakdown names them.
@@ -89,8 +89,8 @@ def measure_step(config: dict, settings: TrainSettings, *, steps: int = 2, terms
 def cpu_terms_at_peak(config: dict, settings: TrainSettings, *, steps: int = 2) -> tuple[dict[str, int], int]:
     """The live bytes by breakdown term at the peak of a profiled CPU run, and that peak.
 
-    The same loop as `measure_cpu_peak`, under a profiler that also records shapes and
-    stacks, which its memory analysis needs to follow each tensor's role.
+    The same loop as `measure_cpu_peak`, on one intra-op thread as it is, under a profiler that also records
+    shapes and stacks, which its memory analysis needs to follow each tensor's role.
     """
     from torch.profiler import ProfilerActivity, profile
     from torch.profiler._memory_profiler import (
@@ -99,7 +99,7 @@ def cpu_terms_at_peak(config: dict, settings: TrainSettings, *, steps: int = 2) 
     )
 
     torch.manual_seed(0)
-    with training.cuda_synchronize_without_cuda(), bitsandbytes_build(settings, "cpu"), \
+    with training.cuda_synchronize_without_cuda(), bitsandbytes_build(settings, "cpu"), one_intra_op_thread(), \
             profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
                     with_stack=True) as prof:
         model = training.build_model(config, settings)
