@@ -215,9 +215,10 @@ def _fit(settings, plan, summaries: list[dict]) -> dict:
 
         host_tensors = fit_offloaded_tensors([t["host_held"][1:3] for t in summaries], steps,
                                              lambda sizes: [2 * sizes[0] - sizes[1], sizes[1] - sizes[0]])
-        lines = [np.array([2 * t["host_peaks"][1] - t["host_peaks"][2], t["host_peaks"][2] - t["host_peaks"][1]],
-                          dtype=float) for t in summaries]  # their sum, where the points differ in the tensors
-        host = [float(c) for c in _extrapolate(lines, steps)]
+        if host_tensors is None:  # the points do not offload the same tensors: their sums, on a line
+            lines = [np.array([2 * t["host_peaks"][1] - t["host_peaks"][2], t["host_peaks"][2] - t["host_peaks"][1]],
+                              dtype=float) for t in summaries]
+            host = [float(c) for c in _extrapolate(lines, steps)]
     facts = {k: int(round(_extrapolate([t["facts"][k] for t in summaries], steps))) for k in _FACTS}
     facts["largest_param_numel"] = summaries[0]["facts"]["largest_param_numel"]
     facts["largest_linear_numel"] = summaries[0]["facts"]["largest_linear_numel"]

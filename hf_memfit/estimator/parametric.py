@@ -551,9 +551,10 @@ def _fit(settings, plan: dict, summaries: list[dict]) -> dict:
         host_tensors = fit_offloaded_tensors(   # region bytes are, rounded by the host allocator when evaluated
             [t["host_held"][1:n + 1] for t in summaries], steps,
             lambda sizes: [float(c) for c in _solve_all(points, np.array(sizes, dtype=float), terms)])
-        host_coefficients = [_solve_all(points, np.array(t["host_peaks"][1:n + 1], dtype=float), terms)
-                             for t in summaries]  # their sum, where the points do not offload the same tensors
-        host = [float(c) for c in _extrapolate(host_coefficients, steps)]
+        if host_tensors is None:  # the points do not offload the same tensors: their sums, fitted
+            host_coefficients = [_solve_all(points, np.array(t["host_peaks"][1:n + 1], dtype=float), terms)
+                                 for t in summaries]
+            host = [float(c) for c in _extrapolate(host_coefficients, steps)]
     facts = {k: int(round(_extrapolate([t["facts"][k] for t in summaries], steps))) for k in _FACTS}
     facts["largest_param_numel"] = summaries[0]["facts"]["largest_param_numel"]
     facts["largest_linear_numel"] = summaries[0]["facts"]["largest_linear_numel"]
