@@ -57,6 +57,11 @@ def format_bytes(n: int | float) -> str:
     return f"{sign}{int(n)} B"
 
 
+def format_count(n: int) -> str:
+    """A parameter count: 8030261248 -> '8.03B', 276480 -> '0.3M', 1234 -> '1,234'."""
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e5 else f"{n:,}"
+
+
 # CUDACachingAllocator rounds every request up to a multiple of kMinBlockSize, at least one block
 # ("all sizes are rounded to at least 512 bytes", c10/cuda/CUDACachingAllocator.cpp).
 CUDA_BLOCK_BYTES = 512

@@ -154,6 +154,8 @@ class StorageTracker(TraceMode):
         return record is not None and record.category == "weights" and self.phase == "forward"
 
     def track(self, tensor: torch.Tensor, category: str | None = None) -> None:
+        if self.phase == "build" and tensor.device.type == "meta":
+            return  # `from_pretrained` makes the model on the meta device first (`build.instantiate`): no memory
         storage = tensor.untyped_storage()
         key = storage._cdata
         if key in self._live:

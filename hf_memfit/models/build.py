@@ -3,6 +3,7 @@ and `hf-memfit check` trains, one code path for all three."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 from hf_memfit.cache import library_version
@@ -65,14 +66,30 @@ def auto_model_class(task: str):
     return getattr(transformers, TASK_TABLE[task].auto_class)
 
 
-def instantiate(config: dict, task: str, num_labels: int, *, dtype, attn_implementation: str | None):
-    """The task's transformers model from a config dict, as `AutoModelFor<task>.from_config` builds it.
+def instantiate(config: dict, task: str, num_labels: int, *, dtype, attn_implementation: str | None,
+                meta: bool = False):
+    """The task's transformers model from a config dict, built as `from_pretrained` builds it, in train mode.
+
+    `from_pretrained` of a checkpoint with none of the model's weights (`state_dict={}`), which is transformers'
+    own loading path with every key missing: the model is made on the meta device without tying, each untied
+    parameter and non-persistent buffer is then given its memory one at a time (`_move_missing_keys_from_meta_to_
+    device`), initialised in place (`initialize_weights`), and tied. A fine-tune loads its weights this way, so
+    what it holds while the model is made is the weights. `from_config` makes every module with its own weights
+    before tying them: T5's two `embed_tokens` beside `shared`, a tied `lm_head`. A tiny T5 with a 64,000-token
+    vocabulary measured 3.6 times its weights while being made that way, and exact mode's peak for Gemma-2-2B LoRA
+    was there (docs/benchmarks.md, known problem 2). The initialisation is transformers' `_init_weights`, as before.
+
+    With `meta`, the model on the meta device, as `from_config` makes it (tied, no memory): `from_pretrained` refuses
+    a meta device context.
 
     With no attention implementation asked for, SDPA where the model supports
     it and eager otherwise, which is what transformers itself picks. SDPA asked
     for (the planner's default) on a model without it is eager too: a model with
     no attention at all (Mamba) refuses every implementation but eager.
     """
+    import torch
+    from transformers.models.auto.auto_factory import _get_model_class
+
     built = hf_config(config)
     if task in ("seq-cls", "token-cls"):
         built.num_labels = num_labels
@@ -81,13 +98,42 @@ def instantiate(config: dict, task: str, num_labels: int, *, dtype, attn_impleme
             text = built.get_text_config() if hasattr(built, "get_text_config") else built
             pad = getattr(built, "eos_token_id", None) or getattr(text, "eos_token_id", None) or 0
             built.pad_token_id = pad[0] if isinstance(pad, list) else pad
-    cls = auto_model_class(task)
+    if hasattr(built, "quantization_config"):
+        # The config of a model loaded quantized (`MemFitTrainer` reads `model.config`) names its quantization;
+        # `from_pretrained` would quantize by it, `from_config` never did. The settings say how the weights are
+        # stored (`load_in_4bit`, `load_in_8bit`), and the trace and the measurement apply that themselves.
+        del built.quantization_config
+    model_class = _get_model_class(built, auto_model_class(task)._model_mapping)
+
+    def build(attn: str):
+        if meta:
+            with torch.device("meta"):
+                return model_class._from_config(built, dtype=dtype, attn_implementation=attn)  # `from_config`'s call
+        with _no_progress_bar():  # a "Loading weights" bar of nothing loaded, in a plan's output
+            model = model_class.from_pretrained(None, config=built, state_dict={}, dtype=dtype,
+                                                attn_implementation=attn)
+        return model.train()  # `from_pretrained` ends in eval mode; `from_config`, and a training run, in train mode
+
     try:
-        return cls.from_config(built, dtype=dtype, attn_implementation=attn_implementation or "sdpa")
+        return build(attn_implementation or "sdpa")
     except ValueError as exc:
         if attn_implementation not in (None, "sdpa") or "scaled_dot_product_attention" not in str(exc):
             raise
-    return cls.from_config(built, dtype=dtype, attn_implementation="eager")  # no SDPA for this model
+    return build("eager")  # no SDPA for this model
+
+
+@contextlib.contextmanager
+def _no_progress_bar():
+    """transformers' progress bars off while open, and as they were after."""
+    from transformers.utils import logging
+
+    enabled = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            logging.enable_progress_bar()
 
 
 def bnb_packed_modules(model) -> list[tuple[str, object]]:

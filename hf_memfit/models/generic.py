@@ -60,8 +60,7 @@ def meta_model(config: dict, task: str, num_labels: int = 2):
     """The task's transformers model built on the meta device: every parameter, no memory."""
     import torch
 
-    with torch.device("meta"):
-        return instantiate(config, task, num_labels, dtype=torch.float32, attn_implementation=None)
+    return instantiate(config, task, num_labels, dtype=torch.float32, attn_implementation=None, meta=True)
 
 
 # --------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from itertools import combinations
 
 from hf_memfit.errors import MemFitError
 from hf_memfit.settings import TrainSettings
-from hf_memfit.units import format_bytes
+from hf_memfit.units import format_bytes, format_count
 
 # Above this many candidates only "all of them" is tried, not every subset (no model here has more than two).
 MAX_SUBSET_CANDIDATES = 3
@@ -57,7 +57,7 @@ def freeze_reason(spec, best, candidates, base: TrainSettings) -> str:
     froze = newly_frozen(base, best.settings)
     towers = {m["module"]: m for m in spec.freezable_modules(base.task, base.num_labels)}
     total = best.estimate.total_params or 1
-    named = ", ".join(f"`{name}` ({towers[name]['kind']}, {_count(towers[name]['params'])} parameters, "
+    named = ", ".join(f"`{name}` ({towers[name]['kind']}, {format_count(towers[name]['params'])} parameters, "
                       f"{100 * towers[name]['params'] / total:.0f}% of the model)" if name in towers else f"`{name}`"
                       for name in froze)
     trained = [c for c in candidates if not newly_frozen(base, c.settings)]
@@ -69,10 +69,6 @@ def freeze_reason(spec, best, candidates, base: TrainSettings) -> str:
             f"activations for one; {best.estimate.trainable_params:,} of {total:,} parameters are trained. "
             "`MemFitTrainer` freezes it before building the optimizer; in your own script call `requires_grad_(False)` "
             "on it (or the model's own freeze method)")
-
-
-def _count(n: int) -> str:
-    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n:,}"
 
 
 def freeze_remedy(spec, base: TrainSettings, grid, evaluate) -> str | None:

@@ -5,7 +5,7 @@ import shlex
 from hf_memfit.estimator.breakdown import CATEGORIES
 from hf_memfit.estimator.run_of_shapes import DEFAULT_MICRO_BATCHES, run_problems
 from hf_memfit.hardware import named_gpu
-from hf_memfit.units import format_bytes
+from hf_memfit.units import format_bytes, format_count
 
 _CATEGORY_NOTES = {
     "weights": "parameters, buffers, autocast weight copies",
@@ -72,7 +72,7 @@ def format_estimate(est) -> str:
 
     s = est.settings
     lines = [
-        f"{est.model}  ({est.total_params / 1e9:.3g}B params, {est.trainable_params / 1e6:,.1f}M trainable)",
+        f"{est.model}  ({format_count(est.total_params)} params, {format_count(est.trainable_params)} trainable)",
         f"  {settings_line(s)}",
         f"  device {s.device}{' (' + s.gpu + ')' if s.gpu else ''}, {s.mode} mode; peak at {describe_region(est.peak_region)}",
         "",
