@@ -36,6 +36,7 @@ and the backward's dequantised weight in by formula (as `sharding._pack_4bit` do
 from __future__ import annotations
 
 from hf_memfit.settings import TrainSettings
+from hf_memfit.units import format_count
 
 LLM_INT8_THRESHOLD = 6.0  # BitsAndBytesConfig.llm_int8_threshold's default (transformers utils/quantization_config.py)
 INT8_BYTES_PER_PARAM = 1  # Int8Params: int8 CB
@@ -58,7 +59,7 @@ def pack_8bit(rank, step, settings: TrainSettings, hidden_size: int) -> None:
     for b in rank.candidates.values():
         b["weights"] = max(0, b["weights"] - saved)
         b["temporary"] += dequant
-    rank.notes.append(f"LLM.int8() base: 1 B/param + fp32 row scales for {params / 1e9:.2f}B linear weights; "
+    rank.notes.append(f"LLM.int8() base: 1 B/param + fp32 row scales for {format_count(params)} linear weights; "
                       f"the backward dequantises one weight at a time ({dequant / 2**20:.0f} MiB)")
     if settings.kbit_prepared:
         rank.notes.append("peft's prepare_model_for_kbit_training: what bitsandbytes leaves in half precision "
