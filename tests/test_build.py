@@ -1,4 +1,5 @@
-"""The model hf-memfit traces and measures is built as `from_pretrained` builds a fine-tune's model (`build.instantiate`)."""
+"""The model hf-memfit traces and measures is built as `from_pretrained` builds a fine-tune's model
+(`build.instantiate`)."""
 
 import torch
 from test_modalities import WHISPER

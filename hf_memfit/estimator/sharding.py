@@ -145,14 +145,14 @@ def _pack_4bit(rank: RankMemory, step: StepMemory, settings: TrainSettings) -> N
         b["temporary"] += dequant
     quant = "with double quantisation" if settings.bnb_4bit_use_double_quant else "without double quantisation"
     storage = settings.bnb_4bit_quant_storage or (settings.compute_dtype if settings.shards_parameters else "uint8")
-    rank.notes.append(f"4-bit NF4 base {quant}: {packed:.3f} B/param for {format_count(step.quantizable_linear_params)} "
-                      f"linear weights, stored as {storage}")
+    linear = format_count(step.quantizable_linear_params)
+    rank.notes.append(f"4-bit NF4 base {quant}: {packed:.3f} B/param for {linear} linear weights, stored as {storage}")
     if settings.kbit_prepared:
         unpacked = max(0, step.total_params - step.quantizable_linear_params - step.trainable_params)  # less adapters
-        rank.notes.append(f"peft's prepare_model_for_kbit_training: the {format_count(unpacked)} parameters bitsandbytes "
-                          "leaves unpacked (embeddings, LM head, norms; a mixture of experts' fused experts too) "
-                          "upcast to fp32, so the residual stream is fp32 (`--prepare-model-for-kbit-training no` if "
-                          "the script does not call it)")
+        rank.notes.append(f"peft's prepare_model_for_kbit_training: the {format_count(unpacked)} parameters "
+                          "bitsandbytes leaves unpacked (embeddings, LM head, norms; a mixture of experts' fused "
+                          "experts too) upcast to fp32, so the residual stream is fp32 "
+                          "(`--prepare-model-for-kbit-training no` if the script does not call it)")
 
 
 def _zero(rank: RankMemory, step: StepMemory, settings: TrainSettings, hidden_size: int) -> None:
