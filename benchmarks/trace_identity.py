@@ -15,6 +15,7 @@ by tracing (parametric and batch fits). The rows are 160-400 tokens long, past t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -102,6 +103,15 @@ def run(fast: bool) -> dict:
     from hf_memfit.estimator.assemble import estimate_settings
     from hf_memfit.estimator.exact import exact_candidates
 
+    try:  # the fast rows' traces on workers kept for the whole run, warm from row to row (where the tree has them)
+        from hf_memfit.estimator.worker_pool import keep_workers
+    except ImportError:
+        keep_workers = contextlib.nullcontext
+    with keep_workers():
+        return _rows(fast, estimate_settings, exact_candidates)
+
+
+def _rows(fast: bool, estimate_settings, exact_candidates) -> dict:
     out = {}
     for name, cfg, kw in cases():
         if fast and name not in FAST:

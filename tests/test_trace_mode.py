@@ -99,3 +99,23 @@ def _data_ptr(tensor):
             return tensor.data_ptr()
         except RuntimeError as error:
             return type(error)
+
+
+def test_unsafe_view_is_cached_and_its_output_shares_its_input_s_storage_as_the_kernel_s_does():
+    """torch's fake cache bypasses `_unsafe_view` (its hit path aliases only `is_view` ops); the trace's mode caches
+    it, and a hit's output is on the input's storage at the input's offset, like the one the kernel made on the miss."""
+    mode = TraceFakeTensorMode()
+    with mode:
+        base = torch.empty(4, 6, 8)
+        outputs = []
+        for rows in (base, base, base[1:], base[1:]):
+            hits, bypasses = FakeTensorMode.cache_hits, sum(FakeTensorMode.cache_bypasses.values())
+            out = torch.ops.aten._unsafe_view(rows, [-1, 8] if rows is base else [18, 8])
+            bypassed = sum(FakeTensorMode.cache_bypasses.values()) - bypasses
+            outputs.append((out, FakeTensorMode.cache_hits - hits, bypassed))
+    (miss, miss_hits, miss_bypassed), (hit, hit_hits, _), (sliced_miss, _, _), (sliced_hit, sliced_hits, _) = outputs
+    assert (miss_hits, miss_bypassed, hit_hits, sliced_hits) == (0, 0, 1, 1)
+    for out in (miss, hit, sliced_miss, sliced_hit):
+        assert out.untyped_storage()._cdata == base.untyped_storage()._cdata and out._base is None
+    assert (hit.shape, hit.stride(), hit.storage_offset()) == (miss.shape, miss.stride(), 0)
+    assert sliced_hit.storage_offset() == sliced_miss.storage_offset() == 48

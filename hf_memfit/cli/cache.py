@@ -5,6 +5,7 @@ import time
 
 from hf_memfit.cli.output import emit
 from hf_memfit.errors import MemFitError
+from hf_memfit.estimator.worker_pool import keeps_workers
 
 CACHE_EPILOG = """examples:
   hf-memfit cache info
@@ -26,6 +27,7 @@ WARM_SETTINGS = tuple(
 )
 
 
+@keeps_workers  # its fits trace on workers whose caches stay warm from one fit to the next
 def warm_model(spec, seq_len: int = 2048) -> int:
     """Calibrate `spec` for `WARM_SETTINGS` now; returns how many calibrations were made (0: all cached)."""
     from hf_memfit.cache import cache_entries

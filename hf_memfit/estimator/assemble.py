@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from hf_memfit.errors import MemFitError
 from hf_memfit.estimator.breakdown import CATEGORIES, StepMemory
 from hf_memfit.estimator.fast_params import formulas_miss
+from hf_memfit.estimator.worker_pool import keeps_workers
 from hf_memfit.settings import TrainSettings, beyond_positions_note
 from hf_memfit.models.inputs import input_note
 from hf_memfit.models.spec import ModelSpec, resolve_model
@@ -75,6 +76,7 @@ RUN_OF_SHAPES_NOTE = ("peak reserved is one step at this shape; a run whose batc
                       "segments keep it down (`--expandable-segments`)")
 
 
+@keeps_workers  # a fit's depths trace on workers whose caches stay warm from one depth to the next
 def estimate(model: str | ModelSpec, **settings) -> MemoryEstimate:
     """Predict the peak memory of one training step.
 

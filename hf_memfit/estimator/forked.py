@@ -26,6 +26,8 @@ import signal
 import sys
 import time
 
+from hf_memfit.estimator import worker_pool
+
 # A child that has sent nothing for this long is taken to be stuck, and its job runs in this process.
 # The longest calibration trace measured here took about a minute (docs/benchmarks.md, section 13).
 CHILD_TIMEOUT_S = 900
@@ -78,7 +80,9 @@ def mark_idle_baseline() -> None:
 def _reading() -> tuple[float, dict, float]:
     """(monotonic time, `_cpu_times()`, ticks this process and its finished children have run)."""
     own = os.times()
-    ticks = (own.user + own.system + own.children_user + own.children_system) * os.sysconf("SC_CLK_TCK")
+    ticks = (own.user + own.system + own.children_user + own.children_system
+             + worker_pool.cpu_seconds) \
+        * os.sysconf("SC_CLK_TCK")
     return time.monotonic(), _cpu_times(), ticks
 
 
@@ -148,6 +152,9 @@ def run_jobs(function, jobs: list, workers: int | None = None) -> list:
         results = [function(*job) for job in jobs]
         _ran_here = _ran_here or bool(jobs)
         return results
+    if worker_pool.active is not None:
+        _ran_here = True
+        return worker_pool.active.run(function, jobs, at_once, first, CHILD_TIMEOUT_S)
     results = [None] * len(jobs)
     beside = None
     if first:
@@ -168,6 +175,7 @@ def run_jobs(function, jobs: list, workers: int | None = None) -> list:
 
 
 _ran_here = False  # whether run_jobs has run a job in this process (it has then paid for first use)
+
 
 
 def forking_pays() -> bool:
@@ -351,6 +359,7 @@ def _start(function, job) -> tuple[int, int] | None:
     code = 1
     try:  # child: never returns into the parent's code
         os.close(read)
+        worker_pool.forget()
         torch = sys.modules.get("torch")
         if torch is not None:
             # GNU OpenMP is not fork-safe: once the parent has run a parallel region (a real tensor op: a VLM's

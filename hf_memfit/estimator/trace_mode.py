@@ -9,6 +9,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 # Asked by autograd for every gradient and by fused optimizers for every state: two thirds of a VLM step's ops.
 DEVICE = torch.ops.prim.device.default
+# `reshape`'s and `matmul`'s copy-free output: a view of its input's storage that autograd does not track as a view
+# (so `is_view` is False). torch's fake cache never caches it; `TraceFakeTensorMode` does.
+UNSAFE_VIEW = torch.ops.aten._unsafe_view.default
 
 
 class TraceMode(TorchDispatchMode):
@@ -90,10 +93,20 @@ class TraceFakeTensorMode(FakeTensorMode):
                 torch._C._set_conj(empty, True)
             if metadata.is_neg:
                 torch._C._set_neg(empty, True)
-            if isinstance(func, torch._ops.OpOverload) and func.is_view:  # the output shares its input's storage
-                empty.set_(args[entry.view_idx].untyped_storage(), metadata.storage_offset, metadata.shape,
-                           metadata.stride)
+            if func is UNSAFE_VIEW or (isinstance(func, torch._ops.OpOverload) and func.is_view):
+                # the output shares its input's storage (`_unsafe_view`'s one tensor argument is its first)
+                view_of = args[0] if entry.view_idx is None else args[entry.view_idx]
+                empty.set_(view_of.untyped_storage(), metadata.storage_offset, metadata.shape, metadata.stride)
         return self.fake_tensor(empty, metadata.device)
+
+    def _validate_cache_key(self, func, args, kwargs) -> None:
+        """torch's checks, but `_unsafe_view` is cached: a hit makes its output on the input's storage, as the kernel
+        does (`_get_output_tensor_from_cache_entry`). torch bypasses its cache for it because its own hit path
+        aliases only `is_view` ops; a step runs it wherever `matmul` folds a batch (a Jamba fit's trace: ~1,000 per
+        job, each a full dispatch). Not with symbolic sizes or TORCH_FAKE_TENSOR_DEBUG, which take torch's path."""
+        if func is UNSAFE_VIEW and self.shape_env is None and not FakeTensorConfig.debug:
+            return
+        super()._validate_cache_key(func, args, kwargs)
 
     def fake_tensor(self, elem: torch.Tensor, device: torch.device) -> FakeTensor:
         """`FakeTensor(self, elem, device)` for a meta `elem`, without `__new__`'s checks (see the class doc)."""

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from hf_memfit.errors import MemFitError, NothingFits
 from hf_memfit.estimator.assemble import speculate_exact
 from hf_memfit.estimator.forked import discard_speculations, import_for_traces, run_beside
+from hf_memfit.estimator.worker_pool import keeps_workers
 from hf_memfit.models.spec import ModelSpec, resolve_model
 from hf_memfit.planner.explain import layout_text
 from hf_memfit.planner.result import PlanResult
@@ -127,6 +128,7 @@ def longest_seq_len(model: str | ModelSpec, *, progress=None, **plan_kwargs) -> 
     return LongestResult(answer, result, bound, [points[k] for k in sorted(points)], len(points))
 
 
+@keeps_workers  # one set of workers for every length's plan
 def _search(spec: ModelSpec, limit: int, plan_kwargs: dict):
     """The fast-mode search: (longest length that fits, shortest that does not or None, the points probed).
 

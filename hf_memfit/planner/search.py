@@ -16,6 +16,7 @@ import importlib.util
 
 from hf_memfit import optimizers
 from hf_memfit.errors import MemFitError, NothingFits, check_all
+from hf_memfit.estimator.worker_pool import keeps_workers
 from hf_memfit.models.spec import ModelSpec, resolve_model
 from hf_memfit.planner.candidates import (
     Candidates,
@@ -57,6 +58,7 @@ from hf_memfit.units import parse_bytes
 DEFAULT_HEADROOM = 0.05  # the fraction of the budget a plan keeps free (`--headroom`)
 
 
+@keeps_workers  # the search's fits trace on workers whose caches stay warm from one fit to the next
 def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_memory: str | int | None = None,
          gpu: str | None = None, task: str | None = None, num_labels: int = 2, num_gpus: int = 1, num_nodes: int = 1,
          lora_r: int | None = None, lora_alpha: int | None = None, lora_target_modules=None,

@@ -1,0 +1,242 @@
+"""Forked workers that outlive one `forked.run_jobs` call, so that what a trace caches stays warm between jobs.
+
+A trace's fake tensor mode caches each op's output by its arguments' shapes (`trace_mode.TraceFakeTensorMode`); a
+miss costs about ten hits. `forked.run_jobs` forks a child per job, which starts with the parent's cache and loses
+what it adds. But a fit's traces (2-4 depths of the same layers) and the planner's fits of one model (with and
+without checkpointing: the same forward; bf16 mixed and pure bf16 at the same shapes) repeat most of their ops: a
+worker that traced one hits where a fresh child missed. Within `keep_workers()` (the planner's search, an
+estimate), `run_jobs` sends its jobs to such workers instead. Jobs and results go through pipes as
+length-prefixed pickles: the job's function by reference (a module-level function), its arguments by value.
+A job that does not pickle, a worker that fails or is stuck: the job runs in the parent, as `forked.py` does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import gc
+import os
+import pickle
+import select
+import signal
+import sys
+import time
+
+
+class _Worker:
+    """A forked child that runs jobs sent to it one after another, until its pipe closes. Jobs and results go as
+    length-prefixed pickles: the job's function by reference (a module-level function), its arguments by value."""
+
+    def __init__(self, pid: int, jobs_fd: int, results_fd: int):
+        self.pid, self.jobs_fd, self.results_fd = pid, jobs_fd, results_fd
+        self.received = bytearray()
+
+    @classmethod
+    def start(cls, others: list["_Worker"]) -> "_Worker | None":
+        jobs_read, jobs_write = os.pipe()
+        results_read, results_write = os.pipe()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        try:
+            pid = os.fork()
+        except OSError:
+            for fd in (jobs_read, jobs_write, results_read, results_write):
+                os.close(fd)
+            return None
+        if pid:
+            os.close(jobs_read)
+            os.close(results_write)
+            return cls(pid, jobs_write, results_read)
+        try:  # child: never returns into the parent's code
+            os.close(jobs_write)
+            os.close(results_read)
+            for other in others:  # another worker's pipes: its end of file must not wait for this process
+                os.close(other.jobs_fd)
+                os.close(other.results_fd)
+            forget()
+            _serve(jobs_read, results_write)
+        finally:
+            os._exit(0)
+
+    def send(self, function, job) -> bool:
+        """Send a job; False where it does not pickle (it then runs in the parent)."""
+        try:
+            payload = pickle.dumps((function, job), protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception:  # noqa: BLE001 - an argument that does not pickle
+            return False
+        _write_message(self.jobs_fd, payload)
+        self.received = bytearray()
+        return True
+
+    def receive(self) -> bool | None:
+        """Read what is ready: True once a whole result is in, False while it is not, None at end of file."""
+        chunk = os.read(self.results_fd, 1 << 20)
+        if not chunk:
+            return None
+        self.received += chunk
+        return len(self.received) >= 8 and len(self.received) >= 8 + int.from_bytes(self.received[:8], "little")
+
+    def result(self) -> tuple[bool, object, float]:
+        return pickle.loads(bytes(self.received[8:]))
+
+    def stop(self) -> None:
+        os.close(self.jobs_fd)
+        os.close(self.results_fd)
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        os.waitpid(self.pid, 0)
+
+
+def _write_message(fd: int, payload: bytes) -> None:
+    view = memoryview(len(payload).to_bytes(8, "little") + payload)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _read_exactly(fd: int, count: int) -> bytes | None:
+    data = bytearray()
+    while len(data) < count:
+        chunk = os.read(fd, count - len(data))
+        if not chunk:
+            return None
+        data += chunk
+    return bytes(data)
+
+
+def _serve(jobs_fd: int, results_fd: int) -> None:
+    """A worker's loop: each job's (ok, result, CPU seconds) back, until the pipe closes or a job fails."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(1)  # GNU OpenMP is not fork-safe (see `forked._start`)
+    while (header := _read_exactly(jobs_fd, 8)) is not None:
+        message = _read_exactly(jobs_fd, int.from_bytes(header, "little"))
+        if message is None:
+            return
+        before = os.times()
+        try:
+            function, job = pickle.loads(message)
+            value = (True, function(*job))
+        except BaseException:  # noqa: BLE001 - reported by running the job again in the parent
+            value = (False, None)
+        after = os.times()
+        seconds = after.user + after.system - before.user - before.system
+        _write_message(results_fd, pickle.dumps(value + (seconds,), protocol=pickle.HIGHEST_PROTOCOL))
+        if not value[0]:
+            return
+
+
+class _Pool:
+    """The workers `keep_workers` keeps, and `forked.run_jobs` on them."""
+
+    def __init__(self):
+        self.workers: list[_Worker] = []
+
+    def run(self, function, jobs: list, at_once: int, first: int, timeout: float) -> list:
+        global cpu_seconds
+        results: list = [None] * len(jobs)
+        failed: list[int] = []
+        pending = list(range(first, len(jobs)))
+        idle = list(self.workers)
+        busy: dict[int, tuple[_Worker, int, float]] = {}  # results fd -> (worker, job index, when sent)
+        here = first  # the first job runs here while the workers start on the others (see `run_jobs`)
+        capacity = at_once - here
+        while pending or busy or here:
+            while pending and len(busy) < capacity:
+                index = pending.pop(0)
+                worker = idle.pop() if idle else self._start()
+                if worker is None or not worker.send(function, jobs[index]):
+                    failed.append(index)
+                    if worker is not None:
+                        idle.append(worker)
+                    continue
+                busy[worker.results_fd] = (worker, index, time.monotonic())
+            if here:
+                here = 0
+                try:
+                    results[0] = function(*jobs[0])
+                except BaseException:
+                    self._drop([worker for worker, _, _ in busy.values()])
+                    raise
+                capacity += 1
+                continue
+            if not busy:  # every job left failed to start: they run here
+                break
+            ready, _, _ = select.select(list(busy), [], [], 30.0)
+            now = time.monotonic()
+            for fd, (worker, index, sent) in list(busy.items()):
+                if fd in ready:
+                    done = worker.receive()
+                    if done is False:
+                        continue
+                    del busy[fd]
+                    ok, value, seconds = worker.result() if done else (False, None, 0.0)
+                    cpu_seconds += seconds
+                    if ok:
+                        results[index] = value
+                        idle.append(worker)
+                    else:  # the worker has exited (a failed job ends it)
+                        failed.append(index)
+                        self._drop([worker])
+                elif now - sent > timeout:  # stuck: here instead
+                    del busy[fd]
+                    failed.append(index)
+                    self._drop([worker])
+        for index in sorted(failed):  # here, so that a real error is raised as it would be without workers
+            results[index] = function(*jobs[index])
+        return results
+
+    def _start(self) -> _Worker | None:
+        gc.freeze()  # what this process holds now is left out of the worker's collections (no copy-on-write churn)
+        try:
+            worker = _Worker.start(self.workers)
+        finally:
+            gc.unfreeze()
+        if worker is not None:
+            self.workers.append(worker)
+        return worker
+
+    def _drop(self, workers: list[_Worker]) -> None:
+        for worker in workers:
+            self.workers.remove(worker)
+            worker.stop()
+
+    def close(self) -> None:
+        self._drop(list(self.workers))
+
+
+active: _Pool | None = None  # the workers `keep_workers` keeps, while it does
+cpu_seconds = 0.0  # CPU time the pool's workers spent on jobs: this process's own work (`forked._reading`)
+
+
+@contextlib.contextmanager
+def keep_workers():
+    """Within it, `forked.run_jobs` sends its jobs to workers that stay up until it ends (see the module's
+    doc). Nested, the outer one's workers serve."""
+    global active
+    if active is not None:
+        yield
+        return
+    active = _Pool()
+    try:
+        yield
+    finally:
+        pool, active = active, None
+        pool.close()
+
+
+def forget() -> None:
+    """In a forked child: the parent's workers are not this process's to use (a job that runs jobs of its own
+    forks its own children)."""
+    global active
+    active = None
+
+
+def keeps_workers(function):
+    """`function` run inside `keep_workers()` (the planner's search, an estimate)."""
+    @functools.wraps(function)
+    def wrapped(*args, **kwargs):
+        with keep_workers():
+            return function(*args, **kwargs)
+    return wrapped
