@@ -3,7 +3,8 @@
 A change to how fits are traced or searched should give the same answers faster. This runs each row cold
 (a fresh process, an empty `HF_MEMFIT_CACHE`) with the tree in `--before DIR` (a checkout of the commit
 before, put first on `PYTHONPATH`) and with this tree, `--repeat` times in alternation, and compares the
-JSON answers (plan, estimate, runners-up).
+JSON answers (plan, estimate, runners-up). Wall time, and CPU time: the plan's process and every child it
+forked (less noisy than wall time where the machine is shared).
 
     git worktree add /tmp/before/tree c83daaa
     PYTHONPATH=$PWD python benchmarks/cold_before_after.py --before /tmp/before/tree smolvlm qwen2.5-vl-7b
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -49,15 +51,17 @@ HERE = Path(__file__).resolve().parent.parent
 def run(args: list[str], tree: Path) -> dict:
     cache = tempfile.mkdtemp(prefix="memfit_cold_")
     code = "from hf_memfit.cli.main import run; run()"  # as the `hf-memfit` command runs
-    started = time.perf_counter()
+    started, children = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
     done = subprocess.run([sys.executable, "-c", code, "plan", *args, "--json"], capture_output=True, text=True,
                           env={**os.environ, "HF_MEMFIT_CACHE": cache, "PYTHONPATH": str(tree)}, cwd=tree)
     wall = time.perf_counter() - started
+    ended = resource.getrusage(resource.RUSAGE_CHILDREN)  # the plan's process and every child it forked and reaped
+    cpu = ended.ru_utime + ended.ru_stime - children.ru_utime - children.ru_stime
     shutil.rmtree(cache, ignore_errors=True)
     answer = (json.loads(done.stdout[done.stdout.index("{"):].replace(cache, "$HF_MEMFIT_CACHE"))
               if done.returncode == 0 else {"error": done.stderr.strip().splitlines()[-1:]})
-    return {"wall_s": round(wall, 1), "traces": sum("tracing" in line for line in done.stderr.splitlines()),
-            "rc": done.returncode, "answer": answer}
+    traces = sum("tracing" in line for line in done.stderr.splitlines())
+    return {"wall_s": round(wall, 1), "cpu_s": round(cpu, 1), "traces": traces, "rc": done.returncode, "answer": answer}
 
 
 def differences(before: dict, after: dict) -> list[str]:
@@ -94,11 +98,12 @@ def main() -> int:
                 runs[label].append(run(ROWS[name], tree))
         before, after = runs["before"][-1], runs["after"][-1]
         rows[name] = {"command": "hf-memfit plan " + " ".join(ROWS[name]),
-                      **{label: {"wall_s": [r["wall_s"] for r in done], "traces": done[-1]["traces"],
-                                 "rc": done[-1]["rc"]} for label, done in runs.items()},
+                      **{label: {"wall_s": [r["wall_s"] for r in done], "cpu_s": [r["cpu_s"] for r in done],
+                                 "traces": done[-1]["traces"], "rc": done[-1]["rc"]} for label, done in runs.items()},
                       "answers_differ_in": differences(before["answer"], after["answer"])}
-        print(f"{name:24s} before {rows[name]['before']['wall_s']} s {before['traces']:3d} traces | after "
-              f"{rows[name]['after']['wall_s']} s {after['traces']:3d} traces | differ: "
+        print(f"{name:24s} before {rows[name]['before']['wall_s']} s (CPU {rows[name]['before']['cpu_s']} s) "
+              f"{before['traces']:3d} traces | after {rows[name]['after']['wall_s']} s (CPU "
+              f"{rows[name]['after']['cpu_s']} s) {after['traces']:3d} traces | differ: "
               f"{rows[name]['answers_differ_in'] or 'nothing'}", flush=True)
         RESULTS.write_text(json.dumps(rows, indent=1) + "\n")
     return 0
