@@ -78,11 +78,10 @@ def mark_idle_baseline() -> None:
 
 
 def _reading() -> tuple[float, dict, float]:
-    """(monotonic time, `_cpu_times()`, ticks this process and its finished children have run)."""
+    """(monotonic time, `_cpu_times()`, ticks this process, its finished children and its kept workers have run)."""
     own = os.times()
-    ticks = (own.user + own.system + own.children_user + own.children_system
-             + worker_pool.cpu_seconds) \
-        * os.sysconf("SC_CLK_TCK")
+    seconds = own.user + own.system + own.children_user + own.children_system + worker_pool.cpu_seconds
+    ticks = seconds * os.sysconf("SC_CLK_TCK")
     return time.monotonic(), _cpu_times(), ticks
 
 
@@ -152,10 +151,8 @@ def run_jobs(function, jobs: list, workers: int | None = None) -> list:
         results = [function(*job) for job in jobs]
         _ran_here = _ran_here or bool(jobs)
         return results
-    if worker_pool.active is not None:
-        _ran_here = True
-        return worker_pool.active.run(function, jobs, at_once, first, CHILD_TIMEOUT_S)
     results = [None] * len(jobs)
+    launch = worker_pool.active.launcher(function, jobs) if worker_pool.active is not None else None
     beside = None
     if first:
         # The other CPUs start jobs at once while the first runs here, each of those children paying its own first
@@ -168,14 +165,13 @@ def run_jobs(function, jobs: list, workers: int | None = None) -> list:
     gc.freeze()  # what this process holds now is left out of the children's collections (no copy-on-write churn)
     try:
         _run_forked(function, jobs, min(at_once - (beside is not None), len(jobs) - first), results, first=first,
-                    meanwhile=beside)
+                    meanwhile=beside, launch=launch)
     finally:
         gc.unfreeze()
     return results
 
 
 _ran_here = False  # whether run_jobs has run a job in this process (it has then paid for first use)
-
 
 
 def forking_pays() -> bool:
@@ -268,12 +264,10 @@ def discard_speculations() -> None:
 
 def _collect(started: tuple[int, int]) -> tuple[bool, object]:
     """(ok, result) of a child `_start` started, once it has written it and exited."""
-    fd, pid = started
-    data = bytearray()
-    while chunk := os.read(fd, 1 << 20):
-        data += chunk
-    os.close(fd)
-    return _reaped(pid, data)
+    child = _Child(*started)
+    while (done := child.read()) is None:
+        pass
+    return done
 
 
 def _reaped(pid: int, data: bytearray) -> tuple[bool, object]:
@@ -286,60 +280,82 @@ def _reaped(pid: int, data: bytearray) -> tuple[bool, object]:
         return False, None
 
 
-def _run_forked(function, jobs: list, workers: int, results: list, first: int, meanwhile=None) -> None:
-    """Run `jobs[first:]` in children, `workers` at a time, into `results`; `meanwhile()` runs here once the
-    first children are started (children still running if it raises are killed), and once it is done its CPU
-    takes a child too: `workers + 1` at a time."""
+def _run_forked(function, jobs: list, workers: int, results: list, first: int, meanwhile=None, launch=None) -> None:
+    """Run `jobs[first:]` beside this process, `workers` at a time, into `results`; `meanwhile()` runs here once
+    the first are started (those still running if it raises are abandoned), and once it is done its CPU takes a
+    job too: `workers + 1` at a time. `launch(index)` starts a job and returns its handle (`_Child`), or None where
+    it cannot start; by default a child forked for it (`worker_pool` sends it to a kept worker instead). A job that
+    cannot start, fails, or sends nothing for `CHILD_TIMEOUT_S` runs here afterwards, so that a real error is
+    raised as it would be without children."""
+    launch = launch or (lambda index: _Child.start(function, jobs[index]))
     failed = []
-    running: dict[int, tuple[int, int, bytearray]] = {}  # read end -> (job index, pid, bytes so far)
+    running: dict[int, tuple[int, object, float]] = {}  # read end -> (job index, handle, when started)
     pending = list(range(first, len(jobs)))
-    started_at: dict[int, float] = {}
     while pending or running or meanwhile is not None:
         while pending and len(running) < workers:
             index = pending.pop(0)
-            started = _start(function, jobs[index])
-            if started is None:
+            handle = launch(index)
+            if handle is None:
                 failed.append(index)
             else:
-                running[started[0]] = (index, started[1], bytearray())
-                started_at[started[1]] = time.monotonic()
+                running[handle.fd] = (index, handle, time.monotonic())
         if meanwhile is not None:
             work, meanwhile = meanwhile, None
             try:
                 work()
             except BaseException:
-                for fd, (_, pid, _) in running.items():
-                    os.kill(pid, signal.SIGKILL)
-                    os.waitpid(pid, 0)
-                    os.close(fd)
+                for _, handle, _ in running.values():
+                    handle.abandon()
                 raise
-            workers += 1  # this process now only waits: its CPU is free for another child
+            workers += 1  # this process now only waits: its CPU is free for another job
             continue
+        if not running:  # every job left failed to start: they run here
+            break
         ready, _, _ = select.select(list(running), [], [], 30.0)
         now = time.monotonic()
-        for fd, (index, pid, _) in list(running.items()):
-            if fd not in ready and now - started_at[pid] > CHILD_TIMEOUT_S:  # stuck (a lock held at fork): here instead
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                os.close(fd)
+        for fd, (index, handle, started) in list(running.items()):
+            if fd in ready:
+                done = handle.read()
+                if done is None:
+                    continue
                 del running[fd]
-                failed.append(index)
-        ready = [fd for fd in ready if fd in running]
-        for fd in ready:
-            index, pid, data = running[fd]
-            chunk = os.read(fd, 1 << 20)
-            if chunk:
-                data += chunk
-                continue
-            os.close(fd)
-            del running[fd]
-            ok, value = _reaped(pid, data)
-            if ok:
-                results[index] = value
-            else:
+                ok, value = done
+                if ok:
+                    results[index] = value
+                else:
+                    failed.append(index)
+            elif now - started > CHILD_TIMEOUT_S:  # stuck (a lock held at fork): here instead
+                del running[fd]
+                handle.abandon()
                 failed.append(index)
     for index in sorted(failed):  # here, so that a real error is raised as it would be without children
         results[index] = function(*jobs[index])
+
+
+class _Child:
+    """A child forked for one job (`_start`), as `_run_forked` reads it: its result comes whole at end of file."""
+
+    def __init__(self, fd: int, pid: int):
+        self.fd, self.pid, self.data = fd, pid, bytearray()
+
+    @classmethod
+    def start(cls, function, job) -> "_Child | None":
+        started = _start(function, job)
+        return None if started is None else cls(*started)
+
+    def read(self) -> tuple[bool, object] | None:
+        """What is ready: None while the result is still coming, else (ok, result) with the child reaped."""
+        chunk = os.read(self.fd, 1 << 20)
+        if chunk:
+            self.data += chunk
+            return None
+        os.close(self.fd)
+        return _reaped(self.pid, self.data)
+
+    def abandon(self) -> None:
+        os.kill(self.pid, signal.SIGKILL)
+        os.waitpid(self.pid, 0)
+        os.close(self.fd)
 
 
 def _start(function, job) -> tuple[int, int] | None:

@@ -3,24 +3,21 @@
 A trace's fake tensor mode caches each op's output by its arguments' shapes (`trace_mode.TraceFakeTensorMode`); a
 miss costs about ten hits. `forked.run_jobs` forks a child per job, which starts with the parent's cache and loses
 what it adds. But a fit's traces (2-4 depths of the same layers) and the planner's fits of one model (with and
-without checkpointing: the same forward; bf16 mixed and pure bf16 at the same shapes) repeat most of their ops: a
-worker that traced one hits where a fresh child missed. Within `keep_workers()` (the planner's search, an
+without checkpointing: the same forward) repeat most of their ops: a worker that traced one hits where a fresh
+child missed. Within `keep_workers()` (the planner's search, an
 estimate), `run_jobs` sends its jobs to such workers instead. Jobs and results go through pipes as
 length-prefixed pickles: the job's function by reference (a module-level function), its arguments by value.
-A job that does not pickle, a worker that fails or is stuck: the job runs in the parent, as `forked.py` does.
+`forked._run_forked` runs both kinds of job; one that does not pickle, fails or is stuck runs in the parent.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import gc
 import os
 import pickle
-import select
 import signal
 import sys
-import time
 
 
 class _Worker:
@@ -128,82 +125,63 @@ def _serve(jobs_fd: int, results_fd: int) -> None:
 
 
 class _Pool:
-    """The workers `keep_workers` keeps, and `forked.run_jobs` on them."""
+    """The workers `keep_workers` keeps: `launcher` starts `forked.run_jobs`' jobs on them."""
 
     def __init__(self):
         self.workers: list[_Worker] = []
+        self.idle: list[_Worker] = []
 
-    def run(self, function, jobs: list, at_once: int, first: int, timeout: float) -> list:
-        global cpu_seconds
-        results: list = [None] * len(jobs)
-        failed: list[int] = []
-        pending = list(range(first, len(jobs)))
-        idle = list(self.workers)
-        busy: dict[int, tuple[_Worker, int, float]] = {}  # results fd -> (worker, job index, when sent)
-        here = first  # the first job runs here while the workers start on the others (see `run_jobs`)
-        capacity = at_once - here
-        while pending or busy or here:
-            while pending and len(busy) < capacity:
-                index = pending.pop(0)
-                worker = idle.pop() if idle else self._start()
-                if worker is None or not worker.send(function, jobs[index]):
-                    failed.append(index)
-                    if worker is not None:
-                        idle.append(worker)
-                    continue
-                busy[worker.results_fd] = (worker, index, time.monotonic())
-            if here:
-                here = 0
-                try:
-                    results[0] = function(*jobs[0])
-                except BaseException:
-                    self._drop([worker for worker, _, _ in busy.values()])
-                    raise
-                capacity += 1
-                continue
-            if not busy:  # every job left failed to start: they run here
-                break
-            ready, _, _ = select.select(list(busy), [], [], 30.0)
-            now = time.monotonic()
-            for fd, (worker, index, sent) in list(busy.items()):
-                if fd in ready:
-                    done = worker.receive()
-                    if done is False:
-                        continue
-                    del busy[fd]
-                    ok, value, seconds = worker.result() if done else (False, None, 0.0)
-                    cpu_seconds += seconds
-                    if ok:
-                        results[index] = value
-                        idle.append(worker)
-                    else:  # the worker has exited (a failed job ends it)
-                        failed.append(index)
-                        self._drop([worker])
-                elif now - sent > timeout:  # stuck: here instead
-                    del busy[fd]
-                    failed.append(index)
-                    self._drop([worker])
-        for index in sorted(failed):  # here, so that a real error is raised as it would be without workers
-            results[index] = function(*jobs[index])
-        return results
+    def launcher(self, function, jobs: list):
+        """`forked._run_forked`'s `launch`: job `index` sent to an idle worker (one forked now where none is idle);
+        None where it cannot start (no fork, or the job does not pickle), and it then runs in the parent."""
+        def launch(index: int) -> _Sent | None:
+            worker = self.idle.pop() if self.idle else self._start()
+            if worker is None:
+                return None
+            if not worker.send(function, jobs[index]):
+                self.idle.append(worker)
+                return None
+            return _Sent(self, worker)
+        return launch
 
     def _start(self) -> _Worker | None:
-        gc.freeze()  # what this process holds now is left out of the worker's collections (no copy-on-write churn)
-        try:
-            worker = _Worker.start(self.workers)
-        finally:
-            gc.unfreeze()
+        worker = _Worker.start(self.workers)  # under `run_jobs`' gc.freeze, as every child it forks
         if worker is not None:
             self.workers.append(worker)
         return worker
 
-    def _drop(self, workers: list[_Worker]) -> None:
-        for worker in workers:
-            self.workers.remove(worker)
-            worker.stop()
+    def drop(self, worker: _Worker) -> None:
+        self.workers.remove(worker)
+        worker.stop()
 
     def close(self) -> None:
-        self._drop(list(self.workers))
+        for worker in list(self.workers):
+            self.drop(worker)
+
+
+class _Sent:
+    """A job sent to a kept worker, as `forked._run_forked` reads it (its `_Child` counterpart)."""
+
+    def __init__(self, pool: _Pool, worker: _Worker):
+        self.pool, self.worker, self.fd = pool, worker, worker.results_fd
+
+    def read(self) -> tuple[bool, object] | None:
+        """What is ready: None while the result is still coming, else (ok, result). The worker is idle again, or,
+        where its job failed (it exits then) or it died, dropped."""
+        global cpu_seconds
+        done = self.worker.receive()
+        if done is False:
+            return None
+        ok, value, seconds = self.worker.result() if done else (False, None, 0.0)
+        cpu_seconds += seconds
+        if ok:
+            self.pool.idle.append(self.worker)
+        else:
+            self.pool.drop(self.worker)
+        return ok, value
+
+    def abandon(self) -> None:
+        self.pool.drop(self.worker)
 
 
 active: _Pool | None = None  # the workers `keep_workers` keeps, while it does
