@@ -102,3 +102,18 @@ def test_fits_traced_on_kept_workers_are_the_fits_traced_here(tmp_path, monkeypa
     here = parametric.calibrate_many(spec, many)
     assert json.dumps(pooled, sort_keys=True) == json.dumps(here, sort_keys=True)
     assert pooled[0]["candidates"] != pooled[1]["candidates"]
+
+
+def test_a_worker_that_died_while_idle_is_replaced_and_its_job_still_runs(two_idle_cpus):
+    import signal
+    import time
+
+    with worker_pool.keep_workers():
+        dead = forked.run_jobs(_fails_at, [(1, 0), (2, 0)])[0]
+        os.kill(dead, signal.SIGKILL)  # between two calls (out of memory, say)
+        time.sleep(0.2)
+        after = forked.run_jobs(_fails_at, [(1, 0), (2, 0)])
+        workers = [worker.pid for worker in worker_pool.active.workers]
+        assert dead not in after and dead not in workers and not _alive(dead)  # dropped and reaped
+        assert set(after) <= set(workers) | {os.getpid()}  # its job ran here or on the worker forked in its place
+        assert len(set(forked.run_jobs(_fails_at, [(1, 0), (2, 0)])) & set(workers)) >= 1

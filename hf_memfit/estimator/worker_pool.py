@@ -55,13 +55,17 @@ class _Worker:
         finally:
             os._exit(0)
 
-    def send(self, function, job) -> bool:
-        """Send a job; False where it does not pickle (it then runs in the parent)."""
+    def send(self, function, job) -> bool | None:
+        """Send a job: True; False where it does not pickle, None where this worker has died while idle (the job
+        then runs in the parent)."""
         try:
             payload = pickle.dumps((function, job), protocol=pickle.HIGHEST_PROTOCOL)
         except Exception:  # noqa: BLE001 - an argument that does not pickle
             return False
-        _write_message(self.jobs_fd, payload)
+        try:
+            _write_message(self.jobs_fd, payload)
+        except OSError:  # a broken pipe: nobody reads it
+            return None
         self.received = bytearray()
         return True
 
@@ -133,13 +137,18 @@ class _Pool:
 
     def launcher(self, function, jobs: list):
         """`forked._run_forked`'s `launch`: job `index` sent to an idle worker (one forked now where none is idle);
-        None where it cannot start (no fork, or the job does not pickle), and it then runs in the parent."""
+        None where it cannot start (no fork, the job does not pickle, the worker died while idle), and it then
+        runs in the parent."""
         def launch(index: int) -> _Sent | None:
             worker = self.idle.pop() if self.idle else self._start()
             if worker is None:
                 return None
-            if not worker.send(function, jobs[index]):
+            sent = worker.send(function, jobs[index])
+            if sent is False:
                 self.idle.append(worker)
+            elif sent is None:  # died while idle: a new worker takes its place next time
+                self.drop(worker)
+            if not sent:
                 return None
             return _Sent(self, worker)
         return launch
