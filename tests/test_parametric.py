@@ -325,10 +325,16 @@ while chunk := os.read(read, 1 << 16):
 os.waitpid(pid, 0)
 ok, value = pickle.loads(data)
 print(ok, value)
+from hf_memfit.estimator import worker_pool
+with worker_pool.keep_workers():               # a kept worker, forked the same way
+    sent = worker_pool.active.launcher(work, [()])(0)
+    while (done := sent.read()) is None:
+        pass
+print(*done)
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split() == ["True", str(float(sum(range(4_000_000))))], done.stdout
+    assert done.stdout.split() == ["True", str(float(sum(range(4_000_000))))] * 2, done.stdout
 
 
 def test_a_later_micro_batch_is_matched_to_the_first_one_op_by_op():

@@ -23,7 +23,6 @@ import os
 import pickle
 import select
 import signal
-import sys
 import time
 
 from hf_memfit.estimator import worker_pool
@@ -361,13 +360,8 @@ class _Child:
 def _start(function, job) -> tuple[int, int] | None:
     """Fork a child that runs `function(*job)` and writes (ok, result) pickled to a pipe: (read end, pid)."""
     read, write = os.pipe()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    try:
-        pid = os.fork()
-    except OSError:
-        os.close(read)
-        os.close(write)
+    pid = worker_pool.fork(read, write)
+    if pid is None:
         return None
     if pid:  # parent
         os.close(write)
@@ -375,13 +369,7 @@ def _start(function, job) -> tuple[int, int] | None:
     code = 1
     try:  # child: never returns into the parent's code
         os.close(read)
-        worker_pool.forget()
-        torch = sys.modules.get("torch")
-        if torch is not None:
-            # GNU OpenMP is not fork-safe: once the parent has run a parallel region (a real tensor op: a VLM's
-            # image grid, the first trace run here), the child's first parallel op waits forever for the
-            # parent's worker threads, which fork did not copy. One thread never enters a parallel region.
-            torch.set_num_threads(1)
+        worker_pool.set_up_child()
         try:
             payload = pickle.dumps((True, function(*job)), protocol=pickle.HIGHEST_PROTOCOL)
         except BaseException:  # noqa: BLE001 - reported by running the job again in the parent

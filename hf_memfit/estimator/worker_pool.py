@@ -32,13 +32,8 @@ class _Worker:
     def start(cls, others: list["_Worker"]) -> "_Worker | None":
         jobs_read, jobs_write = os.pipe()
         results_read, results_write = os.pipe()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        try:
-            pid = os.fork()
-        except OSError:
-            for fd in (jobs_read, jobs_write, results_read, results_write):
-                os.close(fd)
+        pid = fork(jobs_read, jobs_write, results_read, results_write)
+        if pid is None:
             return None
         if pid:
             os.close(jobs_read)
@@ -50,7 +45,7 @@ class _Worker:
             for other in others:  # another worker's pipes: its end of file must not wait for this process
                 os.close(other.jobs_fd)
                 os.close(other.results_fd)
-            forget()
+            set_up_child()
             _serve(jobs_read, results_write)
         finally:
             os._exit(0)
@@ -108,9 +103,6 @@ def _read_exactly(fd: int, count: int) -> bytes | None:
 
 def _serve(jobs_fd: int, results_fd: int) -> None:
     """A worker's loop: each job's (ok, result, CPU seconds) back, until the pipe closes or a job fails."""
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        torch.set_num_threads(1)  # GNU OpenMP is not fork-safe (see `forked._start`)
     while (header := _read_exactly(jobs_fd, 8)) is not None:
         message = _read_exactly(jobs_fd, int.from_bytes(header, "little"))
         if message is None:
@@ -213,11 +205,31 @@ def keep_workers():
         pool.close()
 
 
-def forget() -> None:
-    """In a forked child: the parent's workers are not this process's to use (a job that runs jobs of its own
-    forks its own children)."""
+def fork(*fds: int) -> int | None:
+    """`os.fork()` with stdout and stderr flushed first (so nothing buffered is written twice); None where it fails,
+    with `fds` (the pipes made for the child) closed. The child calls `set_up_child` inside its own try block."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        return os.fork()
+    except OSError:
+        for fd in fds:
+            os.close(fd)
+        return None
+
+
+def set_up_child() -> None:
+    """In a forked child (a worker, or a child per job), before its first job.
+
+    The parent's kept workers are not this process's to use: a job that runs jobs of its own forks its own children.
+    And torch runs one intra-op thread: GNU OpenMP is not fork-safe, so once the parent has run a parallel region (a
+    real tensor op: a VLM's image grid, the first trace run in the parent), the child's first parallel op waits forever
+    for the parent's worker threads, which fork did not copy. One thread never enters a parallel region."""
     global active
     active = None
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(1)
 
 
 def keeps_workers(function):
