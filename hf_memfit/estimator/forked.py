@@ -374,9 +374,7 @@ def _start(function, job) -> tuple[int, int] | None:
             payload = pickle.dumps((True, function(*job)), protocol=pickle.HIGHEST_PROTOCOL)
         except BaseException:  # noqa: BLE001 - reported by running the job again in the parent
             payload = pickle.dumps((False, None))
-        view = memoryview(payload)
-        while view:
-            view = view[os.write(write, view):]
+        worker_pool.write_all(write, payload)
         os.close(write)
         code = 0
     finally:

@@ -4,9 +4,9 @@ A trace's fake tensor mode caches each op's output by its arguments' shapes (`tr
 miss costs about ten hits. `forked.run_jobs` forks a child per job, which starts with the parent's cache and loses
 what it adds. But a fit's traces (2-4 depths of the same layers) and the planner's fits of one model (with and
 without checkpointing: the same forward) repeat most of their ops: a worker that traced one hits where a fresh
-child missed. Within `keep_workers()` (the planner's search, an
-estimate), `run_jobs` sends its jobs to such workers instead. Jobs and results go through pipes as
-length-prefixed pickles: the job's function by reference (a module-level function), its arguments by value.
+child missed. Within `keep_workers()` (the planner's search, an estimate), `run_jobs` sends its jobs to such
+workers instead. Jobs and results go through pipes as length-prefixed pickles: the job's function by reference (a
+module-level function), its arguments by value.
 `forked._run_forked` runs both kinds of job; one that does not pickle, fails or is stuck runs in the parent.
 """
 
@@ -85,10 +85,15 @@ class _Worker:
         os.waitpid(self.pid, 0)
 
 
-def _write_message(fd: int, payload: bytes) -> None:
-    view = memoryview(len(payload).to_bytes(8, "little") + payload)
+def write_all(fd: int, data: bytes) -> None:
+    """Write all of `data` to a pipe (a write may take only part of it)."""
+    view = memoryview(data)
     while view:
         view = view[os.write(fd, view):]
+
+
+def _write_message(fd: int, payload: bytes) -> None:
+    write_all(fd, len(payload).to_bytes(8, "little") + payload)
 
 
 def _read_exactly(fd: int, count: int) -> bytes | None:
