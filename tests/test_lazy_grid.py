@@ -81,8 +81,8 @@ def test_offloaded_checkpoints_wait_until_nothing_on_the_device_is_certain(monke
 
     seen = []  # the settings each plan estimated (`Candidates.estimate_one`'s calls)
     original = Candidates.__init__
-    monkeypatch.setattr(Candidates, "__init__", lambda self, estimate_one: original(
-        self, lambda settings: seen.append(settings) or estimate_one(settings)))
+    monkeypatch.setattr(Candidates, "__init__", lambda self, estimate_one, *rest: original(
+        self, lambda settings: seen.append(settings) or estimate_one(settings), *rest))
     estimated = {}
     for lazy in (True, False):
         monkeypatch.setattr(lazy_grid, "LAZY", lazy)
@@ -94,3 +94,33 @@ def test_offloaded_checkpoints_wait_until_nothing_on_the_device_is_certain(monke
     chosen = result.estimate.settings
     assert estimated[True] == [s for s in estimated[False] if s == chosen.replace(offload_activations=True)]
     assert not any(c.settings.offload_activations for c in result.alternatives)
+
+
+def test_an_on_device_plan_traces_no_fit_for_offloaded_checkpoints_to_explain_itself():
+    """Where fast mode reads traced fits (a family without formulas), offloaded checkpoints are a fit of their own,
+    seconds of traces: a plan that fits on the device does not make it for one line of its explanation, and the
+    line says how to get the figure. With formulas the counterpart costs nothing and is estimated (its figure:
+    `test_levers.py`)."""
+    import functools
+
+    from hf_memfit.estimator.assemble import fit_group
+    from hf_memfit.planner.candidates import Candidate, Candidates
+    from hf_memfit.planner.explain import activation_offload_reason
+    from hf_memfit.settings import TrainSettings
+    from tests.conftest import TINY_QWEN3
+
+    chosen = TrainSettings(batch_size=2, seq_len=256, task="causal-lm", gradient_checkpointing=True, device="cuda",
+                           gpu="a10g", precision="bf16-mixed")
+    offloaded = chosen.replace(offload_activations=True)
+    for spec, traced in ((ModelSpec.from_config("qwen3", TINY_QWEN3), True),
+                         (ModelSpec.from_config("tiny-llama", TINY_LLAMA), False)):
+        assert (fit_group(spec, offloaded) is not None) == traced
+        asked = []
+        candidates = Candidates(asked.append, functools.partial(fit_group, spec))
+        candidates.unestimated[offloaded] = None
+        reason = activation_offload_reason(Candidate(chosen, None, 1.0, True), candidates)
+        if traced:
+            assert reason.startswith("activation checkpoints stay on the GPU: a plan fits without offloading them")
+            assert "--offload-activations" in reason and not asked
+        else:
+            assert asked == [offloaded]  # estimated on demand (here it gives no candidate, so no line)

@@ -48,12 +48,14 @@ class Candidates(list):
     An explanation that names one of those (`lookup`: "offloading them would free ...") or a set of them
     (`where`: the bigger micro-batches of the plan's knobs) estimates it on demand, so a plan says what an
     exhaustive search would have said. `estimate_one(settings)` gives the Candidate, or None for settings the
-    search skips (`plan(not_fitting=...)`); `searched` counts the settings of the grids searched.
+    search skips (`plan(not_fitting=...)`); `searched` counts the settings of the grids searched. `fit_group(settings)`
+    names the traced fit fast mode reads for them (`assemble.fit_group`; None: formulas, nothing to trace).
     """
 
-    def __init__(self, estimate_one):
+    def __init__(self, estimate_one, fit_group=lambda settings: None):
         super().__init__()
         self.estimate_one = estimate_one
+        self.fit_group = fit_group
         self.unestimated: dict[TrainSettings, None] = {}  # insertion-ordered
         self.searched = 0
 

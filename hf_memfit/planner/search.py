@@ -12,10 +12,12 @@ the fastest wins. LoRA and the sequence length are never changed: they change
 the training; when nothing fits, the error says that they would help.
 """
 
+import functools
 import importlib.util
 
 from hf_memfit import optimizers
 from hf_memfit.errors import MemFitError, NothingFits, check_all
+from hf_memfit.estimator.assemble import fit_group
 from hf_memfit.estimator.worker_pool import keeps_workers
 from hf_memfit.models.spec import ModelSpec, resolve_model
 from hf_memfit.planner.candidates import (
@@ -228,7 +230,7 @@ def plan(model: str | ModelSpec, *, seq_len: int, global_batch_size: int, gpu_me
             not_fitting[key] = min(not_fitting.get(key, seq_len), seq_len)
         return candidate
 
-    candidates = Candidates(estimate_one)
+    candidates = Candidates(estimate_one, functools.partial(fit_group, spec))
 
     def uncertain(candidate) -> bool:  # one `confirmed` will trace before choosing it
         return confirm_in_exact and needs_confirming(candidate, usable, everything=mode == "exact")
