@@ -45,7 +45,7 @@ class Candidates(list):
     """The candidates a plan estimated, in the order an exhaustive search would list them, and the settings its
     lazy search left unestimated (`lazy_grid.py`: they could be neither the plan nor one of its runners-up).
 
-    An explanation that names one of those (`lookup`: "offloading them would free ...") or a set of them
+    An explanation that names one of those (`lookup`: "without it the peak would be ...") or a set of them
     (`where`: the bigger micro-batches of the plan's knobs) estimates it on demand, so a plan says what an
     exhaustive search would have said. `estimate_one(settings)` gives the Candidate, or None for settings the
     search skips (`plan(not_fitting=...)`); `searched` counts the settings of the grids searched. `fit_group(settings)`

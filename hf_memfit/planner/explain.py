@@ -308,9 +308,10 @@ def activation_offload_reason(best: Candidate, candidates: Candidates) -> str:
         return ""
     counterpart = s.replace(offload_activations=not s.offload_activations)
     if not s.offload_activations and candidates.fit_group(counterpart) is not None:
-        # Offloaded checkpoints are a trace of their own where fast mode is fitted to traces (a fit per setting:
-        # 5 s of a 27 s cold Jamba-v0.1 plan, 2-2.5 s of Gemma-3's and Qwen2.5-VL's 10 s), made for one line of a
-        # plan that does not need them. Left to the estimator; the same whatever the cache holds or the search made.
+        # Where fast mode is fitted to traces, offloaded checkpoints are a fit of their own (four traces of a cold
+        # Jamba-v0.1 or Gemma-3 plan: docs/benchmarks.md, section 15), made for one line of a plan that does not
+        # need them. Left to the estimator; the rule reads neither the cache nor what the search made, so a lazy and
+        # an exhaustive search, and a warm and a cold plan, say the same.
         return ("activation checkpoints stay on the GPU: a plan fits without offloading them (`hf-memfit estimate` "
                 "with `--offload-activations` says what offloading would free)")
     other = candidates.lookup(counterpart)
