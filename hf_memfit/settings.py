@@ -508,6 +508,8 @@ def _validate_against_model(settings: TrainSettings, spec) -> tuple[TrainSetting
         missing = [m for m in settings.lora_target_modules if m not in known and m != "all-linear"]
         if missing:
             problems.append(f"`--lora-target-modules` {', '.join(missing)} not found in {spec.name}; its linear modules are {', '.join(known)}")
+    if task not in spec.supported_tasks:  # the inputs of a task the model does not do: asking for them misleads
+        return settings, problems
     settings, input_problems = spec.resolve_inputs(settings.replace(task=task))
     return settings, problems + input_problems
 

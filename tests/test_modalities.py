@@ -89,6 +89,15 @@ def test_whisper_task_advice_names_what_transformers_builds():
         TrainSettings(batch_size=1, seq_len=8, task="seq2seq").validate(spec)
 
 
+def test_a_task_the_model_does_not_do_is_the_whole_error():
+    """ViT asked for CTC: the error names the tasks it does, and asks for no audio length, which would not help."""
+    spec = ModelSpec.from_config("tiny-vit", config(**VIT))
+    with pytest.raises(MemFitError) as refusal:
+        TrainSettings(batch_size=1, seq_len=None, task="ctc").validate(spec)
+    assert "`--task ctc` is not available for vit models; use one of image-cls" in str(refusal.value)
+    assert "--audio-seconds" not in str(refusal.value)
+
+
 def test_vlm_image_tokens_follow_the_processor_rules():
     from hf_memfit.models.vision_language import image_layout, smart_resize
 
