@@ -473,7 +473,8 @@ def _gpu_problems(settings: TrainSettings) -> list[str]:
 def _validate_against_model(settings: TrainSettings, spec) -> tuple[TrainSettings, list[str]]:
     problems = []
     task = settings.task or spec.default_task
-    if task not in spec.supported_tasks:
+    supported = task in spec.supported_tasks
+    if not supported:
         problems.append(f"`--task {task}` is not available for {spec.model_type} models; use one of {', '.join(spec.supported_tasks)}")
     if settings.use_liger_kernel and spec.model_type not in LIGER_MODEL_TYPES:
         problems.append(f"`--use-liger-kernel` does nothing for {spec.model_type} models: Liger patches "
@@ -508,7 +509,7 @@ def _validate_against_model(settings: TrainSettings, spec) -> tuple[TrainSetting
         missing = [m for m in settings.lora_target_modules if m not in known and m != "all-linear"]
         if missing:
             problems.append(f"`--lora-target-modules` {', '.join(missing)} not found in {spec.name}; its linear modules are {', '.join(known)}")
-    if task not in spec.supported_tasks:  # the inputs of a task the model does not do: asking for them misleads
+    if not supported:  # the inputs of a task the model does not do: asking for them misleads
         return settings, problems
     settings, input_problems = spec.resolve_inputs(settings.replace(task=task))
     return settings, problems + input_problems
