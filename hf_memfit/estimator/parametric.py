@@ -80,7 +80,7 @@ from hf_memfit.estimator.traced_shapes import TracedShapes
 from hf_memfit.models.generic import moe_note
 
 #: Bumped whenever what a cached fit means changes (part of the cache key, beside generic.CACHE_VERSION).
-PARAMETRIC_VERSION = 6
+PARAMETRIC_VERSION = 7
 CACHE_KIND = "parametric"
 
 #: The shortest sequence the fit is traced at, for models with room for it. Long enough that per-token
@@ -126,8 +126,11 @@ def _points(spec, settings, batches: str = "") -> tuple[tuple[int, int, int], ..
     `batches` fits one batch regime alone, for a step whose ops differ between batch 1 and larger batches
     (`parametric_fit._batch_regimes_differ`: Jamba's mixer projects a transposed activation, and `F.linear`'s
     reshape of it is a view at batch 1 and a copy from batch 2 on, as on a GPU): "1" is three lengths and
-    a check at batch 1 (a polynomial in s: `TERMS_IN_SEQ`), "2+" the same points as a whole fit at twice the
-    batches (2 and 4, the check at 8).
+    a check at batch 1 (a polynomial in s: `TERMS_IN_SEQ`), "2+" three lengths at batch 2 and two at batch 4.
+    A fit by regime is made after the whole fit missed its check (`calibrate_many`), so "2+" is laid out to
+    read what that fit traced (`traced_shapes.py`): its first batch-2 shape, its two micro-batches at batch 2
+    as the last fit point, and its check point, where a layout of its own at batches 2, 4 and 8 traced five
+    shapes and seven micro-batches afresh (three and three now).
 
     The lengths stay within `max_position_embeddings` (learned positions index a table) and on the
     side of the sliding window the asked length is on: below it transformers skips the sliding mask,
@@ -157,9 +160,9 @@ def _points(spec, settings, batches: str = "") -> tuple[tuple[int, int, int], ..
     micro = 1 if settings.optimizer.layerwise else 2  # layerwise optimizers step inside backward: no accumulation
     if batches == "1":
         return (1, shortest, 1), (1, middle, 1), (1, longest, micro), (1, check, micro)
-    b = 2 if batches == "2+" else 1
-    return ((b, shortest, 1), (b, middle, 1), (b, longest, 1), (2 * b, shortest, 1), (2 * b, longest, micro),
-            (4 * b, check, micro))
+    if batches == "2+":
+        return (2, shortest, 1), (2, middle, 1), (4, shortest, 1), (4, longest, 1), (2, longest, micro), (4, check, micro)
+    return (1, shortest, 1), (1, middle, 1), (1, longest, 1), (2, shortest, 1), (2, longest, micro), (4, check, micro)
 
 
 _STEP = 128  # every traced length is a multiple of it (see BASE_SEQ)

@@ -1,10 +1,10 @@
 """The shapes a round of calibrations traced (`parametric.calibrate_many`), kept for the rounds after it.
 
 A fit that misses its check point is made again: by batch regime (`parametric._points`: three lengths and a check
-at batch 1, the usual points at batches 2 and 4), or with its check at its own precision. Most of the shapes the
-second round asks for are the first round's: two of the batch-1 lengths and the first batch-2 shape, or every
-shape but the check point. Jamba-v0.1's plan made four of its five fits again by regime, 52 traces of 280 shapes;
-with the shapes kept, 36 traces of 232.
+at batch 1, lengths at batches 2 and 4), or with its check at its own precision. Half the shapes the second round
+asks for are the first round's: two of the batch-1 lengths, the batch-2 shapes and the check point (the batch-2+
+regime is laid out to read them), or every shape but the check point. Jamba-v0.1's plan makes three of its four
+fits again by regime: 28 traces of 156 shapes, where tracing every round afresh would take 28 of 216.
 """
 
 from __future__ import annotations
