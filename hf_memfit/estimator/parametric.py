@@ -160,9 +160,10 @@ def _points(spec, settings, batches: str = "") -> tuple[tuple[int, int, int], ..
     micro = 1 if settings.optimizer.layerwise else 2  # layerwise optimizers step inside backward: no accumulation
     if batches == "1":
         return (1, shortest, 1), (1, middle, 1), (1, longest, micro), (1, check, micro)
-    if batches == "2+":
-        return (2, shortest, 1), (2, middle, 1), (4, shortest, 1), (4, longest, 1), (2, longest, micro), (4, check, micro)
-    return (1, shortest, 1), (1, middle, 1), (1, longest, 1), (2, shortest, 1), (2, longest, micro), (4, check, micro)
+    whole = (1, shortest, 1), (1, middle, 1), (1, longest, 1), (2, shortest, 1), (2, longest, micro), (4, check, micro)
+    if batches == "2+":  # the whole fit's batch-2 shapes and check point, and three of its own
+        return whole[3], (2, middle, 1), (4, shortest, 1), (4, longest, 1), whole[4], whole[5]
+    return whole
 
 
 _STEP = 128  # every traced length is a multiple of it (see BASE_SEQ)
