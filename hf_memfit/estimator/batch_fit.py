@@ -163,9 +163,7 @@ def calibrate_many(spec, many: list) -> list[dict]:
         points = tuple((b, settings.seq_len, min(m, micro)) for b, _, m in POINTS)
         traced = settings.replace(mode="exact", batch_size=1, gradient_accumulation_steps=micro)
         # The check point at the base depth only: it has every kind of layer, and a grown depth adds one more of a
-        # kind it has (one pass fewer). The check only writes a note here. parametric.py's check decides whether
-        # to fit again (by batch regime, or without the sibling precision), and a grown depth's misfit is
-        # multiplied by its step count in the extrapolation, so there it checks every depth.
+        # kind it has (one pass fewer). parametric.py checks the same way (`_calibration_plan`).
         jobs += [(spec, traced, depths, points if i == 0 and not apart else points[:2])
                  for i, depths in enumerate(plan.depth_sets)]
         if apart:  # the check point's step in a build of its own (`check_apart`)

@@ -4,7 +4,7 @@ A fit that misses its check point is made again: by batch regime (`parametric._p
 at batch 1, lengths at batches 2 and 4), or with its check at its own precision. Half the shapes the second round
 asks for are the first round's: two of the batch-1 lengths, the batch-2 shapes and the check point (the batch-2+
 regime is laid out to read them), or every shape but the check point. Jamba-v0.1's plan makes three of its four
-fits again by regime: 28 traces of 156 shapes, where tracing every round afresh would take 28 of 216.
+fits again by regime: 28 traces of 135 shapes, where tracing every round afresh would take 28 of 186.
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ class TracedShapes:
             for depths in plan["depth_sets"]:
                 key = self._key(plan, depths)
                 new = wanted.setdefault(key, [plan["traced"], depths, []])[2]
-                new += [shape for shape in plan["shapes"] if shape not in self.shapes.get(key, {}) and shape not in new]
+                new += [shape for shape in plan["depth_shapes"][tuple(depths)]
+                        if shape not in self.shapes.get(key, {}) and shape not in new]
         keys = [key for key, (_, _, shapes) in wanted.items() if shapes]
         return [(spec, wanted[key][0], wanted[key][1], tuple(wanted[key][2])) for key in keys], keys
 
@@ -55,8 +56,8 @@ class TracedShapes:
     def summary(self, plan: dict, depths) -> dict:
         """`_trace_summary` of the plan's shapes at `depths`, in the plan's order."""
         key = self._key(plan, depths)
-        run, shapes = self.run[key], self.shapes[key]
-        return {"series": [shapes[s][0] for s in plan["shapes"]],
-                "host_peaks": [run["warm_up_host"]] + [shapes[s][1] for s in plan["shapes"]],
-                "host_held": [run["warm_up_host_held"]] + [shapes[s][2] for s in plan["shapes"]],
+        run, shapes, wanted = self.run[key], self.shapes[key], plan["depth_shapes"][tuple(depths)]
+        return {"series": [shapes[s][0] for s in wanted],
+                "host_peaks": [run["warm_up_host"]] + [shapes[s][1] for s in wanted],
+                "host_held": [run["warm_up_host_held"]] + [shapes[s][2] for s in wanted],
                 "facts": run["facts"], "trainable_tensors": run["trainable_tensors"]}
