@@ -16,10 +16,9 @@ they are a row's hidden size at most, against a row's thousands of tokens.
 The reduced-depth copy exact mode traces (2p and 3p layers) is built once
 per depth and stepped at the `len(TERMS)` (batch, seq) points that determine
 the coefficients; the base depth also at a check point, whose miss is reported
-in the notes, not hidden. A grown depth runs the same ops and one more layer's
-(in Jamba-v0.1's ten fits the base's miss was at least each grown depth's:
-docs/benchmarks.md, section 15). The coefficients are then extrapolated to the
-real depth region by region, as exact mode extrapolates its bytes. One
+in the notes, not hidden (a grown depth runs the same ops and one more layer's:
+`_calibration_plan`). The coefficients are then extrapolated to the real depth
+region by region, as exact mode extrapolates its bytes. One
 calibration thus serves every micro-batch and sequence length.
 
 Gradient accumulation: a later micro-batch runs the same forward and
