@@ -7,7 +7,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode, _CacheKeyState
 from transformers import AutoConfig
 
 from hf_memfit.estimator.exact import trace_step
-from hf_memfit.estimator.trace_mode import TraceFakeTensorMode
+from hf_memfit.estimator.trace_mode import MISS, TraceFakeTensorMode
 from hf_memfit.models.depths import config_with_depths, real_depths
 from hf_memfit.models.spec import ModelSpec
 from hf_memfit.settings import TrainSettings
@@ -119,3 +119,60 @@ def test_unsafe_view_is_cached_and_its_output_shares_its_input_s_storage_as_the_
         assert out.untyped_storage()._cdata == base.untyped_storage()._cdata and out._base is None
     assert (hit.shape, hit.stride(), hit.storage_offset()) == (miss.shape, miss.stride(), 0)
     assert sliced_hit.storage_offset() == sliced_miss.storage_offset() == 48
+
+
+def test_the_tracker_takes_cached_outputs_from_the_fake_mode_and_counts_the_same_bytes(monkeypatch, tmp_path):
+    """The storage tracker asks the fake mode's cache before dispatching an op to it (`cached_output`): the same
+    trace with every answer a miss (each op dispatched to the fake mode) makes the same allocations and peaks."""
+    monkeypatch.setenv("HF_MEMFIT_CACHE", str(tmp_path))
+    spec = ModelSpec.from_config("tiny-llama", TINY_LLAMA)
+    settings = TrainSettings(batch_size=2, seq_len=16, device="cuda", gpu="A100", mode="exact",
+                             precision="bf16-mixed", gradient_checkpointing=True, lora_r=4).validate(spec)
+    depths = real_depths(spec)
+    config = config_with_depths(spec, depths)
+    answered = []
+    cached_output = TraceFakeTensorMode.cached_output
+
+    def counted(mode, func, args, kwargs):
+        out = cached_output(mode, func, args, kwargs)
+        answered.append(out is not MISS)
+        return out
+
+    monkeypatch.setattr(TraceFakeTensorMode, "cached_output", counted)
+    trace_step(config, settings, depths)  # the cache is warm from here on
+    answered.clear()
+    shortcut = trace_step(config, settings, depths)
+    assert sum(answered) > 1000 and sum(answered) > 0.9 * len(answered)
+    monkeypatch.setattr(TraceFakeTensorMode, "cached_output", lambda mode, func, args, kwargs: MISS)
+    dispatched = trace_step(config, settings, depths)
+    assert shortcut.peak_bytes == dispatched.peak_bytes
+    assert shortcut.tracker.region_peaks == dispatched.tracker.region_peaks
+    # Every allocation and release (their order varies between any two traces: the tracker's weakref finalizers run
+    # as Python frees, and a few same-sized tensors go in either order; the region peaks above do not vary)
+    assert sorted(shortcut.tracker.events) == sorted(dispatched.tracker.events)
+
+
+def test_an_op_reaches_a_dispatch_mode_beneath_the_tracker():
+    """The tracker answers from the fake mode's cache only where the fake mode is the next mode: a mode between
+    them (entered before the tracker) still sees every op."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from hf_memfit.estimator.trace import StorageTracker
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func)
+            return func(*args, **(kwargs or {}))
+
+    fake_mode, tracker, between = TraceFakeTensorMode(), StorageTracker(), Seen()
+    tracker.fake_mode = fake_mode
+    with fake_mode:
+        x = torch.empty(8, 8)
+        (x @ x).relu()  # cached
+        with between, tracker:
+            (x @ x).relu()
+    assert torch.ops.aten.mm.default in between.ops and torch.ops.aten.relu.default in between.ops

@@ -44,7 +44,7 @@ from hf_memfit.estimator.fake_ctc import static_ctc_loss
 from hf_memfit.estimator.fake_optimizers import apollo_on_fake_tensors, make_traced_optimizer, optimizer_state_tensors
 from hf_memfit.estimator.fake_vision import run_op
 from hf_memfit.estimator.ssm_kernels import cuda_kernel_path
-from hf_memfit.estimator.trace_mode import TraceFakeTensorMode, TraceMode, fake_device
+from hf_memfit.estimator.trace_mode import MISS, TraceFakeTensorMode, TraceMode, fake_device
 from hf_memfit.estimator.warm_up import (StatesNeedABackward, check_reached, known_without_gradient,
                                          remember_without_gradient, warm_up_settings, warm_up_without_a_pass)
 from hf_memfit.estimator.fake_patches import (cuda_autocast_policy, cuda_dropout, cuda_softmax_backward,
@@ -108,6 +108,9 @@ class StorageTracker(TraceMode):
         # Ops on the values a model reads (a VLM's image grid) run for real (`fake_vision.run_op`). This mode applies
         # those rules itself: a mode of their own above it cost every op of such a step another Python dispatch.
         self.real_integers = False
+        # The trace's fake mode (`trace_mode.TraceFakeTensorMode`), which answers most ops from its cache without a
+        # dispatch of its own; None where the tensors are real (a MemFit trainer's measured step).
+        self.fake_mode = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         device = fake_device(func, args)
@@ -115,7 +118,13 @@ class StorageTracker(TraceMode):
             return device
         if func is _ADD and self._engine_sums_in_place(args, kwargs):
             func, args = _ADD_IN_PLACE, args[:2]
-        out = run_op(func, args, kwargs or {}) if self.real_integers else func(*args, **(kwargs or {}))
+        out = MISS
+        if self.real_integers:
+            out = run_op(func, args, kwargs or {})
+        elif self.fake_mode is not None and self._fake_mode_is_next():
+            out = self.fake_mode.cached_output(func, args, kwargs or {})  # most ops: see there
+        if out is MISS:
+            out = func(*args, **(kwargs or {}))
         # Most ops seen here return one tensor, or none (`prim.device`, asked by autograd for every gradient,
         # is over half of a TiledMLP step's ops): those skip the pytree walk.
         if isinstance(out, torch.Tensor):
@@ -132,6 +141,11 @@ class StorageTracker(TraceMode):
         if self.after_op is not None:
             self.after_op(self, func, args, kwargs)
         return out
+
+    def _fake_mode_is_next(self) -> bool:
+        """Whether the op would go from here straight to the trace's fake mode: no other dispatch mode beneath this one."""
+        return (torch._C._len_torch_dispatch_stack() == 1
+                and torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is self.fake_mode)
 
     def _engine_sums_in_place(self, args, kwargs) -> bool:
         """Whether this `a + b` is autograd's engine summing two gradients of one tensor, which a real run does in place.
@@ -400,6 +414,7 @@ def _trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], 
     tracker = StorageTracker(round_to=CUDA_BLOCK_BYTES if cuda else 1)  # the caching allocator's blocks
     tracker.after_op = after_op
     fake_mode = TraceFakeTensorMode(allow_non_fake_inputs=True)
+    tracker.fake_mode = fake_mode
     patches = contextlib.ExitStack()
     with fake_mode, tracker, patches:
         patches.enter_context(training.quiet_transformers())  # its forward warns about the configs we build
