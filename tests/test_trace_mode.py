@@ -121,15 +121,21 @@ def test_unsafe_view_is_cached_and_its_output_shares_its_input_s_storage_as_the_
     assert sliced_hit.storage_offset() == sliced_miss.storage_offset() == 48
 
 
-def test_the_tracker_takes_cached_outputs_from_the_fake_mode_and_counts_the_same_bytes(monkeypatch, tmp_path):
+@pytest.mark.parametrize("name,config,changes", [
+    ("llama", TINY_LLAMA, dict(precision="bf16-mixed", gradient_checkpointing=True, lora_r=4)),
+    # the image grid's values run for real (`fake_vision.runs_for_real`), the rest from the cache
+    ("qwen2.5-vl", AutoConfig.for_model(**QWEN25VL).to_dict(), dict(task="image-text-to-text", image_size=112)),
+])
+def test_the_tracker_takes_cached_outputs_from_the_fake_mode_and_counts_the_same_bytes(monkeypatch, tmp_path, name,
+                                                                                        config, changes):
     """The storage tracker asks the fake mode's cache before dispatching an op to it (`cached_output`): the same
     trace with every answer a miss (each op dispatched to the fake mode) makes the same allocations and peaks."""
     monkeypatch.setenv("HF_MEMFIT_CACHE", str(tmp_path))
-    spec = ModelSpec.from_config("tiny-llama", TINY_LLAMA)
+    spec = ModelSpec.from_config(f"tiny-{name}", config)
     settings = TrainSettings(batch_size=2, seq_len=16, device="cuda", gpu="A100", mode="exact",
-                             precision="bf16-mixed", gradient_checkpointing=True, lora_r=4).validate(spec)
+                             **changes).validate(spec)
     depths = real_depths(spec)
-    config = config_with_depths(spec, depths)
+    traced_config = config_with_depths(spec, depths)
     answered = []
     cached_output = TraceFakeTensorMode.cached_output
 
@@ -139,12 +145,12 @@ def test_the_tracker_takes_cached_outputs_from_the_fake_mode_and_counts_the_same
         return out
 
     monkeypatch.setattr(TraceFakeTensorMode, "cached_output", counted)
-    trace_step(config, settings, depths)  # the cache is warm from here on
+    trace_step(traced_config, settings, depths)  # the cache is warm from here on
     answered.clear()
-    shortcut = trace_step(config, settings, depths)
+    shortcut = trace_step(traced_config, settings, depths)
     assert sum(answered) > 1000 and sum(answered) > 0.9 * len(answered)
     monkeypatch.setattr(TraceFakeTensorMode, "cached_output", lambda mode, func, args, kwargs: MISS)
-    dispatched = trace_step(config, settings, depths)
+    dispatched = trace_step(traced_config, settings, depths)
     assert shortcut.peak_bytes == dispatched.peak_bytes
     assert shortcut.tracker.region_peaks == dispatched.tracker.region_peaks
     # Every allocation and release (their order varies between any two traces: the tracker's weakref finalizers run

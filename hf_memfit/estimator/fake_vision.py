@@ -7,8 +7,8 @@ Their step reads the image grid's values (`image_grid_thw`): per-image sequence 
 `.tolist()`, `nonzero()`, loops)"). Fake tensors have shapes but no values, so these calls fail.
 
 The values are small integers computed from the batch's ids and grid, never from the weights or the
-activations. In a trace whose storage tracker has `real_integers` set (`trace.StorageTracker`, which calls
-`run_op` for every op) they are real tensors and the real code runs on them:
+activations. In a trace whose storage tracker has `real_integers` set (`trace.StorageTracker`, which asks
+`runs_for_real` of every op) they are real tensors and the real code runs on them:
 
 - a factory op that makes integers or bools (`randint`, `zeros(dtype=long)`, ...) or an `arange` runs for real;
 - an op whose tensor arguments are all real tensors runs for real (`grid.prod(-1)`, `cu[1:] - cu[:-1]`,
@@ -29,7 +29,7 @@ from __future__ import annotations
 import itertools
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_flatten
 
 _INTEGER_DEFAULT = frozenset({"randint", "randint_like", "randperm"})  # integer outputs without a dtype argument
@@ -75,11 +75,3 @@ def runs_for_real(func, args, kwargs) -> bool:
         seen = True
     # an `arange` of any dtype is positions or indices (Idefics3's patch buckets are float ones)
     return seen or func._schema.name == "aten::arange" or _integral(_factory_dtype(func, args, kwargs))
-
-
-def run_op(func, args, kwargs: dict):
-    """`func(*args, **kwargs)`, outside the fake mode where `runs_for_real` says, from a dispatch mode above it."""
-    if runs_for_real(func, args, kwargs):
-        with unset_fake_temporarily():
-            return func(*args, **kwargs)
-    return func(*args, **kwargs)

@@ -36,13 +36,14 @@ import weakref
 from dataclasses import dataclass, field
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils._pytree import tree_flatten
 
 from hf_memfit.estimator import step as training
 from hf_memfit.estimator.breakdown import CATEGORIES
 from hf_memfit.estimator.fake_ctc import static_ctc_loss
 from hf_memfit.estimator.fake_optimizers import apollo_on_fake_tensors, make_traced_optimizer, optimizer_state_tensors
-from hf_memfit.estimator.fake_vision import run_op
+from hf_memfit.estimator.fake_vision import runs_for_real
 from hf_memfit.estimator.ssm_kernels import cuda_kernel_path
 from hf_memfit.estimator.trace_mode import MISS, TraceFakeTensorMode, TraceMode, fake_device
 from hf_memfit.estimator.warm_up import (StatesNeedABackward, check_reached, known_without_gradient,
@@ -105,7 +106,7 @@ class StorageTracker(TraceMode):
         # (tracker, func, args, kwargs) after each op that made a tensor, for blocks a kernel takes from the
         # allocator and frees inside the op, which no fake tensor shows (`kernel_staging.py`).
         self.after_op = None
-        # Ops on the values a model reads (a VLM's image grid) run for real (`fake_vision.run_op`). This mode applies
+        # Ops on the values a model reads (a VLM's image grid) run for real (`fake_vision.runs_for_real`). This mode applies
         # those rules itself: a mode of their own above it cost every op of such a step another Python dispatch.
         self.real_integers = False
         # The trace's fake mode (`trace_mode.TraceFakeTensorMode`), which answers most ops from its cache without a
@@ -119,8 +120,9 @@ class StorageTracker(TraceMode):
         if func is _ADD and self._engine_sums_in_place(args, kwargs):
             func, args = _ADD_IN_PLACE, args[:2]
         out = MISS
-        if self.real_integers:
-            out = run_op(func, args, kwargs or {})
+        if self.real_integers and runs_for_real(func, args, kwargs or {}):
+            with unset_fake_temporarily():
+                out = func(*args, **(kwargs or {}))
         elif self.fake_mode is not None and self._fake_mode_is_next():
             out = self.fake_mode.cached_output(func, args, kwargs or {})  # most ops: see there
         if out is MISS:
