@@ -175,7 +175,6 @@ def test_an_op_reaches_a_dispatch_mode_beneath_the_tracker():
             return func(*args, **(kwargs or {}))
 
     fake_mode, tracker, between = TraceFakeTensorMode(), StorageTracker(), Seen()
-    tracker.fake_mode = fake_mode
     with fake_mode:
         x = torch.empty(8, 8)
         (x @ x).relu()  # cached

@@ -84,6 +84,13 @@ _ADD, _ADD_IN_PLACE = torch.ops.aten.add.Tensor, torch.ops.aten.add_.Tensor
 _SOLE_USE_COUNT, _SOLE_STORAGE_USE_COUNT = 4, 2
 
 
+def _fake_mode_beneath() -> TraceFakeTensorMode | None:
+    """The trace's fake mode where an op goes from the tracker straight to it (no other dispatch mode between them);
+    None there, and where the tensors are real (a MemFit trainer's measured step)."""
+    mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+    return mode if isinstance(mode, TraceFakeTensorMode) and torch._C._len_torch_dispatch_stack() == 1 else None
+
+
 class StorageTracker(TraceMode):
     """Counts live storage bytes op by op, with a clock, regions and per-allocation records."""
 
@@ -109,9 +116,6 @@ class StorageTracker(TraceMode):
         # Ops on the values a model reads (a VLM's image grid) run for real (`fake_vision.runs_for_real`). This mode applies
         # those rules itself: a mode of their own above it cost every op of such a step another Python dispatch.
         self.real_integers = False
-        # The trace's fake mode (`trace_mode.TraceFakeTensorMode`), which answers most ops from its cache without a
-        # dispatch of its own; None where the tensors are real (a MemFit trainer's measured step).
-        self.fake_mode = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         device = fake_device(func, args)
@@ -123,8 +127,8 @@ class StorageTracker(TraceMode):
         if self.real_integers and runs_for_real(func, args, kwargs or {}):
             with unset_fake_temporarily():
                 out = func(*args, **(kwargs or {}))
-        elif self.fake_mode is not None and self._fake_mode_is_next():
-            out = self.fake_mode.cached_output(func, args, kwargs or {})  # most ops: see there
+        elif (fake_mode := _fake_mode_beneath()) is not None:
+            out = fake_mode.cached_output(func, args, kwargs or {})  # most ops: see there
         if out is MISS:
             out = func(*args, **(kwargs or {}))
         # Most ops seen here return one tensor, or none (`prim.device`, asked by autograd for every gradient,
@@ -143,11 +147,6 @@ class StorageTracker(TraceMode):
         if self.after_op is not None:
             self.after_op(self, func, args, kwargs)
         return out
-
-    def _fake_mode_is_next(self) -> bool:
-        """Whether the op would go from here straight to the trace's fake mode: no other dispatch mode beneath this one."""
-        return (torch._C._len_torch_dispatch_stack() == 1
-                and torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is self.fake_mode)
 
     def _engine_sums_in_place(self, args, kwargs) -> bool:
         """Whether this `a + b` is autograd's engine summing two gradients of one tensor, which a real run does in place.
@@ -416,7 +415,6 @@ def _trace_step(config: dict, settings: TrainSettings, depths: tuple[int, ...], 
     tracker = StorageTracker(round_to=CUDA_BLOCK_BYTES if cuda else 1)  # the caching allocator's blocks
     tracker.after_op = after_op
     fake_mode = TraceFakeTensorMode(allow_non_fake_inputs=True)
-    tracker.fake_mode = fake_mode
     patches = contextlib.ExitStack()
     with fake_mode, tracker, patches:
         patches.enter_context(training.quiet_transformers())  # its forward warns about the configs we build
