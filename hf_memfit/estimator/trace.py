@@ -113,24 +113,25 @@ class StorageTracker(TraceMode):
         # (tracker, func, args, kwargs) after each op that made a tensor, for blocks a kernel takes from the
         # allocator and frees inside the op, which no fake tensor shows (`kernel_staging.py`).
         self.after_op = None
-        # Ops on the values a model reads (a VLM's image grid) run for real (`fake_vision.runs_for_real`). This mode applies
-        # those rules itself: a mode of their own above it cost every op of such a step another Python dispatch.
+        # Ops on the values a model reads (a VLM's image grid) run for real (`fake_vision.runs_for_real`). This mode
+        # applies those rules itself: a mode of their own above it cost every op of such a step another Python dispatch.
         self.real_integers = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         device = fake_device(func, args)
         if device is not None:
             return device
+        kwargs = kwargs or {}
         if func is _ADD and self._engine_sums_in_place(args, kwargs):
             func, args = _ADD_IN_PLACE, args[:2]
         out = MISS
-        if self.real_integers and runs_for_real(func, args, kwargs or {}):
+        if self.real_integers and runs_for_real(func, args, kwargs):
             with unset_fake_temporarily():
-                out = func(*args, **(kwargs or {}))
+                out = func(*args, **kwargs)
         elif (fake_mode := _fake_mode_beneath()) is not None:
-            out = fake_mode.cached_output(func, args, kwargs or {})  # most ops: see there
+            out = fake_mode.cached_output(func, args, kwargs)  # most ops: see there
         if out is MISS:
-            out = func(*args, **(kwargs or {}))
+            out = func(*args, **kwargs)
         # Most ops seen here return one tensor, or none (`prim.device`, asked by autograd for every gradient,
         # is over half of a TiledMLP step's ops): those skip the pytree walk.
         if isinstance(out, torch.Tensor):

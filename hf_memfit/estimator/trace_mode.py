@@ -95,12 +95,12 @@ class TraceFakeTensorMode(FakeTensorMode):
         Dispatched, an op goes from the tracker back through torch's dispatcher and mode stack into
         `FakeTensorMode.__torch_dispatch__`, `dispatch` (which enters `no_dispatch()` to log it) and
         `_cached_dispatch_impl`, then makes the same key and reads the same cache entry as here. A trace answers
-        about 95% of its ops from the cache (a Jamba trace: 24,122 hits, 2,636 misses, 535 bypasses); without that
-        round trip, the trace of Jamba's base depth at a fit's six shapes takes 1.7-1.9 s where it took 2.0-2.4 s,
-        and a cold plan of it 12% less (docs/benchmarks.md, section 15). Here the key is torch's own (`_cache_key`, with this mode's
-        tensor keys), and so is the output (`_output_from_cache_entry`). Everything else takes torch's path: a miss, a
-        bypass or a cached bypass (`MISS`), symbolic sizes, torch's cross-check of cached outputs, and the ops
-        `dispatch` answers before its cache (`_DISPATCH_META_HANDLERS`, `_DISPATCH_HANDLE_DIRECTLY`)."""
+        about 95% of its ops from the cache; what skipping that round trip saves is measured in docs/benchmarks.md,
+        section 15 (*The tracker answers cached ops without a second dispatch*). Here the key is torch's own
+        (`_cache_key`, with this mode's tensor keys), and so is the output (`_output_from_cache_entry`). Everything
+        else takes torch's path: a miss, a bypass or a cached bypass (`MISS`), symbolic sizes, torch's cross-check
+        of cached outputs, and the ops `dispatch` answers before its cache (`_DISPATCH_META_HANDLERS`,
+        `_DISPATCH_HANDLE_DIRECTLY`)."""
         if (self.shape_env is not None or not self.cache_enabled or self.cache_crosscheck_enabled
                 or FakeTensorConfig.debug or func in _DISPATCH_META_HANDLERS or func in _DISPATCH_HANDLE_DIRECTLY):
             return MISS
