@@ -8,7 +8,7 @@ imports torch. `validate()` collects every problem and reports them at once.
 from dataclasses import asdict, dataclass, field, replace
 
 from hf_memfit.errors import MemFitError, check_all
-from hf_memfit.tasks import MEDIA_TASKS, TASKS
+from hf_memfit.tasks import MEDIA_TASKS, PIPELINE_TAGS, TASKS, task_named
 from hf_memfit.optimizers import OPTIMIZERS, parse_optim_args  # the one optimizer model: every optim name we plan
 
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16", "fp16")
@@ -226,8 +226,12 @@ class TrainSettings:
     def validate(self, spec=None) -> "TrainSettings":
         """Check every field (and, given a ModelSpec, the model-dependent ones); raise all problems at once.
 
-        Returns the settings with `task` resolved to the model's default when it was None.
+        Returns the settings with `task` resolved to the model's default when it was None, and a Hub pipeline tag
+        to the task it names (`tasks.task_named`).
         """
+        task = task_named(self.task, spec.supported_tasks if spec is not None else None)
+        if task != self.task:
+            return self.replace(task=task).validate(spec)
         problems = []
         for name in ("batch_size", "seq_len", "num_labels", "gradient_accumulation_steps", "num_gpus", "num_nodes",
                      "sp_size", "cp_size"):
@@ -245,8 +249,9 @@ class TrainSettings:
                 problems.append(f"`--{name.replace('_', '-')}` must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")
         if self.ssm_kernels is not None and self.ssm_kernels not in ("cuda", "torch"):
             problems.append(f"`--ssm-kernels` must be cuda or torch; got {self.ssm_kernels!r}")
-        if self.task is not None and self.task not in TASKS:
-            problems.append(f"`--task` must be one of {', '.join(TASKS)}; got {self.task!r}")
+        if self.task is not None and self.task not in TASKS and self.task not in PIPELINE_TAGS:
+            problems.append(f"`--task` must be one of {', '.join(TASKS)} (or a Hub pipeline tag: "
+                            f"{', '.join(PIPELINE_TAGS)}); got {self.task!r}")
         if self.attn_implementation is not None and self.attn_implementation not in ATTN_IMPLEMENTATIONS:
             problems.append(f"`--attn-implementation` must be one of {', '.join(ATTN_IMPLEMENTATIONS)}; got {self.attn_implementation!r}")
         if self.optim not in OPTIMIZERS:

@@ -34,3 +34,27 @@ TASKS = tuple(TASK_TABLE)
 # Tasks whose inputs are not (only) token ids: their shapes come from the model's config, its processor
 # config and the image / audio flags (models/inputs.py), not from `seq_len` alone.
 MEDIA_TASKS = ("image-cls", "audio-cls", "ctc", "speech-seq2seq", "image-text-to-text")
+
+# The Hub's pipeline tags (what a model page names as its task) for the tasks above, accepted wherever a task is
+# named. Speech recognition is CTC or sequence-to-sequence by the model: the first of the two the model builds.
+PIPELINE_TAGS = {
+    "text-generation": ("causal-lm",),
+    "text-classification": ("seq-cls",),
+    "token-classification": ("token-cls",),
+    "text2text-generation": ("seq2seq",),
+    "summarization": ("seq2seq",),
+    "translation": ("seq2seq",),
+    "image-classification": ("image-cls",),
+    "audio-classification": ("audio-cls",),
+    "automatic-speech-recognition": ("speech-seq2seq", "ctc"),
+    "question-answering": ("qa",),
+}
+
+
+def task_named(name: str | None, supported: tuple[str, ...] | None = None) -> str | None:
+    """hf-memfit's task for `name`, one of TASKS or a pipeline tag. A tag of two tasks becomes the first of them in
+    `supported` (the model's tasks); it stays as given where the model builds neither, or is not known yet."""
+    candidates = PIPELINE_TAGS.get(name)
+    if candidates is None:
+        return name
+    return next((task for task in candidates if len(candidates) == 1 or task in (supported or ())), name)

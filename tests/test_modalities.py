@@ -98,6 +98,31 @@ def test_a_task_the_model_does_not_do_is_the_whole_error():
     assert "--audio-seconds" not in str(refusal.value)
 
 
+def test_hub_pipeline_tags_name_the_same_tasks(capsys):
+    """A model page's pipeline tag works as `--task`: speech recognition is CTC or sequence-to-sequence by the model,
+    and a tag no task of the model answers is the one-line refusal, naming the tag as given."""
+    from hf_memfit.cli.main import main
+
+    vit = ModelSpec.from_config("tiny-vit", config(**VIT))
+    whisper = ModelSpec.from_config("tiny-whisper", config(**WHISPER))
+    wav2vec2 = ModelSpec.from_config("tiny-wav2vec2", config(**WAV2VEC2))
+    asr = "automatic-speech-recognition"
+    assert TrainSettings(batch_size=1, seq_len=None, task="image-classification").validate(vit).task == "image-cls"
+    assert TrainSettings(batch_size=1, seq_len=None, task=asr, audio_seconds=2).validate(whisper).task == "speech-seq2seq"
+    assert TrainSettings(batch_size=1, seq_len=None, task=asr, audio_seconds=2).validate(wav2vec2).task == "ctc"
+    assert TrainSettings(batch_size=1, seq_len=8, task=asr).validate().task == asr  # resolved once the model is known
+    tagged = estimate_settings(vit, TrainSettings(batch_size=2, seq_len=None, task="image-classification"))
+    named = estimate_settings(vit, TrainSettings(batch_size=2, seq_len=None, task="image-cls"))
+    assert tagged.settings.task == "image-cls" and tagged.device_total_bytes == named.device_total_bytes
+    with pytest.raises(MemFitError, match="`--task automatic-speech-recognition` is not available for vit models"):
+        TrainSettings(batch_size=1, seq_len=None, task=asr).validate(vit)
+    with pytest.raises(MemFitError, match="Hub pipeline tag"):
+        TrainSettings(batch_size=1, seq_len=8, task="image-segmentation").validate()
+    assert main(["estimate", "gpt2", "--batch-size", "1", "--seq-len", "64", "--task", asr]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "`--task automatic-speech-recognition` is not available for gpt2" in err
+
+
 def test_vlm_image_tokens_follow_the_processor_rules():
     from hf_memfit.models.vision_language import image_layout, smart_resize
 

@@ -50,7 +50,8 @@ def media_inputs(args: argparse.Namespace) -> dict:
 def add_step_arguments(parser: argparse.ArgumentParser, *, with_batch: bool = True) -> None:
     """The flags that describe a training step; shared by estimate, plan and explain."""
     from hf_memfit.settings import (ATTN_IMPLEMENTATIONS, FSDP_STRATEGIES, OFFLOAD_TARGETS, OPTIMIZERS, PRECISIONS,
-                                    QUANT_STORAGE_DTYPES, TASKS)
+                                    QUANT_STORAGE_DTYPES)
+    from hf_memfit.tasks import PIPELINE_TAGS, TASKS
 
     parser.add_argument("model", help="catalogue name (gpt2-xl, meta-llama/Llama-3.1-8B, ...), local dir or config.json")
     if with_batch:
@@ -62,7 +63,11 @@ def add_step_arguments(parser: argparse.ArgumentParser, *, with_batch: bool = Tr
         parser.add_argument("--seq-len", type=seq_len_or_max,
                             help="tokens per sample (required unless --max-length), or `max`: the longest sequence "
                                  "that fits, with its plan (`--explain` adds how memory and step time grow to it)")
-    parser.add_argument("--task", choices=TASKS, help="default: the model's own (causal-lm, seq-cls for BERT, seq2seq for T5)")
+    parser.add_argument("--task", choices=TASKS + tuple(PIPELINE_TAGS), metavar="TASK",
+                        help=f"one of {', '.join(TASKS)}, or the Hub's pipeline tag for one ({', '.join(PIPELINE_TAGS)});"
+                             " default: the model's own (causal-lm for decoders, seq-cls for BERT, seq2seq for T5, "
+                             "image-cls, ctc or speech-seq2seq for vision and speech models, image-text-to-text for "
+                             "VLMs)")
     parser.add_argument("--num-labels", type=positive_int, default=2, help="classes for --task seq-cls")
     parser.add_argument("--lora-r", type=positive_int, help="train LoRA adapters of this rank (peft)")
     parser.add_argument("--lora-alpha", type=positive_int)
