@@ -151,16 +151,20 @@ def held_batches(spec: ModelSpec, settings: TrainSettings, step: StepMemory) -> 
     `Trainer.get_batch_samples` fetches all `gradient_accumulation_steps` micro-batches of an optimizer step
     before its first forward and keeps them until the next step's are fetched; the traced step holds its
     own micro-batch through its forward and backward only. So forward and backward regions hold the other
-    accumulation - 1, and the optimizer step all of them. Token ids are bytes per token against kilobytes
-    of activations, so text batches are left as traced.
+    accumulation - 1, and the optimizer step all of them. On the CPU they also hold the next step's first
+    micro-batch: accelerate's `DataLoaderShard` fetches one batch ahead (to know which is the last) and keeps it
+    until its turn, on the host, which on a GPU is not the device's memory (it is sent to the device when
+    yielded). The last step of an epoch has none ahead. Token ids are bytes per token against kilobytes of
+    activations, so text batches are left as traced.
     """
     from hf_memfit.models.inputs import batch_bytes
 
     one = batch_bytes(spec.config, settings)
     held = settings.gradient_accumulation_steps
+    ahead = 1 if settings.device == "cpu" else 0
     for region, values in step.candidates.items():
         if region != "build":
-            extra = held if region.endswith("|opt") else held - 1
+            extra = (held if region.endswith("|opt") else held - 1) + ahead
             values["activations"] = values.get("activations", 0) + extra * one
     return step
 

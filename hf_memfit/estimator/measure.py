@@ -15,6 +15,7 @@ import torch
 
 from hf_memfit.estimator import step as training
 from hf_memfit.settings import TrainSettings
+from hf_memfit.tasks import MEDIA_TASKS
 
 
 def measure_cpu_peak(config: dict, settings: TrainSettings, *, steps: int = 2, seed: int = 0) -> int:
@@ -26,11 +27,17 @@ def measure_cpu_peak(config: dict, settings: TrainSettings, *, steps: int = 2, s
         model = training.build_model(config, settings)
         optimizer = training.make_optimizer(model, settings)
         for _ in range(steps):
-            for _ in range(min(settings.gradient_accumulation_steps, 2)):
-                batch = training.make_batch(settings, config)
+            # Image, audio and VLM batches are held as the Trainer holds them (`assemble.held_batches`): every
+            # micro-batch of the step from before its first forward through its optimizer step, and the batch
+            # accelerate's dataloader has fetched ahead.
+            held = [training.make_batch(settings, config) for _ in range(settings.gradient_accumulation_steps + 1)] \
+                if settings.task in MEDIA_TASKS else []
+            for micro in range(min(settings.gradient_accumulation_steps, 2)):
+                batch = held[micro] if held else training.make_batch(settings, config)
                 training.forward_backward(model, batch, settings, device_type="cpu")
                 del batch
             training.optimizer_step(model, optimizer)
+            del held
         del model, optimizer
     return allocator_peak(prof)
 

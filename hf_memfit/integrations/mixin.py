@@ -312,7 +312,10 @@ class MemoryCheckCallback(TrainerCallback):
     On CUDA it reads the caching allocator's peak. On the CPU, where torch keeps
     no such counter, a `StorageTracker` counts live storages during the first
     two optimizer steps (the second is the steady state the estimate predicts),
-    on top of the model states that already exist.
+    on top of the model states that already exist. It starts with the epoch, before
+    the Trainer fetches the first step's micro-batches, so that the batches the step
+    holds (`assemble.held_batches`: the step's own, and the one accelerate's
+    dataloader fetches ahead) are counted as the estimate counts them.
     """
 
     def __init__(self, trainer: MemFitMixin, steps: int = 2):
@@ -326,7 +329,13 @@ class MemoryCheckCallback(TrainerCallback):
         self.first_step = state.global_step  # 0, or the step a resumed run starts from
         self.recoveries_before = self.trainer._memfit_recoveries
 
+    def on_epoch_begin(self, args, state, control, **kwargs):
+        self._start(args, state)
+
     def on_step_begin(self, args, state, control, **kwargs):
+        self._start(args, state)
+
+    def _start(self, args, state) -> None:
         if state.global_step != self.first_step or self.tracker is not None:
             return
         if _on_cuda(args):
