@@ -374,28 +374,37 @@ def masks_as_the_batch_has(padding_free: bool):
     skips the mask when the padding mask is all ones (`fast_all`), but refuses to
     read a fake one. `make_batch`'s masks are all ones (every row as long as the
     plan's longest, as fast mode assumes), so the real step skips it: the check
-    is made as on a batch without padding.
+    is made as on a batch without padding. So is an encoder's
+    (`_ignore_bidirectional_mask_sdpa`, `create_bidirectional_mask`): ModernBERT's
+    multiple-choice step built a [b x choices, 1, s, s] mask for its global layers that
+    the real step skips (+1.9% against the CPU allocator; a sliding-window layer's mask is
+    built either way, as the window asks).
     """
     import transformers.masking_utils as masking
 
-    find_packed, ignore_causal = masking.find_packed_sequence_indices, masking._ignore_causal_mask_sdpa
+    find_packed = masking.find_packed_sequence_indices
+    skips = {name: getattr(masking, name) for name in ("_ignore_causal_mask_sdpa", "_ignore_bidirectional_mask_sdpa")}
 
     def find_packed_sequence_indices(position_ids):
         found = find_packed(position_ids)
         return found if padding_free else None
 
-    def _ignore_causal_mask_sdpa(padding_mask, *args, **kwargs):
-        if padding_mask is not None and isinstance(padding_mask, FakeTensor):
-            padding_mask = None  # all ones in make_batch: what `fast_all` finds on the real batch
-        return ignore_causal(padding_mask, *args, **kwargs)
+    def as_without_padding(skip):
+        def decide(padding_mask, *args, **kwargs):
+            if padding_mask is not None and isinstance(padding_mask, FakeTensor):
+                padding_mask = None  # all ones in make_batch: what the real check finds on the real batch
+            return skip(padding_mask, *args, **kwargs)
+        return decide
 
     masking.find_packed_sequence_indices = find_packed_sequence_indices
-    masking._ignore_causal_mask_sdpa = _ignore_causal_mask_sdpa
+    for name, skip in skips.items():
+        setattr(masking, name, as_without_padding(skip))
     try:
         yield
     finally:
         masking.find_packed_sequence_indices = find_packed
-        masking._ignore_causal_mask_sdpa = ignore_causal
+        for name, skip in skips.items():
+            setattr(masking, name, skip)
 
 
 # --- deep copies of fake tensors ------------------------------------------------
