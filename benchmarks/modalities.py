@@ -307,6 +307,37 @@ def make_trainer(name: str, budget: str, out: str, data: list[dict]):
     return trainer_cls(model=model, args=args, train_dataset=Rows(data))
 
 
+def processor_outputs_in_torch_memory() -> None:
+    """Copy what an image processor returns as numpy arrays into torch's allocator, where the profiler sees it.
+
+    Without torchvision, transformers falls back to its PIL image processors, and `BatchFeature` wraps their numpy
+    pixels with `torch.from_numpy`: memory the CPU allocator's events never show, so the TRL rows measured none of
+    their batches' pixels. On a GPU the batch is copied to the device (`send_to_device`), into the caching allocator;
+    with torchvision the default processors make torch tensors. The copy is made where the processor returns, in the
+    collator, before the step; the numpy array it came from is freed with the processor's output.
+    """
+    import numpy as np
+    from transformers.feature_extraction_utils import BatchFeature
+
+    original = BatchFeature._get_is_as_tensor_fns
+
+    def tensor_fns(self, tensor_type=None):
+        is_tensor, as_tensor = original(self, tensor_type)
+        if as_tensor is None:
+            return is_tensor, as_tensor
+
+        def in_torch_memory(value, *args, **kwargs):
+            out = as_tensor(value, *args, **kwargs)
+            first = value[0] if isinstance(value, (list, tuple)) and len(value) else value
+            from_numpy = isinstance(first, np.ndarray) or (isinstance(first, (list, tuple)) and len(first)
+                                                            and isinstance(first[0], np.ndarray))
+            return out.clone() if from_numpy and torch.is_tensor(out) else out
+
+        return is_tensor, in_torch_memory
+
+    BatchFeature._get_is_as_tensor_fns = tensor_fns
+
+
 def run_row(name: str, emit) -> None:
     from hf_memfit.estimator.measure import allocator_peak, profiled_allocations
 
@@ -314,6 +345,7 @@ def run_row(name: str, emit) -> None:
     from hf_memfit.models.spec import ModelSpec
 
     extras = ROWS[name][4]
+    processor_outputs_in_torch_memory()  # in this row's forked child only
     out = f"/tmp/hf_memfit_modal_bench/{name}"
     # The dataset is made before the profiler starts: its rows (images or clips) are the data, not the step.
     data = rows(ROWS[name][3], ROWS_PER_RUN)
