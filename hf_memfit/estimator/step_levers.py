@@ -343,13 +343,28 @@ def deepspeed_import(name: str):
     (deepspeed/utils/logging.py, `StreamHandler(stream=sys.stdout)`), and on a machine without a GPU its
     accelerator check warns there on import: a line before `hf-memfit ... --json`'s JSON. Imported with
     stdout pointed at stderr, the handler keeps stderr for good.
+
+    That warning ("Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it",
+    deepspeed/accelerator/real_accelerator.py `get_accelerator`) is about the machine hf-memfit plans on, which
+    traces DeepSpeed's code and never runs it on an accelerator, not the GPU it plans for: it is left out. A filter
+    on DeepSpeed's logger outlives its creation during the import (`LoggerFactory.create_logger` sets the level and
+    the handler, not the filters).
     """
     import contextlib
     import importlib
+    import logging
     import sys
 
-    with contextlib.redirect_stdout(sys.stderr):
-        return importlib.import_module(name)
+    def not_accelerator_detection(record: logging.LogRecord) -> bool:
+        return not (record.funcName == "get_accelerator" and record.levelno == logging.WARNING)
+
+    logger = logging.getLogger("DeepSpeed")
+    logger.addFilter(not_accelerator_detection)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            return importlib.import_module(name)
+    finally:
+        logger.removeFilter(not_accelerator_detection)
 
 
 def tile_mlps(model, hidden_size: int) -> int:
