@@ -253,3 +253,26 @@ def test_cli_bad_media_input_is_one_line_and_exit_2(capsys, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config_only))
     assert main(["estimate", str(tmp_path), "--batch-size", "1", "--seq-len", "64"]) == 2
     assert "processor config is missing" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, source", [
+    (["estimate", "google/vit-base-patch16-224", "--batch-size", "1", "--seq-len", "512"],
+     "its 196 patches per image, set by `--image-size`"),
+    (["estimate", "facebook/wav2vec2-base-960h", "--batch-size", "1", "--audio-seconds", "10", "--seq-len", "1000"],
+     "its 499 audio frames, set by `--audio-seconds`"),
+    (["estimate", "openai/whisper-small", "--batch-size", "1", "--seq-len", "448"], "and `--label-len` sets the labels"),
+    (["plan", "google/vit-base-patch16-224", "--gpu", "a10g", "--global-batch-size", "8", "--seq-len", "max"],
+     "`--seq-len max` searches a text length"),
+    (["plan", "facebook/wav2vec2-base-960h", "--gpu", "a10g", "--global-batch-size", "8", "--seq-len", "max",
+      "--task", "automatic-speech-recognition"], "planned as ctc"),
+])
+def test_cli_seq_len_for_inputs_whose_shape_sets_the_sequence_is_one_line_and_exit_2(capsys, argv, source):
+    """An image or audio encoder's sequence comes from its inputs: a `--seq-len` given there used to be dropped
+    without a word (and `plan --seq-len max` answered 16,777,216 tokens for ViT)."""
+    from hf_memfit.cli.main import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and source in err and "drop `--seq-len`" in err
+    # the length the inputs make is no conflict
+    assert main(["estimate", "google/vit-base-patch16-224", "--batch-size", "1", "--seq-len", "196"]) == 0

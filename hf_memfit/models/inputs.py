@@ -78,36 +78,67 @@ def resolve_inputs(spec, settings):
         if settings.seq_len is None:
             problems.append("give `--seq-len N` (tokens per sample)")
         return settings, problems
+    if task == "image-text-to-text":
+        return _vlm_inputs(spec, settings, problems)
+    derived, problems = _fixed_sequence(spec, settings, problems)
+    if derived is None:
+        return settings, problems
+    if settings.seq_len is not None and settings.seq_len != derived:
+        # a text length given for inputs whose sequence their shape sets (`plan --seq-len max` is refused alike)
+        problems.append(f"`--seq-len {settings.seq_len}` does not apply to {task}: {spec.name}'s sequence is "
+                        f"{sequence_source(spec.config, task, derived)}; drop `--seq-len`")
+    return settings.replace(seq_len=derived), problems
+
+
+def sequence_source(config: dict, task: str, length: int | None = None) -> str:
+    """What sets the encoder's sequence of an image / audio task, in words (`--seq-len` does not)."""
+    count = f"{length:,} " if length else ""
+    if task == "image-cls":
+        return f"its {count}patches per image, set by `--image-size`"
+    if task == "speech-seq2seq" or config.get("num_mel_bins"):
+        return (f"a fixed window of {count}encoder positions (`--audio-seconds` up to "
+                f"{whisper_window(config)[0]:g} s fills it)" + (", and `--label-len` sets the labels"
+                                                               if task == "speech-seq2seq" else ""))
+    return f"its {count}audio frames, set by `--audio-seconds`"
+
+
+def _fixed_sequence(spec, settings, problems: list[str]) -> tuple[int | None, list[str]]:
+    """(the encoder's sequence of an image / audio task, problems); None where the inputs refuse."""
+    task, config = settings.task, spec.config
     if task == "image-cls":
         native = int(lookup(config, "image_size", 224))
         size = settings.image_size or native
         if size != native and fixed_image_size(config, task):
-            return settings, problems + [f"`--image-size {size}`: {spec.name} takes {native}x{native} images only "
-                                         f"(the Trainer does not pass `interpolate_pos_encoding`); use "
-                                         f"`--image-size {native}` or leave it out"]
+            return None, problems + [f"`--image-size {size}`: {spec.name} takes {native}x{native} images only "
+                                     f"(the Trainer does not pass `interpolate_pos_encoding`); use "
+                                     f"`--image-size {native}` or leave it out"]
         patch = int(lookup(config, "patch_size", 16))
-        return settings.replace(seq_len=max(1, (size // patch) ** 2)), problems
+        return max(1, (size // patch) ** 2), problems
     if task == "audio-cls" and config.get("num_mel_bins"):  # a Whisper-style encoder: its fixed window
-        return settings.replace(seq_len=int(config.get("max_source_positions") or 1500)), problems
+        return int(config.get("max_source_positions") or 1500), problems
     if task in ("audio-cls", "ctc"):
         if settings.audio_seconds is None:
-            return settings, problems + ["give `--audio-seconds S` (the longest clip of a batch)"]
+            return None, problems + ["give `--audio-seconds S` (the longest clip of a batch)"]
         frames = conv_frames(audio_samples(config, settings), config)
         if frames < 1:
-            return settings, problems + [f"`--audio-seconds {settings.audio_seconds}` is shorter than one frame "
-                                         "of the feature encoder"]
-        return settings.replace(seq_len=frames), problems
-    if task == "speech-seq2seq":
-        seconds, _, _ = whisper_window(config)
-        if settings.audio_seconds is not None and settings.audio_seconds > seconds:
-            positions = config.get("max_source_positions") or 1500
-            problems.append(f"`--audio-seconds {settings.audio_seconds:g}` is past {spec.name}'s {seconds:g} s window "
-                            f"({positions} encoder positions); split the audio into clips of {seconds:g} s or less")
-        limit = config.get("max_target_positions")
-        if settings.label_len is not None and limit and settings.label_len > limit:
-            problems.append(f"`--label-len {settings.label_len}` is over {spec.name}'s {limit} decoder positions; "
-                            f"use `--label-len {limit}` or less")
-        return settings.replace(seq_len=int(config.get("max_source_positions") or 1500)), problems
+            return None, problems + [f"`--audio-seconds {settings.audio_seconds}` is shorter than one frame "
+                                     "of the feature encoder"]
+        return frames, problems
+    # speech-seq2seq
+    seconds, _, _ = whisper_window(config)
+    if settings.audio_seconds is not None and settings.audio_seconds > seconds:
+        positions = config.get("max_source_positions") or 1500
+        problems.append(f"`--audio-seconds {settings.audio_seconds:g}` is past {spec.name}'s {seconds:g} s window "
+                        f"({positions} encoder positions); split the audio into clips of {seconds:g} s or less")
+    limit = config.get("max_target_positions")
+    if settings.label_len is not None and limit and settings.label_len > limit:
+        problems.append(f"`--label-len {settings.label_len}` is over {spec.name}'s {limit} decoder positions; "
+                        f"use `--label-len {limit}` or less")
+    return int(config.get("max_source_positions") or 1500), problems
+
+
+def _vlm_inputs(spec, settings, problems: list[str]):
+    """A VLM's `seq_len` stays the text tokens (given), the image tokens come on top (`vision_language.py`)."""
     from hf_memfit.models.vision_language import image_problems  # image-text-to-text
 
     if settings.seq_len is None:

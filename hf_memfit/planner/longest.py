@@ -102,6 +102,7 @@ def longest_seq_len(model: str | ModelSpec, *, progress=None, **plan_kwargs) -> 
     if "seq_len" in plan_kwargs:
         raise TypeError("longest_seq_len() searches seq_len; do not pass it")
     spec = model if isinstance(model, ModelSpec) else resolve_model(model)
+    _refuse_fixed_sequence(spec, plan_kwargs.get("task"))
     mode = plan_kwargs.pop("mode", "fast")
     limit, limit_reason = _length_limit(spec)
     # The fast-mode search imports no torch; the exact-mode confirmation after it imports torch, transformers
@@ -291,6 +292,17 @@ def format_scaling(longest: LongestResult) -> str:
         lines.append("  " + "  ".join(r[i].rjust(widths[i]) if i else r[i].ljust(widths[i]) for i in range(4))
                      + "  " + r[4])
     return "\n".join(lines)
+
+
+def _refuse_fixed_sequence(spec: ModelSpec, task: str | None) -> None:
+    """Image and audio tasks have no text length to search: their inputs' shape sets the sequence."""
+    from hf_memfit.models.inputs import sequence_source
+    from hf_memfit.tasks import MEDIA_TASKS, task_named
+
+    task = task_named(task, spec.supported_tasks) or spec.default_task
+    if task in MEDIA_TASKS and task != "image-text-to-text":
+        raise MemFitError(f"`--seq-len max` searches a text length; {spec.name} is planned as {task}, whose sequence "
+                          f"is {sequence_source(spec.config, task)}: drop `--seq-len`")
 
 
 def check_seq_len_max_request(plan_kwargs: dict) -> None:
