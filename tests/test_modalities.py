@@ -276,3 +276,11 @@ def test_cli_seq_len_for_inputs_whose_shape_sets_the_sequence_is_one_line_and_ex
     assert len(err.splitlines()) == 1 and source in err and "drop `--seq-len`" in err
     # the length the inputs make is no conflict
     assert main(["estimate", "google/vit-base-patch16-224", "--batch-size", "1", "--seq-len", "196"]) == 0
+
+
+def test_a_flag_another_task_takes_does_not_ask_an_image_model_for_a_seq_len(capsys):
+    from hf_memfit.cli.main import main
+
+    assert main(["estimate", "google/vit-base-patch16-224", "--batch-size", "1", "--images-per-sample", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "`--images-per-sample` is for image-text-to-text models" in err and "--seq-len" not in err

@@ -28,6 +28,9 @@ DEFAULT_SAMPLING_RATE = 16_000  # Wav2Vec2FeatureExtractor / WhisperFeatureExtra
 # labels' length barely moves the memory (CTC's alpha table is frames x (2 x labels + 1) per row).
 CTC_CHARS_PER_SECOND = 16
 
+# The tasks whose encoder's sequence their image or audio inputs set (`--seq-len` does not apply).
+FIXED_SEQUENCE_TASKS = tuple(task for task in MEDIA_TASKS if task != "image-text-to-text")
+
 _FLAGS = {"image_size": ("image-cls", "image-text-to-text"), "images_per_sample": ("image-text-to-text",),
           "audio_seconds": ("audio-cls", "ctc", "speech-seq2seq"), "label_len": ("ctc", "speech-seq2seq")}
 
@@ -75,7 +78,7 @@ def resolve_inputs(spec, settings):
     if settings.audio_seconds is not None and not settings.audio_seconds > 0:
         problems.append(f"`--audio-seconds` must be positive, got {settings.audio_seconds!r}")
     if problems or task not in MEDIA_TASKS:
-        if settings.seq_len is None:
+        if settings.seq_len is None and task not in FIXED_SEQUENCE_TASKS:  # those make it from their inputs
             problems.append("give `--seq-len N` (tokens per sample)")
         return settings, problems
     if task == "image-text-to-text":

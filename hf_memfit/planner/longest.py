@@ -296,11 +296,11 @@ def format_scaling(longest: LongestResult) -> str:
 
 def _refuse_fixed_sequence(spec: ModelSpec, task: str | None) -> None:
     """Image and audio tasks have no text length to search: their inputs' shape sets the sequence."""
-    from hf_memfit.models.inputs import sequence_source
-    from hf_memfit.tasks import MEDIA_TASKS, task_named
+    from hf_memfit.models.inputs import FIXED_SEQUENCE_TASKS, sequence_source
+    from hf_memfit.tasks import task_named
 
     task = task_named(task, spec.supported_tasks) or spec.default_task
-    if task in MEDIA_TASKS and task != "image-text-to-text":
+    if task in FIXED_SEQUENCE_TASKS:
         raise MemFitError(f"`--seq-len max` searches a text length; {spec.name} is planned as {task}, whose sequence "
                           f"is {sequence_source(spec.config, task)}: drop `--seq-len`")
 
