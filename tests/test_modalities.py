@@ -284,3 +284,21 @@ def test_a_flag_another_task_takes_does_not_ask_an_image_model_for_a_seq_len(cap
     assert main(["estimate", "google/vit-base-patch16-224", "--batch-size", "1", "--images-per-sample", "2"]) == 2
     err = capsys.readouterr().err.strip()
     assert "`--images-per-sample` is for image-text-to-text models" in err and "--seq-len" not in err
+
+
+def test_cache_warm_takes_image_and_audio_models_at_their_inputs_shape(tmp_path, monkeypatch, capsys):
+    """`hf-memfit cache warm` (the Docker image's WARM_CACHE step) stopped at the catalogue's first image or audio
+    model: it gave them 2,048 text tokens, and CTC no `--audio-seconds`. Now each is warmed at its inputs' default
+    shape, and what it cannot be warmed for is named, with the reason its plan would give."""
+    from hf_memfit.cache import cache_entries
+    from hf_memfit.cli.main import main
+
+    monkeypatch.setenv("HF_MEMFIT_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "vit").mkdir()
+    (tmp_path / "vit" / "config.json").write_text(json.dumps(config(**VIT)))
+    assert main(["cache", "warm", str(tmp_path / "vit"), "facebook/wav2vec2-base-960h"]) == 0
+    out = capsys.readouterr().out
+    assert "[1/2]" in out and "2 calibration(s) made" in out and cache_entries().get("batch-fit") == 2
+    assert "not warmed for LoRA / QLoRA fine-tunes: peft has no default LoRA target modules for model type `vit`" in out
+    assert "[2/2] facebook/wav2vec2-base-960h: 0 calibration(s) made" in out
+    assert "not warmed for full fine-tunes: give `--audio-seconds S`" in out

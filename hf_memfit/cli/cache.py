@@ -28,19 +28,40 @@ WARM_SETTINGS = tuple(
 
 
 @keeps_workers  # its fits trace on workers whose caches stay warm from one fit to the next
-def warm_model(spec, seq_len: int = 2048) -> int:
-    """Calibrate `spec` for `WARM_SETTINGS` now; returns how many calibrations were made (0: all cached)."""
+def warm_model(spec, seq_len: int = 2048) -> tuple[int, dict[str, list[str]]]:
+    """Calibrate `spec` for `WARM_SETTINGS` now: (how many calibrations were made (0: all cached), the settings
+    left out by the one-line reason they do not validate for this model).
+
+    An image or audio model is calibrated at its inputs' default shape (its sequence is not `seq_len`), and
+    not at all where that shape must be given (CTC's `--audio-seconds`); a setting the model cannot take
+    (LoRA where peft has no default targets for its type) is left out, as its plan would refuse it.
+    """
     from hf_memfit.cache import cache_entries
     from hf_memfit.estimator.assemble import prepare, step_memory, traced_settings
+    from hf_memfit.models.inputs import FIXED_SEQUENCE_TASKS
     from hf_memfit.settings import TrainSettings
 
     before = sum(cache_entries().values())
-    seq_len = min(seq_len, spec.max_position_embeddings or seq_len)
-    wanted = [TrainSettings(batch_size=1, seq_len=seq_len, **fields).validate(spec) for fields in WARM_SETTINGS]
+    if spec.default_task in FIXED_SEQUENCE_TASKS:
+        seq_len = None  # made from the inputs (`models/inputs.resolve_inputs`)
+    else:
+        seq_len = min(seq_len, spec.max_position_embeddings or seq_len)
+    wanted, left_out = [], {}
+    for fields in WARM_SETTINGS:
+        try:
+            wanted.append(TrainSettings(batch_size=1, seq_len=seq_len, **fields).validate(spec))
+        except MemFitError as refused:  # with and without checkpointing alike: each fine-tune once
+            labels = left_out.setdefault(str(refused), [])
+            labels += [_label(fields)] if _label(fields) not in labels else []
     prepare(spec, wanted)  # side by side where CPUs are idle
     for settings in wanted:  # what `prepare` does not make (hand-written families' facts) is made here
         step_memory(spec, traced_settings(settings))
-    return sum(cache_entries().values()) - before
+    return sum(cache_entries().values()) - before, left_out
+
+
+def _label(fields: dict) -> str:
+    """A `WARM_SETTINGS` entry's fine-tune in words (full, LoRA or QLoRA)."""
+    return "QLoRA" if fields.get("load_in_4bit") else "LoRA" if fields.get("lora_r") else "full"
 
 
 def add_cache_parser(sub) -> None:
@@ -87,8 +108,10 @@ def cmd_cache_warm(args: argparse.Namespace) -> int:
             emit(f"[{number}/{len(specs)}] {spec.name}: hand-written formulas, nothing to calibrate")
             continue
         t0 = time.perf_counter()
-        made = warm_model(spec)
+        made, left_out = warm_model(spec)
         emit(f"[{number}/{len(specs)}] {spec.name}: {made} calibration(s) made in {time.perf_counter() - t0:.1f} s")
+        for reason, labels in left_out.items():  # its first plan of these makes their fits
+            emit(f"    not warmed for {' / '.join(labels)} fine-tunes: {reason}")
     emit(f"done in {time.perf_counter() - started:.1f} s")
     if not specs:
         raise MemFitError("nothing to warm: the catalogue has no model without hand-written formulas")
