@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 
 from hf_memfit.estimator.cuda_overhead import CachingAllocatorSimulator, SimulatedOutOfMemoryError
 from hf_memfit.settings import TrainSettings
-from hf_memfit.tasks import MEDIA_TASKS
+from hf_memfit.models.inputs import FIXED_SEQUENCE_TASKS
 
 # A run's micro-batches when none are given: enough draws that the longest batches meet shorter ones in every
 # order (the H200 runs of docs/benchmarks.md section 19 reached their reserved maxima by the 48th).
@@ -71,8 +71,8 @@ def run_problems(settings: TrainSettings, *, min_seq_len: int, micro_batches: in
                  ) -> list[str]:
     """Why a run of varying shapes cannot be simulated for these settings, one line each (empty: it can)."""
     problems = drawn_length_problems(settings.seq_len, min_seq_len, micro_batches, flag)
-    if settings.task in MEDIA_TASKS and settings.task != "image-text-to-text":
-        problems.append(f"`{flag}` draws text lengths, and a {settings.task} step's length is made from its images "
+    if settings.task in FIXED_SEQUENCE_TASKS:
+        problems.append(f"`{flag}` draws text lengths, and {settings.task} steps have theirs from their images "
                         "or audio, not drawn: drop it")
     return replay_problems(settings, flag) + problems
 
