@@ -34,6 +34,9 @@ TASKS = tuple(TASK_TABLE)
 # Tasks whose inputs are not (only) token ids: their shapes come from the model's config, its processor
 # config and the image / audio flags (models/inputs.py), not from `seq_len` alone.
 MEDIA_TASKS = ("image-cls", "audio-cls", "ctc", "speech-seq2seq", "image-text-to-text")
+# Of those, the ones whose encoder's sequence the image or audio inputs set (`--seq-len` does not apply); a VLM's
+# `seq_len` is its text tokens.
+FIXED_SEQUENCE_TASKS = tuple(task for task in MEDIA_TASKS if task != "image-text-to-text")
 
 # The Hub's pipeline tags (what a model page names as its task) for the tasks above, accepted wherever a task is
 # named. Speech recognition is CTC or sequence-to-sequence by the model: the first of the two the model builds.

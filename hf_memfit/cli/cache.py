@@ -38,8 +38,8 @@ def warm_model(spec, seq_len: int = 2048) -> tuple[int, dict[str, list[str]]]:
     """
     from hf_memfit.cache import cache_entries
     from hf_memfit.estimator.assemble import prepare, step_memory, traced_settings
-    from hf_memfit.models.inputs import FIXED_SEQUENCE_TASKS
     from hf_memfit.settings import TrainSettings
+    from hf_memfit.tasks import FIXED_SEQUENCE_TASKS
 
     before = sum(cache_entries().values())
     if spec.default_task in FIXED_SEQUENCE_TASKS:

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 
 from hf_memfit.estimator.cuda_overhead import CachingAllocatorSimulator, SimulatedOutOfMemoryError
 from hf_memfit.settings import TrainSettings
-from hf_memfit.models.inputs import FIXED_SEQUENCE_TASKS
+from hf_memfit.tasks import FIXED_SEQUENCE_TASKS
 
 # A run's micro-batches when none are given: enough draws that the longest batches meet shorter ones in every
 # order (the H200 runs of docs/benchmarks.md section 19 reached their reserved maxima by the 48th).

@@ -14,7 +14,7 @@ Otherwise the warm-up is a step of one micro-batch of rows cut to `WARM_UP_TOKEN
 
 from hf_memfit.cache import config_key, read_cache, write_cache
 from hf_memfit.settings import TrainSettings
-from hf_memfit.tasks import MEDIA_TASKS
+from hf_memfit.tasks import FIXED_SEQUENCE_TASKS
 
 # The warm-up step's rows are cut to this many tokens (decoder rows too). What the warm-up leaves behind is the
 # parameters' size whatever the rows' length, and a long row's tiled compute (a TiledMLP row of 400K tokens is
@@ -29,7 +29,7 @@ def warm_up_settings(settings: TrainSettings) -> TrainSettings:
     What the warm-up has to leave for the measured step does not depend on the rows' length: the optimizer's
     states are the trainable parameters' size, and so is every gradient a backward makes.
     """
-    if settings.task in MEDIA_TASKS and settings.task != "image-text-to-text":
+    if settings.task in FIXED_SEQUENCE_TASKS:
         return settings  # rows of pixels or audio samples; `seq_len` is their patches / frames, made from them
     short = {name: min(value, WARM_UP_TOKENS) for name in ("seq_len", "decoder_seq_len")
              if (value := getattr(settings, name)) is not None}

@@ -21,15 +21,12 @@ from __future__ import annotations
 import math
 
 from hf_memfit.models._shared import PROCESSOR_KEY, lookup, processor_config  # noqa: F401 - re-exported
-from hf_memfit.tasks import MEDIA_TASKS
+from hf_memfit.tasks import FIXED_SEQUENCE_TASKS, MEDIA_TASKS
 
 DEFAULT_SAMPLING_RATE = 16_000  # Wav2Vec2FeatureExtractor / WhisperFeatureExtractor default
 # CTC transcripts: about 15 characters per second of read speech (LibriSpeech averages 14-16); the
 # labels' length barely moves the memory (CTC's alpha table is frames x (2 x labels + 1) per row).
 CTC_CHARS_PER_SECOND = 16
-
-# The tasks whose encoder's sequence their image or audio inputs set (`--seq-len` does not apply).
-FIXED_SEQUENCE_TASKS = tuple(task for task in MEDIA_TASKS if task != "image-text-to-text")
 
 _FLAGS = {"image_size": ("image-cls", "image-text-to-text"), "images_per_sample": ("image-text-to-text",),
           "audio_seconds": ("audio-cls", "ctc", "speech-seq2seq"), "label_len": ("ctc", "speech-seq2seq")}

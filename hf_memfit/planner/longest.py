@@ -296,8 +296,8 @@ def format_scaling(longest: LongestResult) -> str:
 
 def _refuse_fixed_sequence(spec: ModelSpec, task: str | None) -> None:
     """Image and audio tasks have no text length to search: their inputs' shape sets the sequence."""
-    from hf_memfit.models.inputs import FIXED_SEQUENCE_TASKS, sequence_source
-    from hf_memfit.tasks import task_named
+    from hf_memfit.models.inputs import sequence_source
+    from hf_memfit.tasks import FIXED_SEQUENCE_TASKS, task_named
 
     task = task_named(task, spec.supported_tasks) or spec.default_task
     if task in FIXED_SEQUENCE_TASKS:
