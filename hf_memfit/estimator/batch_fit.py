@@ -6,11 +6,15 @@ nothing to vary. At a fixed input shape every live byte is a model state (indepe
 belongs to one row (pixels, patches, frames, tokens and their activations), so region by region and
 category by category the bytes are
 
-    c0 + c1*b.
+    c0 + c1*b,
+
+from batch 2 on: at batch 1 a gradient that needs no reduction over the rows can change category (`_fit_lines`),
+so batch 1 keeps candidates of its own.
 
 The reduced-depth copies exact mode traces are stepped at batch 1 and at batch 2 with two micro-batches (the
-line, and a later micro-batch's constant offset, as in parametric.py), and the base depth also at batch 3 (a
-check of the first micro-batch and the optimizer step, whose miss goes in the notes). A step's first
+line, and a later micro-batch's constant offset, as in parametric.py), and the base depth also at batch 3 (the
+first micro-batch's line from batch 2 on goes through 2 and 3 there; the totals' line through 1 and 2 is checked
+at 3, a check of the first micro-batch and the optimizer step, whose miss goes in the notes). A step's first
 micro-batch is the same whether more follow it (byte for byte on ViT, Whisper, wav2vec2, LLaVA and Qwen2.5-VL,
 with and without checkpointing), so batch 2 is traced once for both: four forward and backward passes at the
 base depth and three at the others (the warm-up is the optimizer step alone, `warm_up.py`), where a step of its
@@ -30,7 +34,7 @@ from hf_memfit.estimator.parametric import (_FACTS, _LAYOUT_FIELDS, _OPTIMIZER_F
 from hf_memfit.estimator.parametric_fit import later_micro_batch
 from hf_memfit.estimator.pinned_host import fit_offloaded_tensors, offloaded_bytes
 
-BATCH_FIT_VERSION = 7
+BATCH_FIT_VERSION = 8
 CACHE_KIND = "batch-fit"
 #: (batch, seq placeholder, micro-batches): the line's first point; its second with a later micro-batch; the check.
 POINTS = ((1, 0, 1), (2, 0, 2), (3, 0, 1))
@@ -85,7 +89,7 @@ def batch_fit_step_memory(spec, settings) -> StepMemory:
         _fits[key] = fit
     step = evaluate(fit, settings)
     text = (f"fast mode for {settings.task} inputs: a line in the micro-batch fitted to {fit['traces']} traces "
-            f"(depth {fit['depths']}) at batch 1 and 2, checked at batch 3 at depth {fit['depths'].split(',')[0]} "
+            f"(depth {fit['depths']}) at batch 1, 2 and 3, checked at batch 3 at depth {fit['depths'].split(',')[0]} "
             f"({100 * fit['check_miss']:.2f}% off)")
     text += f"; this first call paid {paid:.1f} s for it" if paid is not None else ""
     step.notes.append(text + f", cached in {cache_dir() / CACHE_KIND}")
@@ -96,7 +100,7 @@ def evaluate(fit: dict, settings) -> StepMemory:
     b = settings.batch_size
     accumulating = settings.gradient_accumulation_steps > 1
     candidates = {}
-    for region, clocks in fit["candidates"].items():
+    for region, clocks in fit["batch_1" if b == 1 else "candidates"].items():
         if region.startswith("1.1|") and not accumulating:
             continue
         if region == "1.0|opt" and accumulating:
@@ -199,13 +203,19 @@ def _fit(settings, plan, summaries: list[dict]) -> dict:
     depth_sets, steps = plan.depth_sets, plan.steps
     series = [t["series"] for t in summaries]
     fitted = [_fit_lines(s) for s in series]
-    candidates = {}
+    # Batches of 2 or more: the base depth's line through batches 2 and 3, where batch 1 is a regime of its own
+    # (`_fit_lines`); the depths' differences (a layer's bytes, `steps`) are read from the lines of batches 1 and 2.
+    base = _fit_lines(series[0], at=(2, 3)) if len(series[0]) > 2 else fitted[0]
+    candidates, batch_1 = {}, {}
     for region in set.intersection(*(set(f) for f in fitted)):
         per_depth = [f[region] for f in fitted]
+        base_line = base.get(region, per_depth[0])
         if len({p.shape for p in per_depth}) > 1:  # clocks not aligned across depths: by the maxima
             per_depth = [_maxima(p) for p in per_depth]
-        real_depth = per_depth[0] + sum(step * (grown - per_depth[0]) for step, grown in zip(steps, per_depth[1:]))
-        candidates[region] = _prune(real_depth)
+            base_line = _maxima(base_line, at=(2, 3) if region in base and base is not fitted[0] else (1, 2))
+        layers = sum(step * (grown - per_depth[0]) for step, grown in zip(steps, per_depth[1:]))
+        candidates[region] = _prune(base_line + layers)
+        batch_1[region] = _prune(per_depth[0] + layers, batches=(1,))
     check_miss, check_region = _check(series, fitted)
     host = host_tensors = None
     if any(any(t["host_peaks"]) for t in summaries):  # offloaded activations: each tensor's size on a line
@@ -222,29 +232,44 @@ def _fit(settings, plan, summaries: list[dict]) -> dict:
     facts["largest_linear_numel"] = summaries[0]["facts"]["largest_linear_numel"]
     tensors = {"lists": [t["trainable_tensors"] for t in summaries], "steps": steps}
     return {"version": BATCH_FIT_VERSION, "depths": ", ".join("+".join(map(str, d)) for d in depth_sets),
-            "traces": len(summaries), "candidates": candidates, "host": host, "host_tensors": host_tensors,
+            "traces": len(summaries), "candidates": candidates, "batch_1": batch_1, "host": host,
+            "host_tensors": host_tensors,
             "facts": facts,
             "optimizer": _optimizer_of(settings), "tensors": tensors, "check_miss": check_miss,
             "check_region": check_region,
             "optimizer_formula_exact": _optimizer_formula_exact(series, tensors, settings)}
 
 
-def _fit_lines(points: list[dict]) -> dict:
-    """Region class -> array (2, clocks, categories): intercept and slope in the batch, clock by clock."""
+def _fit_lines(points: list[dict], at: tuple[int, int] = (1, 2)) -> dict:
+    """Region class -> array (2, clocks, categories): intercept and slope in the batch, clock by clock, through
+    the points at the batches `at` (`POINTS`: 1, 2 and, at the base depth, 3).
+
+    Batch 1 can be a regime of its own, where a step's total is on the line and its split is not: autograd hands a
+    gradient that needs no reduction over the batch to the parameter as its `.grad` (ViT's `position_embeddings`,
+    [1, patches, hidden], added to every row), so at batch 1 a hidden state's bytes are a gradient, and from batch
+    2 on a temporary reduced into a new one. A line through batches 1 and 2 then runs the gradients down and the
+    temporaries up, and a category cut at zero over-counts: a tiny ViT's fast mode read +1.2% at batch 8, ViT-B/16
+    +0.6% at 64. The first micro-batch's fwd / bwd regions are the same steps at every batch (2 ran two micro-batches,
+    3 one), so those lines can go through 2 and 3; the optimizer step's and later micro-batches' stay on 1 and 2.
+    """
     import numpy as np
 
-    one, two = points[0], points[1]
-    later = two  # batch 2 ran two micro-batches: the first one's regions are the line's, the second's are later
+    first, second = (points[b - 1] for b in at)
+    later = points[1]  # batch 2 ran two micro-batches: the first one's regions are the line's, the second's are later
     out = {}
-    for region in set(one) & set(two):
-        a, c = one[region], two[region]
+    for region in set(first) & set(second):
+        if at != (1, 2) and not (region.startswith("1.0|") and region != "1.0|opt"):
+            continue
+        a, c = first[region], second[region]
         if a.shape != c.shape:
             a, c = _top(a)[None], _top(c)[None]
-        out[region] = np.stack([2 * a - c, c - a])
+        slope = (c - a) / (at[1] - at[0])
+        out[region] = np.stack([a - at[0] * slope, slope])
     for region, values in later.items():  # a later micro-batch: the first one's line plus what is live beside it
-        first = "1.0|" + region[4:]
-        if region.startswith("1.1|") and first in out:
-            out[region] = later_micro_batch(out[first], values, later.get(first), lambda line: line[0] + 2 * line[1])
+        first_region = "1.0|" + region[4:]
+        if region.startswith("1.1|") and first_region in out:
+            out[region] = later_micro_batch(out[first_region], values, later.get(first_region),
+                                            lambda line: line[0] + 2 * line[1])
     return out
 
 
@@ -253,20 +278,21 @@ def _top(values):
     return values[values.sum(axis=1).argmax()]
 
 
-def _maxima(line):
-    """A clock-by-clock line refitted through its maxima at batch 1 and 2 (one clock)."""
+def _maxima(line, at: tuple[int, int] = (1, 2)):
+    """A clock-by-clock line refitted through its maxima at the batches `at` (one clock)."""
     import numpy as np
 
-    one, two = _top(line[0] + line[1]), _top(line[0] + 2 * line[1])
-    return np.stack([2 * one - two, two - one])[:, None, :]
+    first, second = (_top(line[0] + b * line[1]) for b in at)
+    slope = (second - first) / (at[1] - at[0])
+    return np.stack([first - at[0] * slope, slope])[:, None, :]
 
 
-def _prune(line) -> list[dict]:
-    """The clocks that are the region's maximum at some micro-batch of 1-256, as {category: [c0, c1]}."""
+def _prune(line, batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)) -> list[dict]:
+    """The clocks that are the region's maximum at one of `batches` (micro-batches), as {category: [c0, c1]}."""
     import numpy as np
 
     totals = line.sum(axis=2)  # (2, clocks)
-    keep = sorted({int(np.argmax(totals[0] + b * totals[1])) for b in (1, 2, 4, 8, 16, 32, 64, 128, 256)})
+    keep = sorted({int(np.argmax(totals[0] + b * totals[1])) for b in batches})
     return [{k: [float(line[0, clock, i]), float(line[1, clock, i])] for i, k in enumerate(CATEGORIES)}
             for clock in keep]
 
