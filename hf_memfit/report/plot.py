@@ -31,21 +31,25 @@ def plot_timelines(timelines: list, path: str, title: str = "") -> str:
             ax.axvline(phase.start, color="0.3", lw=0.8, ls="--")
             ax.text(phase.start, 1.0, f" {phase.name}", transform=ax.get_xaxis_transform(), va="top", fontsize=8,
                     rotation=90, color="0.2")
+        panel_title = timeline.label
         if timeline.device_total_bytes > timeline.peak_bytes:  # CUDA: reserved segments, context, NCCL on top
             ax.axhline(timeline.device_total_bytes / gib, color="0.2", lw=1.0, ls=":")
-            ax.text(timeline.clock[0], timeline.device_total_bytes / gib,
-                    f" device total (nvidia-smi) {timeline.device_total_bytes / gib:.2f} GiB", va="bottom", fontsize=8)
+            # named in the title: inside the panel the phase names, hanging from the top, crossed it
+            panel_title += f"\ndotted: device total (nvidia-smi) {timeline.device_total_bytes / gib:.2f} GiB"
+        ax.set_ylim(0, 1.15 * max(timeline.device_total_bytes, timeline.peak_bytes) / gib)  # room for the labels
         ax.annotate(f"peak {timeline.peak_bytes / gib:.2f} GiB", xy=(timeline.peak_clock, timeline.peak_bytes / gib),
                     xytext=(0.55, 0.93), textcoords="axes fraction", fontsize=9,
                     arrowprops={"arrowstyle": "->", "color": "black"})
-        ax.set_title(timeline.label, fontsize=10)
+        ax.set_title(panel_title, fontsize=10)
         ax.set_xlabel("allocator events (forward → backward → optimizer step)")
         ax.set_xlim(timeline.clock[0], timeline.clock[-1])
     axes[0][0].set_ylabel("live memory (GiB)")
-    axes[0][0].legend(loc="upper left", fontsize=8)
+    # below the panels: inside one it covered the first phases' names and the memory of the first forward
+    fig.legend(*axes[0][0].get_legend_handles_labels(), loc="lower center", ncol=len(CATEGORIES), fontsize=8,
+               frameon=False)
     if title:
         fig.suptitle(title, fontsize=11)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
