@@ -161,12 +161,23 @@ def held_batches(spec: ModelSpec, settings: TrainSettings, step: StepMemory) -> 
 
     one = batch_bytes(spec.config, settings)
     held = settings.gradient_accumulation_steps
-    ahead = 1 if settings.device == "cpu" else 0
+    ahead = bytes_fetched_ahead(spec, settings)
     for region, values in step.candidates.items():
         if region != "build":
-            extra = (held if region.endswith("|opt") else held - 1) + ahead
-            values["activations"] = values.get("activations", 0) + extra * one
+            extra = held if region.endswith("|opt") else held - 1
+            values["activations"] = values.get("activations", 0) + extra * one + ahead
     return step
+
+
+def bytes_fetched_ahead(spec: ModelSpec, settings: TrainSettings) -> int:
+    """The batch accelerate's `DataLoaderShard` holds fetched ahead through a step, in the step's memory: an image,
+    audio or VLM batch on the CPU (`held_batches`); on a GPU it waits on the host. The trainer's CPU check reads it
+    off where the epoch ends, with none ahead."""
+    from hf_memfit.models.inputs import batch_bytes
+
+    if settings.task not in MEDIA_TASKS or settings.device != "cpu":
+        return 0
+    return batch_bytes(spec.config, settings)
 
 
 def prepare(spec: ModelSpec, many) -> None:

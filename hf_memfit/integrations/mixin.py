@@ -381,13 +381,10 @@ class MemoryCheckCallback(TrainerCallback):
         steps on the CPU) where the last checked step ended an epoch: accelerate fetches none ahead of it. The
         estimate is the steady state; a run of an epoch or two of few steps (a quick try on a small dataset)
         would otherwise read a batch of pixels or audio over, which can be more than the 10% that warns."""
-        from hf_memfit.models.inputs import batch_bytes
-        from hf_memfit.tasks import MEDIA_TASKS
+        from hf_memfit.estimator.assemble import bytes_fetched_ahead
 
         epoch_ended = state.epoch is not None and float(state.epoch).is_integer()
-        if not epoch_ended or estimate.settings.task not in MEDIA_TASKS or estimate.settings.device != "cpu":
-            return 0
-        return batch_bytes(self.trainer.memfit_inputs["model"].config, estimate.settings)
+        return bytes_fetched_ahead(self.trainer.memfit_inputs["model"], estimate.settings) if epoch_ended else 0
 
     def on_train_end(self, args, state, control, **kwargs):
         self.close()
