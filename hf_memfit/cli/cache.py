@@ -52,7 +52,8 @@ def warm_model(spec, seq_len: int = 2048) -> tuple[int, dict[str, list[str]]]:
             wanted.append(TrainSettings(batch_size=1, seq_len=seq_len, **fields).validate(spec))
         except MemFitError as refused:  # with and without checkpointing alike: each fine-tune once
             labels = left_out.setdefault(str(refused), [])
-            labels += [_label(fields)] if _label(fields) not in labels else []
+            if _label(fields) not in labels:
+                labels.append(_label(fields))
     prepare(spec, wanted)  # side by side where CPUs are idle
     for settings in wanted:  # what `prepare` does not make (hand-written families' facts) is made here
         step_memory(spec, traced_settings(settings))
